@@ -1,0 +1,30 @@
+// Exact-size, page-aligned host memory owned by a Python object. Python's buffer protocol
+// exposes it (torch.frombuffer wraps it without a copy); the memory lives as long as the
+// object, so a tensor made from it keeps it alive.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+
+namespace infinity::aio {
+
+class AlignedBuffer {
+ public:
+  // Allocates `nbytes` (rounded up to whole pages internally) aligned to `alignment`.
+  AlignedBuffer(size_t nbytes, size_t alignment);
+  ~AlignedBuffer();
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+
+  char* data() const { return data_; }
+  size_t size() const { return size_; }
+  // Runs once, just before the memory is freed (e.g. cudaHostUnregister).
+  void set_release_hook(std::function<void()> hook) { hook_ = std::move(hook); }
+
+ private:
+  char* data_ = nullptr;
+  size_t size_ = 0;
+  std::function<void()> hook_;
+};
+
+}  // namespace infinity::aio

@@ -1,0 +1,383 @@
+// Request splitting, workers and completion checking. See [Note: request life cycle] and
+// [Note: O_DIRECT alignment] in engine.h.
+#include "engine.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+namespace infinity::aio {
+
+namespace {
+
+size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+size_t round_down(size_t x, size_t a) { return x / a * a; }
+bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+// Reads the O_DIRECT alignment of an open file; false when the file system says it has none.
+bool dio_alignment(int fd, size_t* mem_align, size_t* offset_align) {
+  *mem_align = *offset_align = 4096;
+#ifdef STATX_DIOALIGN
+  struct statx stx;
+  std::memset(&stx, 0, sizeof(stx));
+  if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &stx) == 0 && (stx.stx_mask & STATX_DIOALIGN)) {
+    if (stx.stx_dio_offset_align == 0) return false;
+    *mem_align = std::max<size_t>(stx.stx_dio_mem_align, 1);
+    *offset_align = stx.stx_dio_offset_align;
+  }
+#else
+  (void)fd;
+#endif
+  return true;
+}
+
+}  // namespace
+
+Request::~Request() {
+  if (direct_fd >= 0) close(direct_fd);
+  if (buffered_fd >= 0) close(buffered_fd);
+}
+
+void Request::fail(int err, int64_t offset) {
+  std::lock_guard<std::mutex> lock(mu);
+  if (status.error == 0) {
+    status.error = err;
+    status.error_offset = offset;
+  }
+  failed.store(true, std::memory_order_release);
+}
+
+void Request::finish_chunk() {
+  if (chunks_left.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    done = true;
+  }
+  done_cv.notify_all();
+}
+
+// Pieces of one chunk still to finish; the chunk is done when the count reaches zero.
+struct ChunkState {
+  std::shared_ptr<Request> request;
+  int pieces_left = 0;
+};
+
+// [Note: worker loop]
+// One thread per worker, one backend each. `ready_` holds pieces cut from queued chunks; up to
+// queue_depth of them sit in `slots_` while in flight (the kernel holds their addresses). With
+// overlap_events the worker refills the queue after every completion it reaps; without it, it
+// submits a batch and reaps the whole batch before the next one.
+class Worker {
+ public:
+  Worker(const Config& config, std::unique_ptr<Backend> backend)
+      : config_(config), backend_(std::move(backend)), slots_(config.queue_depth),
+        bounce_(config.queue_depth, nullptr) {
+    for (int i = config.queue_depth - 1; i >= 0; --i) free_slots_.push_back(i);
+    thread_ = std::thread([this] { run(); });
+  }
+
+  ~Worker() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+    for (char* b : bounce_) std::free(b);
+  }
+
+  void enqueue(Chunk chunk) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(chunk));
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  void run() {
+    std::vector<Completion> completions(config_.queue_depth);
+    for (;;) {
+      std::deque<Chunk> fresh;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        if (ready_.empty() && in_flight_ == 0) {
+          cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+          if (queue_.empty()) return;  // stopping, and everything queued is done
+        }
+        fresh.swap(queue_);
+      }
+      for (Chunk& c : fresh) expand(c);
+
+      if (config_.overlap_events || in_flight_ == 0) submit_ready();
+      if (in_flight_ == 0) continue;
+      int min_nr = config_.overlap_events ? 1 : in_flight_;
+      int n = backend_->reap(min_nr, config_.queue_depth, completions.data());
+      if (n < 0) n = 0;  // interrupted reap: every piece is still owned by the kernel; retry
+      for (int i = 0; i < n; ++i) complete(completions[i].piece, completions[i].result);
+    }
+  }
+
+  // Cuts a chunk into pieces: buffered partial blocks at an unaligned start or end, and the
+  // aligned body in block_size pieces through O_DIRECT (bounced if the buffer is misaligned).
+  void expand(Chunk& c) {
+    Request& r = *c.request;
+    auto* state = new ChunkState{c.request, 0};
+    auto add = [&](int fd, int64_t off, size_t n, bool bounce) {
+      Piece p;
+      p.chunk = state;
+      p.fd = fd;
+      p.op = r.op;
+      p.offset = off;
+      p.nbytes = n;
+      p.buf = c.buf + (off - c.offset);
+      if (bounce) p.target = p.buf;
+      ready_.push_back(p);
+      ++state->pieces_left;
+    };
+    const size_t begin = static_cast<size_t>(c.offset);
+    const size_t end = begin + c.nbytes;
+    if (r.direct_fd < 0) {
+      for (size_t off = begin; off < end; off += config_.block_size)
+        add(r.buffered_fd, off, std::min(config_.block_size, end - off), false);
+    } else {
+      const size_t a = r.offset_align;
+      const size_t block = round_up(config_.block_size, a);
+      const size_t body_begin = std::min(round_up(begin, a), end);
+      const size_t body_end = std::max(round_down(end, a), body_begin);
+      if (body_begin > begin) add(r.buffered_fd, begin, body_begin - begin, false);
+      const bool bounce = !aligned(c.buf + (body_begin - begin), r.mem_align);
+      for (size_t off = body_begin; off < body_end; off += block)
+        add(r.direct_fd, off, std::min(block, body_end - off), bounce);
+      if (end > body_end) add(r.buffered_fd, body_end, end - body_end, false);
+    }
+    if (state->pieces_left == 0) finish(state);
+  }
+
+  void submit_ready() {
+    while (!ready_.empty() && !free_slots_.empty()) {
+      Piece* batch[64];
+      int n = 0;
+      const int limit = config_.single_submit ? 1 : 64;
+      while (n < limit && !ready_.empty() && !free_slots_.empty()) {
+        Piece p = ready_.front();
+        ready_.pop_front();
+        if (p.chunk->request->failed.load(std::memory_order_acquire)) {
+          done(p);  // the request already failed: its remaining pieces are not worth doing
+          continue;
+        }
+        int slot = free_slots_.back();
+        free_slots_.pop_back();
+        Piece* s = &slots_[slot];
+        *s = p;
+        if (s->target) attach_bounce(s, slot);
+        batch[n++] = s;
+      }
+      if (n == 0) continue;
+      int taken = backend_->submit(batch, n);
+      if (taken < 0) {
+        if (taken == -EAGAIN || taken == -EINTR) taken = 0;
+        else {
+          for (int i = 0; i < n; ++i) {
+            batch[i]->chunk->request->fail(-taken, batch[i]->offset);
+            release(batch[i]);
+          }
+          continue;
+        }
+      }
+      in_flight_ += taken;
+      // What the kernel did not take goes back to the front, in order, for the next round.
+      for (int i = n - 1; i >= taken; --i) {
+        Piece p = *batch[i];
+        release_slot(batch[i]);
+        if (p.target) p.buf = p.target;
+        ready_.push_front(p);
+      }
+      if (taken < n) return;
+    }
+  }
+
+  void attach_bounce(Piece* p, int slot) {
+    if (!bounce_[slot]) {
+      void* mem = nullptr;
+      // Pieces are block_size rounded up to the file's offset alignment (<= 64 KiB in practice).
+      size_t bytes = round_up(config_.block_size, 65536);
+      if (posix_memalign(&mem, 4096, bytes) != 0) std::abort();
+      bounce_[slot] = static_cast<char*>(mem);
+    }
+    p->buf = bounce_[slot];
+    p->bounce_slot = slot;
+    if (p->op == Op::kWrite) std::memcpy(p->buf, p->target, p->nbytes);
+  }
+
+  void complete(Piece* p, int64_t result) {
+    --in_flight_;
+    Request& r = *p->chunk->request;
+    if (result == -EINTR || result == -EAGAIN) {
+      retry(p, 0);
+      return;
+    }
+    if (result < 0) {
+      r.fail(static_cast<int>(-result), p->offset);
+      release(p);
+      return;
+    }
+    size_t moved = static_cast<size_t>(result);
+    if (p->target && p->op == Op::kRead) std::memcpy(p->target, p->buf, moved);
+    if (moved == 0 && p->nbytes > 0) {
+      // A read that returns 0 bytes hit the end of the file; a write that moves nothing is
+      // a device refusing without an errno.
+      r.fail(p->op == Op::kRead ? ENODATA : EIO, p->offset);
+      release(p);
+    } else if (moved < p->nbytes) {
+      retry(p, moved);
+    } else {
+      release(p);
+    }
+  }
+
+  // Continues a piece after `moved` bytes. The remainder of a short O_DIRECT transfer is rarely
+  // aligned, so it goes through the buffered descriptor.
+  void retry(Piece* p, size_t moved) {
+    Piece next = *p;
+    char* user = p->target ? p->target : p->buf;
+    next.offset += static_cast<int64_t>(moved);
+    next.nbytes -= moved;
+    next.buf = user + moved;
+    next.target = nullptr;
+    next.bounce_slot = -1;
+    if (moved > 0) next.fd = p->chunk->request->buffered_fd;
+    else if (p->target) next.target = next.buf;
+    release_slot(p);
+    ready_.push_front(next);
+  }
+
+  void release(Piece* p) {
+    Piece copy = *p;
+    release_slot(p);
+    done(copy);
+  }
+
+  void release_slot(Piece* p) {
+    free_slots_.push_back(static_cast<int>(p - slots_.data()));
+  }
+
+  void done(const Piece& p) {
+    if (--p.chunk->pieces_left == 0) finish(p.chunk);
+  }
+
+  void finish(ChunkState* state) {
+    std::shared_ptr<Request> request = std::move(state->request);
+    delete state;
+    request->finish_chunk();
+  }
+
+  const Config config_;
+  std::unique_ptr<Backend> backend_;
+  std::vector<Piece> slots_;        // pieces in flight; the kernel holds their addresses
+  std::vector<int> free_slots_;
+  std::vector<char*> bounce_;       // one aligned block per slot, allocated on first use
+  std::deque<Piece> ready_;         // cut, not yet submitted
+  int in_flight_ = 0;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Chunk> queue_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+Engine::Engine(const Config& config) : config_(config) {
+  for (int i = 0; i < config_.thread_count; ++i) {
+    std::string why;
+    auto backend = make_backend(config_.engine, config_.queue_depth, &why);
+    if (!backend) throw std::runtime_error(why);
+    workers_.push_back(std::make_unique<Worker>(config_, std::move(backend)));
+  }
+}
+
+Engine::~Engine() { workers_.clear(); }  // each worker drains its queue before joining
+
+int64_t Engine::submit(Op op, char* buf, size_t nbytes, const std::string& path, int64_t offset,
+                       bool* direct) {
+  auto req = std::make_shared<Request>();
+  req->op = op;
+  req->path = path;
+  int flags = op == Op::kRead ? O_RDONLY : (O_WRONLY | O_CREAT);
+  req->buffered_fd = open(path.c_str(), flags | O_CLOEXEC, 0644);
+  if (req->buffered_fd < 0) return -errno;
+  if (config_.use_direct) {
+    req->direct_fd = open(path.c_str(), (flags & ~O_CREAT) | O_DIRECT | O_CLOEXEC);
+    if (req->direct_fd < 0) {
+      if (errno != EINVAL) return -errno;  // EINVAL: the file system refuses O_DIRECT
+    } else if (!dio_alignment(req->direct_fd, &req->mem_align, &req->offset_align)) {
+      close(req->direct_fd);
+      req->direct_fd = -1;
+    }
+  }
+  // Reported back so that the caller can warn once about a fallback it did not ask for.
+  *direct = req->direct_fd >= 0 || !config_.use_direct;
+  req->status.direct = *direct;
+
+  // Contiguous chunks, one per worker, cut on block boundaries so that only the first and last
+  // chunk can hold partial blocks.
+  const size_t workers = workers_.size();
+  const size_t block = round_up(config_.block_size, req->offset_align);
+  const size_t start = static_cast<size_t>(offset);
+  const size_t aligned_start = std::min(round_up(start, req->offset_align), start + nbytes);
+  const size_t per_worker = round_up((nbytes + workers - 1) / workers, block);
+  std::vector<Chunk> chunks;
+  size_t from = start;
+  while (from < start + nbytes || chunks.empty()) {
+    size_t to = std::min(aligned_start + (chunks.size() + 1) * per_worker, start + nbytes);
+    chunks.push_back({req, buf + (from - start), static_cast<int64_t>(from), to - from});
+    from = to;
+  }
+  req->chunks_left.store(static_cast<int>(chunks.size()));
+
+  size_t first;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    req->id = next_id_++;
+    requests_[req->id] = req;
+    first = next_worker_;
+    next_worker_ = (next_worker_ + 1) % workers;
+  }
+  for (size_t i = 0; i < chunks.size(); ++i)
+    workers_[(first + i) % workers]->enqueue(std::move(chunks[i]));
+  return static_cast<int64_t>(req->id);
+}
+
+bool Engine::wait(uint64_t id, Status* status) {
+  std::shared_ptr<Request> req;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = requests_.find(id);
+    if (it == requests_.end()) return false;
+    req = it->second;
+  }
+  {
+    std::unique_lock<std::mutex> lock(req->mu);
+    req->done_cv.wait(lock, [&] { return req->done; });
+    *status = req->status;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  requests_.erase(id);
+  return true;
+}
+
+std::vector<uint64_t> Engine::pending() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<uint64_t> ids;
+  ids.reserve(requests_.size());
+  for (const auto& kv : requests_) ids.push_back(kv.first);
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+}  // namespace infinity::aio

@@ -1,0 +1,162 @@
+// Asynchronous file I/O engine: plain C++17, no Python, no torch.
+//
+// [Note: request life cycle]
+// A request (one buffer, one file, one offset) is cut into `thread_count` contiguous chunks,
+// one per worker. Each worker cuts its chunk into pieces of at most `block_size` bytes and keeps
+// up to `queue_depth` pieces in flight on its own backend (kernel AIO context or io_uring ring).
+// Every completion is checked: a short transfer is continued, an error is kept (first one wins,
+// with its errno and file offset) and the request still runs to the end, so that no piece is in
+// flight on a buffer the caller may free after wait(). A request is complete when all its chunks
+// are; wait(id) blocks on exactly that request.
+//
+// [Note: O_DIRECT alignment]
+// The file offset alignment and buffer alignment are read per file with statx(STATX_DIOALIGN),
+// 4096 when the kernel does not say. The aligned body of a request goes through O_DIRECT. The
+// partial blocks at an unaligned start or end go through a second, buffered descriptor: the
+// kernel keeps buffered and direct I/O on the same file coherent (a direct read writes back
+// dirty pages first, a direct write invalidates them), and the page cache merges sub-block
+// writes, so two requests that share a block never race on a read-modify-write of our own.
+// A body whose buffer address is not aligned is bounced through aligned per-worker buffers.
+// A file system that refuses O_DIRECT (tmpfs) is served wholly by the buffered descriptor.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+namespace infinity::aio {
+
+enum class Op : uint8_t { kRead, kWrite };
+
+enum class EngineKind : uint8_t { kKernelAio, kIoUring, kPsync };
+
+const char* engine_name(EngineKind kind);
+// Parses "aio" | "io_uring" | "psync" | "auto"; "auto" resolves to the best kind this kernel
+// offers. Returns false for an unknown name or a kind the kernel refuses.
+bool resolve_engine(const std::string& name, EngineKind* out, std::string* why);
+
+struct Config {
+  size_t block_size = 1 << 20;
+  int queue_depth = 32;
+  int thread_count = 1;
+  bool single_submit = false;
+  bool overlap_events = true;
+  bool use_direct = true;  // false: every request through the page cache (no O_DIRECT)
+  EngineKind engine = EngineKind::kIoUring;
+};
+
+// Outcome of one request, filled when it completes.
+struct Status {
+  int error = 0;           // errno of the first failure, 0 on success
+  int64_t error_offset = 0;  // file offset of the piece that failed
+  bool direct = true;       // whether O_DIRECT served the aligned body
+};
+
+struct Request;
+
+// One chunk of a request handled by one worker: [offset, offset + nbytes) of the file,
+// from/to buf. The chunk's pieces are produced lazily by the worker.
+struct Chunk {
+  std::shared_ptr<Request> request;
+  char* buf = nullptr;
+  int64_t offset = 0;
+  size_t nbytes = 0;
+};
+
+// One transfer in flight on a backend.
+struct ChunkState;
+
+struct Piece {
+  ChunkState* chunk = nullptr;
+  int fd = -1;
+  char* buf = nullptr;     // where the kernel reads/writes: the caller's memory or a bounce
+  char* target = nullptr;  // the caller's memory when bounced (nullptr otherwise)
+  int64_t offset = 0;
+  size_t nbytes = 0;
+  Op op = Op::kRead;
+  int bounce_slot = -1;
+};
+
+struct Completion {
+  Piece* piece;
+  int64_t result;  // bytes transferred, or -errno
+};
+
+// A kernel interface that moves pieces: kernel AIO, io_uring, or blocking pread/pwrite.
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  // Queues `n` pieces (at most 64) and returns how many the kernel took, or -errno. The pieces
+  // must stay at their addresses until reaped.
+  virtual int submit(Piece* const* pieces, int n) = 0;
+  // Waits for at least `min_nr` completions; returns how many were written to `out` (at most
+  // `max_nr`), or -errno. Every submitted piece completes (with its result or -errno).
+  virtual int reap(int min_nr, int max_nr, Completion* out) = 0;
+};
+
+// Creates a backend with room for `queue_depth` pieces in flight; nullptr with `why` set when
+// the kernel refuses.
+std::unique_ptr<Backend> make_backend(EngineKind kind, int queue_depth, std::string* why);
+
+struct Request {
+  uint64_t id = 0;
+  Op op = Op::kRead;
+  std::string path;
+  int direct_fd = -1;    // O_DIRECT descriptor, -1 when the file system refuses it
+  int buffered_fd = -1;  // plain descriptor for partial blocks and the fallback
+  size_t mem_align = 4096;
+  size_t offset_align = 4096;
+
+  std::atomic<int> chunks_left{0};
+  std::atomic<bool> failed{false};
+
+  std::mutex mu;
+  std::condition_variable done_cv;
+  bool done = false;
+  Status status;
+
+  ~Request();
+  // Keeps the first error; later pieces of a failed request are skipped, not submitted.
+  void fail(int err, int64_t offset);
+  // Called by a worker when one of its chunks is finished.
+  void finish_chunk();
+};
+
+class Worker;
+
+class Engine {
+ public:
+  explicit Engine(const Config& config);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Opens the file and queues the request; returns its id (> 0), or -errno when the file cannot
+  // be opened (nothing is queued then). `direct` tells whether O_DIRECT is in use.
+  int64_t submit(Op op, char* buf, size_t nbytes, const std::string& path, int64_t offset,
+                 bool* direct);
+  // Blocks until request `id` completes; false if `id` is unknown (already waited for).
+  bool wait(uint64_t id, Status* status);
+  // Ids of requests not yet waited for, oldest first.
+  std::vector<uint64_t> pending() const;
+
+  const Config& config() const { return config_; }
+
+ private:
+  Config config_;
+  std::vector<std::unique_ptr<Worker>> workers_;
+  mutable std::mutex mu_;
+  std::unordered_map<uint64_t, std::shared_ptr<Request>> requests_;
+  uint64_t next_id_ = 1;
+  size_t next_worker_ = 0;
+};
+
+}  // namespace infinity::aio

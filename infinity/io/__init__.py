@@ -1,0 +1,6 @@
+"""Asynchronous file I/O between host memory and NVMe (the Python face of infinity._aio)."""
+
+from infinity.io.handle import ENGINES, AsyncIOHandle, available_engines
+from infinity.io.memory import PAGE_SIZE, aligned_empty
+
+__all__ = ["ENGINES", "PAGE_SIZE", "AsyncIOHandle", "aligned_empty", "available_engines"]

@@ -1,0 +1,274 @@
+"""`AsyncIOHandle`: the typed Python face of the C++ I/O engine (infinity._aio).
+
+One verb per step, like liburing's prepare -> submit -> wait: `submit_read` / `submit_write`
+queue a transfer and return its id, `wait(id)` blocks on that transfer (or on all of them) and
+raises `OSError` carrying the errno, the path and the file offset of the first failure.
+DeepSpeed's aio handle names are thin aliases so that code moving over keeps working.
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import os
+import threading
+import warnings
+from typing import Any, NamedTuple
+
+import torch
+
+from infinity import _aio
+from infinity.io.memory import aligned_empty
+
+ENGINES = ("auto", "io_uring", "aio", "psync")
+
+_warned_buffered: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+class _InFlight(NamedTuple):
+    """A queued transfer and the memory it uses: held until waited for, so it cannot be freed."""
+
+    buffer: Any
+    path: str
+    offset: int
+    write: bool
+
+
+def _warn_buffered_once(path: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    with _warned_lock:
+        if directory in _warned_buffered:
+            return
+        _warned_buffered.add(directory)
+    warnings.warn(
+        f"O_DIRECT is not supported for {path} (e.g. tmpfs); using buffered I/O for files in "
+        f"{directory}: bandwidth will include page-cache copies",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def _pointer(buffer: Any, write: bool) -> tuple[int, int, Any]:
+    """(address, nbytes, object to keep alive) of a contiguous CPU tensor or a buffer-protocol object."""
+    if isinstance(buffer, torch.Tensor):
+        if buffer.device.type != "cpu":
+            raise TypeError(f"buffer: expected a CPU tensor, got one on {buffer.device}")
+        if not buffer.is_contiguous():
+            raise ValueError("buffer: expected a contiguous tensor")
+        return buffer.data_ptr(), buffer.numel() * buffer.element_size(), buffer
+    try:
+        view = memoryview(buffer)
+    except TypeError:
+        raise TypeError(
+            f"buffer: expected a CPU torch.Tensor or an object with the buffer protocol, got {type(buffer).__name__}"
+        ) from None
+    if not view.c_contiguous:
+        raise ValueError("buffer: expected a C-contiguous buffer")
+    if not write and view.readonly:
+        raise ValueError("buffer: a read needs a writable buffer")
+    if view.nbytes == 0:
+        return 0, 0, buffer
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only buffers are fine for writes to a file
+        tensor = torch.frombuffer(view.cast("B"), dtype=torch.uint8)
+    return tensor.data_ptr(), view.nbytes, (buffer, tensor)
+
+
+class AsyncIOHandle:
+    """Asynchronous reads and writes between host memory and files.
+
+    Args:
+        block_size: bytes per I/O piece; a request is cut into pieces of this size.
+        queue_depth: pieces each worker keeps in flight.
+        thread_count: workers; a request is split into this many contiguous chunks
+            (DeepSpeed's newer name `intra_op_parallelism` is accepted too).
+        single_submit: submit one piece per syscall instead of batching.
+        overlap_events: reap completions while submitting (keeps the queue full) instead of
+            submitting a batch and waiting for all of it.
+        engine: "auto" (best the kernel offers), "io_uring", "aio" (kernel AIO), or "psync"
+            (thread pool of pread/pwrite).
+        use_direct: O_DIRECT where the file system allows it (the default; without it the page
+            cache copies every byte and competes for RAM). Files whose file system refuses
+            O_DIRECT are served buffered either way, with a one-time warning.
+    """
+
+    def __init__(
+        self,
+        block_size: int = 1048576,
+        queue_depth: int = 32,
+        thread_count: int = 1,
+        single_submit: bool = False,
+        overlap_events: bool = True,
+        engine: str = "auto",
+        *,
+        intra_op_parallelism: int | None = None,
+        use_direct: bool = True,
+    ) -> None:
+        if intra_op_parallelism is not None:
+            if thread_count not in (1, intra_op_parallelism):
+                raise ValueError(
+                    f"thread_count={thread_count} and intra_op_parallelism={intra_op_parallelism} disagree; give one"
+                )
+            thread_count = intra_op_parallelism
+        _check_int("block_size", block_size, 512, 1 << 30)
+        _check_int("queue_depth", queue_depth, 1, 1024)
+        _check_int("thread_count", thread_count, 1, 256)
+        for name, value in (("single_submit", single_submit), ("overlap_events", overlap_events),
+                            ("use_direct", use_direct)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name}: expected a bool, got {value!r}")
+        if engine not in ENGINES:
+            raise ValueError(f"engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
+        self._engine = _aio.Engine(block_size, queue_depth, thread_count, single_submit, overlap_events, engine,
+                                   use_direct)
+        self._block_size = block_size
+        self._queue_depth = queue_depth
+        self._thread_count = thread_count
+        self._single_submit = single_submit
+        self._overlap_events = overlap_events
+        self._inflight: dict[int, _InFlight] = {}
+        self._lock = threading.Lock()
+
+    # ---- the engine's verbs ------------------------------------------------------------------
+
+    @property
+    def engine(self) -> str:
+        """The backend in use: "io_uring", "aio" or "psync"."""
+        return self._engine.engine
+
+    def submit_read(self, buffer: Any, path: str | os.PathLike, offset: int = 0) -> int:
+        """Queues a read of len(buffer) bytes of `path` at `offset` into `buffer`; returns its id."""
+        return self._submit(False, buffer, path, offset)
+
+    def submit_write(self, buffer: Any, path: str | os.PathLike, offset: int = 0) -> int:
+        """Queues a write of `buffer` to `path` at `offset` (created if missing); returns its id."""
+        return self._submit(True, buffer, path, offset)
+
+    def wait(self, request: int | None = None) -> int:
+        """Blocks until `request` (or every outstanding request) completes; returns how many did.
+
+        Raises OSError for the first failed request; all requests waited for are finished
+        (their buffers are free to reuse) even then.
+        """
+        if request is not None:
+            self._wait_one(request)
+            return 1
+        with self._lock:
+            ids = sorted(self._inflight)
+        first_error: OSError | None = None
+        for rid in ids:
+            try:
+                self._wait_one(rid)
+            except OSError as e:
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error
+        return len(ids)
+
+    def read(self, buffer: Any, path: str | os.PathLike, offset: int = 0) -> int:
+        """Synchronous read; returns bytes read. Reading past the end of the file raises."""
+        self.wait(self.submit_read(buffer, path, offset))
+        return _pointer(buffer, False)[1]
+
+    def write(self, buffer: Any, path: str | os.PathLike, offset: int = 0) -> int:
+        """Synchronous write; returns bytes written."""
+        self.wait(self.submit_write(buffer, path, offset))
+        return _pointer(buffer, True)[1]
+
+    @property
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._inflight)
+
+    def close(self) -> None:
+        """Waits for everything in flight (ignoring failures); the handle stays usable."""
+        try:
+            self.wait()
+        except OSError:
+            pass
+
+    def __del__(self) -> None:
+        # The engine must finish with every buffer before the buffers can be freed.
+        if getattr(self, "_inflight", None):
+            self.close()
+
+    def _submit(self, write: bool, buffer: Any, path: str | os.PathLike, offset: int) -> int:
+        if not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"offset: expected a non-negative int, got {offset!r}")
+        path = os.fspath(path)
+        ptr, nbytes, keep = _pointer(buffer, write)
+        rid, direct = self._engine.submit(write, ptr, nbytes, path, offset)
+        if rid < 0:
+            code = -rid
+            raise OSError(code, f"{os.strerror(code)}: cannot open for {'writing' if write else 'reading'}", path)
+        if not direct:
+            _warn_buffered_once(path)
+        with self._lock:
+            self._inflight[rid] = _InFlight(keep, path, offset, write)
+        return rid
+
+    def _wait_one(self, rid: int) -> None:
+        with self._lock:
+            entry = self._inflight.get(rid)
+        if entry is None:
+            raise ValueError(f"request: {rid} is not outstanding on this handle (already waited for?)")
+        err, err_offset = self._engine.wait(rid)
+        with self._lock:
+            del self._inflight[rid]
+        if err:
+            kind = "write" if entry.write else "read"
+            what = "read past end of file" if err == errno_mod.ENODATA and not entry.write else os.strerror(err)
+            raise OSError(
+                err, f"{what}: {kind} of {entry.path} failed at offset {err_offset} (request at offset {entry.offset})",
+                entry.path,
+            )
+
+    # ---- DeepSpeed's names -------------------------------------------------------------------
+
+    def async_pread(self, buffer: Any, filename: str, file_offset: int = 0) -> int:
+        return self.submit_read(buffer, filename, file_offset)
+
+    def async_pwrite(self, buffer: Any, filename: str, file_offset: int = 0) -> int:
+        return self.submit_write(buffer, filename, file_offset)
+
+    def sync_pread(self, buffer: Any, filename: str, file_offset: int = 0) -> int:
+        return self.read(buffer, filename, file_offset)
+
+    def sync_pwrite(self, buffer: Any, filename: str, file_offset: int = 0) -> int:
+        return self.write(buffer, filename, file_offset)
+
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
+        return aligned_empty(int(num_elem), example_tensor.dtype)
+
+    def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> bool:
+        return True  # memory is released when the tensor dies
+
+    def get_block_size(self) -> int:
+        return self._block_size
+
+    def get_queue_depth(self) -> int:
+        return self._queue_depth
+
+    def get_thread_count(self) -> int:
+        return self._thread_count
+
+    def get_intra_op_parallelism(self) -> int:
+        return self._thread_count
+
+    def get_single_submit(self) -> bool:
+        return self._single_submit
+
+    def get_overlap_events(self) -> bool:
+        return self._overlap_events
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name}: expected {low} <= {name} <= {high}, got {value}")
+
+
+def available_engines() -> list[str]:
+    """Engines this kernel accepts, best first."""
+    return list(_aio.available_engines())

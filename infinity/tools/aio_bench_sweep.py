@@ -1,0 +1,197 @@
+"""aio_bench_sweep: find the `aio` settings that move the most bytes on a disk.
+
+    aio_bench_sweep --nvme-path /local_nvme --io-size 1G --output best.json
+
+Sweeps block size x queue depth x threads x single_submit x overlap_events x engine, timing
+reads and writes of one file under --nvme-path with O_DIRECT, prints the table sorted by GB/s
+and writes the best setting as a ready-to-paste `{"aio": {...}}` block for the config.
+The file is written once before timing, so writes measure overwriting in place (as the
+engine's store does; on ext4 writing fresh extents runs at about half speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from typing import NamedTuple
+
+from tqdm import tqdm
+
+from infinity.io import AsyncIOHandle, aligned_empty, available_engines
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'1G' -> 1073741824, '512K', '1048576', '8M'. Binary units."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1] if t and t[-1] in _UNITS else ""
+    number = t[: len(t) - len(unit)]
+    try:
+        value = float(number) * _UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (expected e.g. 1G, 512M, 1048576)") from None
+    if value <= 0 or value != int(value):
+        raise argparse.ArgumentTypeError(f"not a positive whole number of bytes: {text!r}")
+    return int(value)
+
+
+class Setting(NamedTuple):
+    block_size: int
+    queue_depth: int
+    thread_count: int
+    single_submit: bool
+    overlap_events: bool
+    engine: str
+
+    def handle(self) -> AsyncIOHandle:
+        return AsyncIOHandle(self.block_size, self.queue_depth, self.thread_count, self.single_submit,
+                             self.overlap_events, self.engine)
+
+    def aio_block(self) -> dict:
+        """The config's `aio` section for this setting (JSON booleans, the keys infinity reads)."""
+        return {"block_size": self.block_size, "queue_depth": self.queue_depth,
+                "thread_count": self.thread_count, "single_submit": self.single_submit,
+                "overlap_events": self.overlap_events, "engine": self.engine}
+
+
+def _grid(args: argparse.Namespace) -> list[Setting]:
+    if args.quick:
+        defaults = dict(block_sizes=[1 << 20, 8 << 20], queue_depths=[8, 32], threads=[1],
+                        single_submit=[False], overlap_events=[True], engines=[available_engines()[0]])
+    else:
+        defaults = dict(block_sizes=[128 << 10, 1 << 20, 4 << 20, 8 << 20], queue_depths=[4, 8, 16, 32, 64],
+                        threads=[1, 2], single_submit=[False, True], overlap_events=[True, False],
+                        engines=[e for e in available_engines() if e != "psync"])
+    pick = {k: getattr(args, k) or v for k, v in defaults.items()}
+    return [Setting(*combo) for combo in itertools.product(
+        pick["block_sizes"], pick["queue_depths"], pick["threads"], pick["single_submit"],
+        pick["overlap_events"], pick["engines"])]
+
+
+def _timed(handle: AsyncIOHandle, write: bool, buf, path: str) -> float:
+    start = time.perf_counter()
+    handle.write(buf, path) if write else handle.read(buf, path)
+    return buf.numel() / (time.perf_counter() - start) / 1e9
+
+
+def _check_target(directory: str, io_size: int) -> None:
+    if not os.path.isdir(directory):
+        raise SystemExit(f"aio_bench_sweep: --nvme-path {directory}: not a directory")
+    if not os.access(directory, os.W_OK):
+        raise SystemExit(f"aio_bench_sweep: --nvme-path {directory}: not writable")
+    free = shutil.disk_usage(directory).free
+    if free < io_size + (64 << 20):
+        raise SystemExit(f"aio_bench_sweep: --nvme-path {directory}: needs {io_size / 2**30:.2f} GiB "
+                         f"for --io-size plus 64 MiB headroom, {free / 2**30:.2f} GiB free")
+
+
+def _plot(results: list[tuple[Setting, str, float]], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("aio_bench_sweep: --plot needs matplotlib (pip install 'infinity[plot]')") from None
+    ops = sorted({op for _, op, _ in results})
+    blocks = sorted({s.block_size for s, _, _ in results})
+    depths = sorted({s.queue_depth for s, _, _ in results})
+    fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4), squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        grid = [[max((g for s, o, g in results if o == op and s.block_size == b and s.queue_depth == q), default=0.0)
+                 for q in depths] for b in blocks]
+        im = ax.imshow(grid, cmap="viridis", aspect="auto")
+        ax.set_xticks(range(len(depths)), [str(q) for q in depths])
+        ax.set_yticks(range(len(blocks)), [f"{b >> 10}K" for b in blocks])
+        ax.set_xlabel("queue_depth")
+        ax.set_ylabel("block_size")
+        ax.set_title(f"{op} GB/s (best over other knobs)")
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", color="w", fontsize=8)
+        fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def best_setting(results: list[tuple[Setting, str, float]]) -> Setting:
+    """The setting with the best sum of read and write GB/s, each relative to its op's best."""
+    best_by_op = {op: max(g for _, o, g in results if o == op) for _, op, _ in results}
+    score: dict[Setting, float] = {}
+    for setting, op, gbps in results:
+        score[setting] = score.get(setting, 0.0) + gbps / best_by_op[op]
+    return max(score, key=score.get)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="aio_bench_sweep", description=__doc__.split("\n\n")[0])
+    p.add_argument("--nvme-path", required=True, help="directory on the disk to measure")
+    p.add_argument("--io-size", type=parse_size, default=None, help="bytes per transfer (default 1G, 256M with --quick)")
+    p.add_argument("--read", action="store_true", help="measure reads (default: reads and writes)")
+    p.add_argument("--write", action="store_true", help="measure writes (default: reads and writes)")
+    p.add_argument("--block-sizes", type=parse_size, nargs="+")
+    p.add_argument("--queue-depths", type=int, nargs="+")
+    p.add_argument("--threads", type=int, nargs="+")
+    p.add_argument("--single-submit", type=lambda v: v.lower() in ("1", "true", "yes"), nargs="+")
+    p.add_argument("--overlap-events", type=lambda v: v.lower() in ("1", "true", "yes"), nargs="+")
+    p.add_argument("--engines", nargs="+", choices=["io_uring", "aio", "psync"])
+    p.add_argument("--quick", action="store_true", help="a small grid on 256M: a minute, not an hour")
+    p.add_argument("--repeat", type=int, default=1, help="timings per setting and op (the best is kept)")
+    p.add_argument("--output", help="write the best setting here as {\"aio\": {...}}")
+    p.add_argument("--plot", help="save a block_size x queue_depth heat map (needs matplotlib)")
+    args = p.parse_args(argv)
+
+    io_size = args.io_size or ((256 << 20) if args.quick else (1 << 30))
+    ops = [op for op, on in (("read", args.read), ("write", args.write)) if on] or ["read", "write"]
+    _check_target(args.nvme_path, io_size)
+    grid = _grid(args)
+
+    work = tempfile.mkdtemp(prefix="aio_bench_sweep-", dir=args.nvme_path)
+    # SIGTERM takes the same way out as Ctrl-C, so the file is removed either way.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    results: list[tuple[Setting, str, float]] = []
+    try:
+        path = os.path.join(work, "sweep.bin")
+        buf = aligned_empty(io_size)
+        buf.fill_(0x5A)
+        grid[0].handle().write(buf, path)  # allocate the extents once; later writes overwrite
+        for setting, op in tqdm(list(itertools.product(grid, ops)), desc="aio sweep", unit="run"):
+            handle = setting.handle()
+            gbps = max(_timed(handle, op == "write", buf, path) for _ in range(args.repeat))
+            results.append((setting, op, gbps))
+    except KeyboardInterrupt:
+        print("aio_bench_sweep: interrupted", file=sys.stderr)
+        return 130
+    except OSError as e:
+        print(f"aio_bench_sweep: {e}", file=sys.stderr)
+        return 1
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    print(f"\n{'op':<6}{'GB/s':>7}  {'engine':<9}{'block':>8}{'qd':>5}{'thr':>5}  single  overlap")
+    for setting, op, gbps in sorted(results, key=lambda r: -r[2]):
+        print(f"{op:<6}{gbps:7.2f}  {setting.engine:<9}{setting.block_size >> 10:>7}K{setting.queue_depth:>5}"
+              f"{setting.thread_count:>5}  {str(setting.single_submit):<7} {setting.overlap_events}")
+    best = best_setting(results)
+    block = {"aio": best.aio_block()}
+    figures = ", ".join(f"{op} {g:.2f} GB/s" for s, op, g in results if s == best)
+    print(f"\nbest ({figures}):\n{json.dumps(block, indent=2)}")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(block, f, indent=2)
+            f.write("\n")
+    if args.plot:
+        _plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

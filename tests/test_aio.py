@@ -1,0 +1,331 @@
+"""The async-IO engine through its Python facade: integrity, errors, fallback, API surface."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+from infinity.io import AsyncIOHandle, aligned_empty, available_engines
+
+ENGINES = available_engines()
+MiB = 1 << 20
+
+
+def _random_bytes(n: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+
+
+def _lengths(rng: random.Random) -> list[int]:
+    # Tiny, sub-block, just-off-alignment, multi-block, and one request near 64 MiB.
+    return [1, 7, 511, 4095, 4097, rng.randrange(1, 1 << 16), rng.randrange(1 << 16, 3 * MiB),
+            3 * MiB + 1, rng.randrange(60 * MiB, 64 * MiB)]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(block_size=64 * 1024, queue_depth=4, thread_count=3),
+        dict(block_size=1 * MiB, queue_depth=32, thread_count=2, single_submit=True),
+        dict(block_size=128 * 1024, queue_depth=8, thread_count=1, overlap_events=False),
+    ],
+    ids=["3threads", "single_submit", "no_overlap"],
+)
+def test_read_after_write_is_byte_exact(tmp_path, engine, knobs):
+    rng = random.Random(hash((engine, tuple(knobs.items()))) & 0xFFFF)
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    handle = AsyncIOHandle(engine=engine, **knobs)
+    assert handle.engine == engine
+    path = tmp_path / "data.bin"
+
+    # Disjoint regions at random, mostly unaligned offsets, all in flight at once.
+    regions, cursor = [], 0
+    for n in _lengths(rng):
+        cursor += rng.randrange(0, 10_000)
+        regions.append((cursor, n))
+        cursor += n
+    rng.shuffle(regions)
+    sources = []
+    for offset, n in regions:
+        # Some sources start one byte into their allocation: misaligned memory must bounce.
+        skew = rng.choice([0, 1])
+        src = _random_bytes(n + skew, gen)[skew:]
+        sources.append(src)
+        handle.submit_write(src, path, offset)
+    assert handle.wait() == len(regions)
+
+    targets = []
+    for offset, n in regions:
+        skew = rng.choice([0, 3])
+        dst = torch.zeros(n + skew, dtype=torch.uint8)[skew:]
+        targets.append((handle.submit_read(dst, path, offset), dst))
+    # Per-request waits, in a different order than submitted.
+    for rid, _ in reversed(targets):
+        assert handle.wait(rid) == 1
+    for src, (_, dst) in zip(sources, targets):
+        assert torch.equal(src, dst)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_aligned_buffers_and_numpy(tmp_path, engine):
+    handle = AsyncIOHandle(engine=engine, block_size=256 * 1024)
+    src = aligned_empty(5 * MiB, torch.float32)
+    src.copy_(torch.randn(5 * MiB))
+    assert src.data_ptr() % 4096 == 0 and src.numel() == 5 * MiB
+    handle.write(src, tmp_path / "f", 4096)
+    dst = aligned_empty(5 * MiB, torch.float32)
+    assert handle.read(dst, tmp_path / "f", 4096) == 20 * MiB
+    assert torch.equal(src, dst)
+    # Any object with the buffer protocol works too.
+    raw = bytearray(1000)
+    handle.read(raw, tmp_path / "f", 4096)
+    assert bytes(raw) == src.view(torch.uint8)[:1000].numpy().tobytes()
+
+
+def _o_direct_refused(directory: str) -> bool:
+    probe = os.path.join(directory, ".probe")
+    open(probe, "wb").close()
+    try:
+        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
+        return False
+    except OSError as e:
+        assert e.errno == errno.EINVAL
+        return True
+    finally:
+        os.unlink(probe)
+
+
+def test_tmpfs_works_with_at_most_one_warning():
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    directory = f"/dev/shm/infinity-test-{os.getpid()}"
+    os.makedirs(directory, exist_ok=True)
+    try:
+        # Kernels before 6.6 refuse O_DIRECT on tmpfs; newer ones accept it (as buffered I/O).
+        refused = _o_direct_refused(directory)
+        handle = AsyncIOHandle(block_size=64 * 1024, thread_count=2)
+        data = _random_bytes(300_001, torch.Generator().manual_seed(0))
+        if refused:
+            with pytest.warns(RuntimeWarning, match=f"O_DIRECT is not supported for {directory}"):
+                handle.write(data, f"{directory}/a", 13)
+        else:
+            handle.write(data, f"{directory}/a", 13)
+        back = torch.empty_like(data)
+        handle.read(back, f"{directory}/a", 13)  # never a second warning (warnings are errors here)
+        assert torch.equal(data, back)
+    finally:
+        subprocess.run(["rm", "-rf", directory], check=True)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_buffered_path_is_byte_exact(tmp_path, engine):
+    """The path a file system without O_DIRECT takes: everything through the buffered descriptor."""
+    gen = torch.Generator().manual_seed(7)
+    handle = AsyncIOHandle(engine=engine, block_size=64 * 1024, thread_count=2, use_direct=False)
+    regions = [(0, 1), (5, 70_000), (100_000, 3 * MiB + 3), (4 * MiB, 4096)]
+    sources = [_random_bytes(n, gen) for _, n in regions]
+    for (offset, _), src in zip(regions, sources):
+        handle.submit_write(src, tmp_path / "b", offset)
+    handle.wait()
+    for (offset, n), src in zip(regions, sources):
+        dst = torch.empty(n, dtype=torch.uint8)
+        handle.read(dst, tmp_path / "b", offset)
+        assert torch.equal(src, dst)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_errors_carry_errno_and_handle_survives(tmp_path, engine):
+    handle = AsyncIOHandle(engine=engine, block_size=64 * 1024)
+    buf = torch.zeros(10_000, dtype=torch.uint8)
+
+    with pytest.raises(OSError) as missing:
+        handle.submit_write(buf, tmp_path / "no" / "such" / "dir", 0)
+    assert missing.value.errno == errno.ENOENT
+
+    path = tmp_path / "short"
+    handle.write(torch.ones(5000, dtype=torch.uint8), path)
+    with pytest.raises(OSError) as eof:
+        handle.read(buf, path, 0)  # 10000 bytes from a 5000-byte file
+    assert eof.value.errno == errno.ENODATA
+    assert "offset" in str(eof.value) and str(path) in str(eof.value)
+    with pytest.raises(OSError):
+        handle.read(buf, path, 1 << 20)  # starts past the end
+
+    # Still usable, and the failed read did not disturb the file.
+    back = torch.zeros(5000, dtype=torch.uint8)
+    handle.read(back, path)
+    assert bool((back == 1).all())
+    assert handle.num_pending == 0
+
+
+def _drop_dac_override() -> bool:
+    """Drops CAP_DAC_OVERRIDE from this thread's effective set (root ignores file modes otherwise)."""
+    if os.geteuid() != 0:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    header, data = Header(0x20080522, 0), (Data * 2)()
+    assert libc.capget(ctypes.byref(header), data) == 0
+    data[0].effective &= ~((1 << 1) | (1 << 2))  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+    assert libc.capset(ctypes.byref(header), data) == 0
+    return True
+
+
+def test_read_only_file_is_refused(tmp_path):
+    path = tmp_path / "ro"
+    path.write_bytes(b"x" * 100)
+    path.chmod(0o444)
+    script = textwrap.dedent(
+        f"""
+        import errno, sys, torch
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_aio import _drop_dac_override
+        from infinity.io import AsyncIOHandle
+        _drop_dac_override()
+        h = AsyncIOHandle()
+        try:
+            h.write(torch.zeros(10, dtype=torch.uint8), {str(path)!r})
+        except OSError as e:
+            assert e.errno in (errno.EACCES, errno.EPERM), e
+            print("refused", e.errno)
+        else:
+            raise SystemExit("write to a read-only file succeeded")
+        """
+    )
+    # A child process: capabilities are per thread, and this one must not lose them.
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "refused" in out.stdout
+    assert path.read_bytes() == b"x" * 100
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_file_size_limit_fails_the_write_with_efbig(tmp_path, engine):
+    script = textwrap.dedent(
+        f"""
+        import errno, resource, signal, torch
+        from infinity.io import AsyncIOHandle
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+        h = AsyncIOHandle(engine={engine!r}, block_size=256 * 1024, thread_count=2)
+        path = {str(tmp_path / "big")!r}
+        try:
+            h.write(torch.ones(4 << 20, dtype=torch.uint8), path)
+        except OSError as e:
+            assert e.errno == errno.EFBIG, e
+            print("efbig", e)
+        else:
+            raise SystemExit("write past RLIMIT_FSIZE succeeded")
+        h.write(torch.full((4096,), 2, dtype=torch.uint8), path, 0)
+        back = torch.empty(4096, dtype=torch.uint8)
+        h.read(back, path, 0)
+        assert bool((back == 2).all())
+        print("usable")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "efbig" in out.stdout and "usable" in out.stdout
+
+
+def test_gil_is_released_while_waiting(tmp_path):
+    handle = AsyncIOHandle(block_size=1 * MiB)
+    data = aligned_empty(256 * MiB)
+    data.fill_(3)
+    path = tmp_path / "big"
+    handle.write(data, path)
+    done = threading.Event()
+    progress = 0
+
+    def waiter():
+        for _ in range(3):
+            handle.read(data, path)
+        done.set()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    while not done.is_set():
+        progress += 1
+    t.join()
+    # With the GIL held across the wait this loop could not have run while I/O was going on.
+    assert progress > 1000
+
+
+def test_wait_for_unknown_request_is_an_error(tmp_path):
+    handle = AsyncIOHandle()
+    rid = handle.submit_write(torch.zeros(10, dtype=torch.uint8), tmp_path / "f")
+    handle.wait(rid)
+    with pytest.raises(ValueError, match="not outstanding"):
+        handle.wait(rid)
+    assert handle.wait() == 0
+
+
+def test_bad_arguments_name_the_argument(tmp_path):
+    with pytest.raises(ValueError, match="queue_depth"):
+        AsyncIOHandle(queue_depth=0)
+    with pytest.raises(TypeError, match="single_submit"):
+        AsyncIOHandle(single_submit=1)
+    with pytest.raises(ValueError, match="engine"):
+        AsyncIOHandle(engine="spdk")
+    with pytest.raises(ValueError, match="intra_op_parallelism"):
+        AsyncIOHandle(thread_count=2, intra_op_parallelism=4)
+    handle = AsyncIOHandle()
+    with pytest.raises(ValueError, match="contiguous"):
+        handle.submit_write(torch.zeros(4, 4).t(), tmp_path / "f")
+    with pytest.raises(ValueError, match="offset"):
+        handle.submit_write(torch.zeros(4), tmp_path / "f", -1)
+    with pytest.raises(TypeError, match="buffer"):
+        handle.submit_write("text", tmp_path / "f")
+
+
+def test_deepspeed_names(tmp_path):
+    handle = AsyncIOHandle(block_size=65536, queue_depth=4, intra_op_parallelism=2, single_submit=True,
+                           overlap_events=False)
+    assert handle.get_block_size() == 65536
+    assert handle.get_queue_depth() == 4
+    assert handle.get_thread_count() == handle.get_intra_op_parallelism() == 2
+    assert handle.get_single_submit() is True and handle.get_overlap_events() is False
+    example = torch.empty(0, dtype=torch.bfloat16)
+    locked = handle.new_cpu_locked_tensor(1000, example)
+    assert locked.dtype == torch.bfloat16 and locked.numel() == 1000 and locked.data_ptr() % 4096 == 0
+    locked.copy_(torch.randn(1000))
+    handle.async_pwrite(locked, str(tmp_path / "f"), 0)
+    assert handle.wait() == 1
+    back = torch.empty_like(locked)
+    handle.sync_pread(back, str(tmp_path / "f"), 0)
+    assert torch.equal(back, locked)
+
+
+def test_aligned_empty_shapes():
+    t = aligned_empty(3, torch.float64)
+    assert t.shape == (3,) and t.dtype == torch.float64 and t.data_ptr() % 4096 == 0
+    assert aligned_empty(0).numel() == 0
+    with pytest.raises(ValueError, match="numel"):
+        aligned_empty(-1)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="pin"):
+            aligned_empty(10, pin=True)
+
+
+@pytest.mark.gpu
+def test_aligned_empty_is_pinned_on_cuda():
+    t = aligned_empty(1 << 20, torch.float32)
+    assert t.is_pinned()
+    gpu = t.cuda(non_blocking=True)
+    torch.cuda.synchronize()
+    assert gpu.shape == t.shape
