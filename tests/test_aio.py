@@ -208,7 +208,7 @@ def test_read_only_file_is_refused(tmp_path):
         """
     )
     # A child process: capabilities are per thread, and this one must not lose them.
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "refused" in out.stdout
     assert path.read_bytes() == b"x" * 100
@@ -238,7 +238,7 @@ def test_file_size_limit_fails_the_write_with_efbig(tmp_path, engine):
         print("usable")
         """
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "efbig" in out.stdout and "usable" in out.stdout
 
