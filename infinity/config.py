@@ -1,0 +1,975 @@
+"""DeepSpeed's JSON configuration, parsed into small frozen dataclasses.
+
+A user moves a DeepSpeed ZeRO-Infinity job over by changing the import, so `load_config` reads
+DeepSpeed's JSON schema with DeepSpeed's key names, defaults and meanings. Each JSON section
+becomes one frozen dataclass that validates itself on construction, and a component receives
+only its own section: the CPU optimizer gets `OptimizerConfig`, the NVMe tier
+`OffloadParamConfig` / `OffloadOptimizerConfig` and `AIOConfig`, the engine `BatchConfig`.
+
+[Note: which DeepSpeed keys are accepted]
+Every key falls in exactly one class, and none is silently ignored:
+- implemented: a dataclass field of the same name, with DeepSpeed's default and meaning.
+- accepted without effect: knobs of DeepSpeed's own machinery that do not change what is
+  computed here (bucket sizes of collectives infinity does not issue, `torch_adam`, ...). The
+  value is type-checked, then dropped. Tables `_NO_EFFECT_*`.
+- accepted at DeepSpeed's default only: switches of features infinity lacks that configs often
+  spell out at their "off" value (`"amsgrad": false`, `"use_gds": false`). Any other value is
+  an error. Tables `_DEFAULT_ONLY_*`.
+- a DeepSpeed key infinity does not implement: an error "DeepSpeed key not implemented by
+  infinity", whatever its value. Tables `_NOT_IMPLEMENTED_*`.
+- anything else: an unknown key, an error naming the closest valid key.
+The value "auto" (Hugging Face's convention) is an error anywhere: the caller resolves it.
+
+[Note: error paths]
+User errors are ValueError (a bad value) or TypeError (a value of the wrong JSON type) whose
+message starts with the full dotted key path, e.g.
+`zero_optimization.offload_param.nvme_path: directory does not exist: /x`. Each dataclass knows
+its JSON section (`_PATH`), so a value is checked where the dataclass is built, from JSON or
+from Python alike. Booleans must be JSON booleans, never 0/1 or "true".
+"""
+
+from __future__ import annotations
+
+import decimal
+import difflib
+import json
+import math
+import numbers
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+__all__ = [
+    "AIOConfig", "AdamParams", "BF16Config", "BatchConfig", "FP16Config", "InfinityConfig",
+    "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig",
+    "WarmupCosineLRParams", "WarmupDecayLRParams", "WarmupLRParams", "ZeroConfig", "load_config",
+]
+
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+WARMUP_TYPES = ("log", "linear")
+OPTIMIZER_TYPES = ("Adam", "AdamW")
+SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+
+NOT_IMPLEMENTED = "DeepSpeed key not implemented by infinity"
+
+# DeepSpeed optimizer and scheduler types that infinity does not provide (lower-cased for
+# optimizers, which DeepSpeed matches case-insensitively).
+_DEEPSPEED_ONLY_OPTIMIZERS = frozenset({
+    "adagrad", "lamb", "onebitadam", "zerooneadam", "onebitlamb", "lion", "muon", "muadam",
+    "muadamw", "musgd",
+})
+_DEEPSPEED_ONLY_SCHEDULERS = frozenset({"LRRangeTest", "OneCycle"})
+
+
+# --------------------------------------------------------------------------------------------
+# Value checks. Each takes the value and its full key path, and returns the normalised value.
+# --------------------------------------------------------------------------------------------
+
+def _join(section: str, key: str) -> str:
+    return f"{section}.{key}" if section else key
+
+
+def _show(value: Any) -> str:
+    """A value as the user wrote it in JSON (true, "cpu"), or its repr if it is not JSON."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _bool(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{path}: expected true or false, got {_show(value)}")
+    return value
+
+
+def _int(value: Any, path: str, *, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{path}: expected an integer, got {_show(value)}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{path}: expected an integer >= {minimum}, got {value}")
+    return int(value)
+
+
+def _size(value: Any, path: str, *, minimum: int = 0) -> int:
+    """An element or byte count in any of DeepSpeed's spellings: 500000000, 5e8 or "5e8"."""
+    expected = 'a whole number such as 500000000, 5e8 or "5e8"'
+    if isinstance(value, bool):
+        raise TypeError(f"{path}: expected {expected}, got {_show(value)}")
+    if isinstance(value, numbers.Integral):
+        number = int(value)
+    elif isinstance(value, float):
+        if not (math.isfinite(value) and value.is_integer()):
+            raise ValueError(f"{path}: expected {expected}, got {_show(value)}")
+        number = int(value)
+    elif isinstance(value, str):
+        try:
+            exact = decimal.Decimal(value)
+        except decimal.InvalidOperation:
+            raise ValueError(f"{path}: expected {expected}, got {_show(value)}") from None
+        if not (exact.is_finite() and exact == exact.to_integral_value()):
+            raise ValueError(f"{path}: expected {expected}, got {_show(value)}")
+        number = int(exact)
+    else:
+        raise TypeError(f"{path}: expected {expected}, got {_show(value)}")
+    if number < minimum:
+        raise ValueError(f"{path}: expected a size >= {minimum}, got {_show(value)}")
+    return number
+
+
+def _float(value: Any, path: str, *, minimum: float | None = None,
+           maximum: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{path}: expected a number, got {_show(value)}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{path}: expected a finite number, got {_show(value)}")
+    if minimum is not None and number < minimum:
+        raise ValueError(f"{path}: expected a number >= {minimum}, got {_show(value)}")
+    if maximum is not None and number > maximum:
+        raise ValueError(f"{path}: expected a number <= {maximum}, got {_show(value)}")
+    return number
+
+
+def _choice(value: Any, path: str, choices: tuple[Any, ...]) -> Any:
+    # Compare types too, so that true is not taken for 1 nor "3" for 3.
+    if any(type(value) is type(choice) and value == choice for choice in choices):
+        return value
+    expected = ", ".join(_show(choice) for choice in choices)
+    raise ValueError(f"{path}: expected one of {expected}, got {_show(value)}")
+
+
+def _lrs(value: Any, path: str) -> float | tuple[float, ...]:
+    """One learning rate, or one per optimizer param group (a JSON list)."""
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError(f"{path}: expected a number or a non-empty list of numbers, got []")
+        return tuple(_float(lr, f"{path}[{i}]", minimum=0.0) for i, lr in enumerate(value))
+    return _float(value, path, minimum=0.0)
+
+
+def _path(value: Any, path: str) -> Path:
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise TypeError(f"{path}: expected a directory path, got {_show(value)}")
+    return Path(value)
+
+
+def _directory(value: Any, path: str) -> Path:
+    directory = _path(value, path)
+    if not directory.is_dir():
+        reason = "not a directory" if directory.exists() else "directory does not exist"
+        raise ValueError(f"{path}: {reason}: {directory}")
+    return directory
+
+
+def _instance(value: Any, path: str, cls: type | tuple[type, ...]) -> Any:
+    if not isinstance(value, cls):
+        names = " or ".join(c.__name__ for c in (cls if isinstance(cls, tuple) else (cls,)))
+        raise TypeError(f"{path}: expected a {names}, got {type(value).__name__}")
+    return value
+
+
+def _optional(check: Callable[..., Any]) -> Callable[..., Any]:
+    def check_unless_none(value: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+        return None if value is None else check(value, path, *args, **kwargs)
+    return check_unless_none
+
+
+def _check(config: Any, name: str, check: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """Validate and normalise one field of a frozen dataclass, naming its full key path."""
+    path = _join(type(config)._PATH, name)
+    object.__setattr__(config, name, check(getattr(config, name), path, *args, **kwargs))
+
+
+def _spec(check: Callable[..., Any], *args: Any, default: Any = MISSING,
+          factory: Any = MISSING, **kwargs: Any) -> Any:
+    """A dataclass field that `_validate` passes through check(value, path, *args, **kwargs)."""
+    return field(default=default, default_factory=factory,
+                 metadata={"check": (check, args, kwargs)})
+
+
+def _validate(config: Any) -> None:
+    """Check every field of a section dataclass with the check its `_spec` names."""
+    for spec in fields(config):
+        check, args, kwargs = spec.metadata["check"]
+        _check(config, spec.name, check, *args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BatchConfig:
+    """How many samples one optimizer step sees and how they are split (top-level keys).
+
+    `load_config` derives whichever of the three sizes is missing as DeepSpeed does; built
+    directly, all three must be given consistently.
+    """
+
+    _PATH: ClassVar[str] = ""
+
+    train_batch_size: int = _spec(_int, minimum=1)
+    """Samples per optimizer step over all ranks: micro batch * accumulation steps * world size."""
+    train_micro_batch_size_per_gpu: int = _spec(_int, minimum=1)
+    """Samples one rank runs per forward/backward pass."""
+    gradient_accumulation_steps: int = _spec(_int, minimum=1)
+    """Micro batches whose gradients are summed before each optimizer step."""
+    world_size: int = _spec(_int, minimum=1, default=1)
+    """Data-parallel ranks (not a JSON key: the `world_size` argument of `load_config`)."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        product = self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps
+        if self.train_batch_size != product * self.world_size:
+            raise ValueError(
+                f"train_batch_size: {self.train_batch_size} != train_micro_batch_size_per_gpu "
+                f"{self.train_micro_batch_size_per_gpu} * gradient_accumulation_steps "
+                f"{self.gradient_accumulation_steps} * world_size {self.world_size} "
+                f"(= {product * self.world_size})")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FP16Config:
+    """fp16 mixed precision with loss scaling (section `fp16`)."""
+
+    _PATH: ClassVar[str] = "fp16"
+
+    enabled: bool = _spec(_bool, default=False)
+    """Compute in float16 and scale the loss so that small gradients do not flush to zero."""
+    loss_scale: float = _spec(_float, minimum=0.0, default=0.0)
+    """A fixed loss scale; 0 selects dynamic loss scaling."""
+    initial_scale_power: int = _spec(_int, minimum=0, default=16)
+    """Dynamic scaling starts at a loss scale of 2**initial_scale_power."""
+    loss_scale_window: int = _spec(_int, minimum=1, default=1000)
+    """Steps without overflow after which the dynamic loss scale is doubled."""
+    hysteresis: int = _spec(_int, minimum=1, default=2)
+    """Overflowing steps tolerated before the dynamic loss scale is halved."""
+    consecutive_hysteresis: bool = _spec(_bool, default=False)
+    """Refill the hysteresis budget after every step without overflow, not only after a window."""
+    min_loss_scale: float = _spec(_float, minimum=0.0, default=1.0)
+    """The dynamic loss scale is never lowered below this."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self.loss_scale == 0.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BF16Config:
+    """bfloat16 mixed precision (section `bf16`, or DeepSpeed's legacy name `bfloat16`)."""
+
+    _PATH: ClassVar[str] = "bf16"
+
+    enabled: bool = _spec(_bool, default=False)
+    """Compute in bfloat16; master weights and optimizer state stay float32."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+def _betas(value: Any, path: str) -> tuple[float, float]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise TypeError(f"{path}: expected a list of two numbers, got {_show(value)}")
+    betas = tuple(_float(beta, f"{path}[{i}]") for i, beta in enumerate(value))
+    for i, beta in enumerate(betas):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"{path}[{i}]: expected a number in [0, 1), got {_show(beta)}")
+    return betas  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AdamParams:
+    """Adam hyperparameters (section `optimizer.params`), with DeepSpeed's defaults."""
+
+    _PATH: ClassVar[str] = "optimizer.params"
+
+    lr: float = _spec(_float, minimum=0.0, default=1e-3)
+    """Learning rate (a scheduler, if configured, overwrites it every step)."""
+    betas: tuple[float, float] = _spec(_betas, default=(0.9, 0.999))
+    """Decay rates of the first and second moment estimates."""
+    eps: float = _spec(_float, minimum=0.0, default=1e-8)
+    """Added to the denominator for numerical stability."""
+    weight_decay: float = _spec(_float, minimum=0.0, default=0.0)
+    """Weight decay, decoupled (AdamW) or added to the gradient (L2), see `adam_w_mode`."""
+    adam_w_mode: bool = _spec(_bool, default=True)
+    """For type Adam: decoupled weight decay when true (DeepSpeed's default). AdamW ignores it."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+def _optimizer_type(value: Any, path: str) -> str:
+    """Adam or AdamW, matched case-insensitively as DeepSpeed does; returned canonical."""
+    if not isinstance(value, str):
+        raise TypeError(f"{path}: expected a string, got {_show(value)}")
+    for name in OPTIMIZER_TYPES:
+        if value.lower() == name.lower():
+            return name
+    if value.lower() in _DEEPSPEED_ONLY_OPTIMIZERS:
+        raise ValueError(f"{path}: DeepSpeed optimizer {_show(value)} not implemented by "
+                         f"infinity; expected one of {', '.join(map(_show, OPTIMIZER_TYPES))}")
+    return _choice(value, path, OPTIMIZER_TYPES)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerConfig:
+    """The optimizer infinity builds (section `optimizer`): Adam or AdamW, run on the CPU."""
+
+    _PATH: ClassVar[str] = "optimizer"
+
+    type: str = _spec(_optimizer_type)
+    """"Adam" or "AdamW" (any case in JSON, stored canonical)."""
+    params: AdamParams = _spec(_instance, AdamParams, factory=AdamParams)
+    """Hyperparameters."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def decoupled_weight_decay(self) -> bool:
+        """AdamW-style decay: type AdamW, or type Adam with adam_w_mode (DeepSpeed's rule)."""
+        return self.type == "AdamW" or self.params.adam_w_mode
+
+
+# Fields shared by the three schedules, as keyword arguments of `_spec`.
+_WARMUP_NUM_STEPS = dict(minimum=1, default=1000)
+_LAST_BATCH_ITERATION = dict(minimum=-1, default=-1)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WarmupLRParams:
+    """WarmupLR: from warmup_min_lr up to warmup_max_lr, then constant (`scheduler.params`)."""
+
+    _PATH: ClassVar[str] = "scheduler.params"
+
+    warmup_min_lr: float | tuple[float, ...] = _spec(_lrs, default=0.0)
+    """Learning rate at the first step; a list gives one per optimizer param group."""
+    warmup_max_lr: float | tuple[float, ...] | None = _spec(_optional(_lrs), default=None)
+    """Learning rate reached after warmup; None (the default) takes the optimizer's lr."""
+    warmup_num_steps: int = _spec(_int, **_WARMUP_NUM_STEPS)
+    """Steps of warmup (DeepSpeed uses at least 2)."""
+    warmup_type: str = _spec(_choice, WARMUP_TYPES, default="log")
+    """Shape of the warmup curve: "log" or "linear"."""
+    last_batch_iteration: int = _spec(_int, **_LAST_BATCH_ITERATION)
+    """Index of the last step taken, to resume; -1 starts from the beginning."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WarmupDecayLRParams:
+    """WarmupDecayLR: WarmupLR's warmup, then linear decay to warmup_min_lr at total_num_steps."""
+
+    _PATH: ClassVar[str] = "scheduler.params"
+
+    total_num_steps: int = _spec(_int, minimum=1)
+    """Step at which the decay reaches warmup_min_lr (required)."""
+    warmup_min_lr: float | tuple[float, ...] = _spec(_lrs, default=0.0)
+    """Learning rate at the first step and at the end of decay; a list gives one per group."""
+    warmup_max_lr: float | tuple[float, ...] = _spec(_lrs, default=0.001)
+    """Learning rate reached after warmup; a list gives one per optimizer param group."""
+    warmup_num_steps: int = _spec(_int, **_WARMUP_NUM_STEPS)
+    """Steps of warmup (DeepSpeed uses at least 2)."""
+    warmup_type: str = _spec(_choice, WARMUP_TYPES, default="log")
+    """Shape of the warmup curve: "log" or "linear"."""
+    last_batch_iteration: int = _spec(_int, **_LAST_BATCH_ITERATION)
+    """Index of the last step taken, to resume; -1 starts from the beginning."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WarmupCosineLRParams:
+    """WarmupCosineLR: warmup of the optimizer's lr by a ratio, then cosine decay."""
+
+    _PATH: ClassVar[str] = "scheduler.params"
+
+    total_num_steps: int = _spec(_int, minimum=1)
+    """Step at which the cosine reaches cos_min_ratio (required)."""
+    warmup_min_ratio: float = _spec(_float, minimum=0.0, maximum=1.0, default=0.0)
+    """Fraction of the optimizer's lr at the first step."""
+    warmup_num_steps: int = _spec(_int, **_WARMUP_NUM_STEPS)
+    """Steps of warmup (DeepSpeed uses at least 2)."""
+    cos_min_ratio: float = _spec(_float, minimum=0.0, maximum=1.0, default=0.0001)
+    """Fraction of the optimizer's lr at the end of the cosine decay."""
+    warmup_type: str = _spec(_choice, WARMUP_TYPES, default="log")
+    """Shape of the warmup curve: "log" or "linear"."""
+    last_batch_iteration: int = _spec(_int, **_LAST_BATCH_ITERATION)
+    """Index of the last step taken, to resume; -1 starts from the beginning."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+_SCHEDULER_PARAMS: dict[str, type] = {
+    "WarmupLR": WarmupLRParams,
+    "WarmupDecayLR": WarmupDecayLRParams,
+    "WarmupCosineLR": WarmupCosineLRParams,
+}
+
+
+def _scheduler_type(value: Any, path: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{path}: expected a string, got {_show(value)}")
+    if value in _DEEPSPEED_ONLY_SCHEDULERS:
+        raise ValueError(f"{path}: DeepSpeed scheduler {_show(value)} not implemented by "
+                         f"infinity; expected one of {', '.join(map(_show, SCHEDULER_TYPES))}")
+    if value not in SCHEDULER_TYPES:
+        close = difflib.get_close_matches(value, SCHEDULER_TYPES, n=1)
+        hint = f"; did you mean {_show(close[0])}?" if close else ""
+        raise ValueError(f"{path}: expected one of {', '.join(map(_show, SCHEDULER_TYPES))}, "
+                         f"got {_show(value)}{hint}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SchedulerConfig:
+    """The learning-rate schedule (section `scheduler`); see `infinity.lr_schedules`."""
+
+    _PATH: ClassVar[str] = "scheduler"
+
+    type: str = _spec(_scheduler_type)
+    """"WarmupLR", "WarmupDecayLR" or "WarmupCosineLR" (case-sensitive, as in DeepSpeed)."""
+    params: WarmupLRParams | WarmupDecayLRParams | WarmupCosineLRParams = _spec(
+        _instance, (WarmupLRParams, WarmupDecayLRParams, WarmupCosineLRParams))
+    """Parameters of that schedule, with DeepSpeed's names and defaults."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        _check(self, "params", _instance, _SCHEDULER_PARAMS[self.type])
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadParamConfig:
+    """Where parameter shards live between uses (`zero_optimization.offload_param`, stage 3)."""
+
+    _PATH: ClassVar[str] = "zero_optimization.offload_param"
+
+    device: str = _spec(_choice, OFFLOAD_DEVICES, default="none")
+    """"none" (accelerator memory), "cpu" (host memory) or "nvme" (files under nvme_path)."""
+    nvme_path: Path | None = _spec(_optional(_path), default=None)
+    """Existing directory for the parameter files; required when device is "nvme"."""
+    buffer_count: int = _spec(_size, default=5)
+    """Host buffers in the pool that parameter shards are read into from NVMe."""
+    buffer_size: int = _spec(_size, default=100_000_000)
+    """Elements per host buffer (raised to the largest unit shard, with a warning)."""
+    max_in_cpu: int = _spec(_size, default=1_000_000_000)
+    """Parameter elements kept cached in host memory when offloading to NVMe."""
+    pin_memory: bool = _spec(_bool, default=False)
+    """Page-lock host buffers for faster device transfers, at the cost of pinned memory."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        _check_nvme_path(self)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadOptimizerConfig:
+    """Where optimizer state lives (`zero_optimization.offload_optimizer`); Adam runs on CPU."""
+
+    _PATH: ClassVar[str] = "zero_optimization.offload_optimizer"
+
+    device: str = _spec(_choice, OFFLOAD_DEVICES, default="none")
+    """"none" (accelerator memory), "cpu" (host memory) or "nvme" (files under nvme_path)."""
+    nvme_path: Path | None = _spec(_optional(_path), default=None)
+    """Existing directory for the optimizer-state files; required when device is "nvme"."""
+    buffer_count: int = _spec(_size, default=4)
+    """Host buffers for optimizer state swapped from NVMe; at least the tensors per parameter."""
+    pin_memory: bool = _spec(_bool, default=False)
+    """Page-lock host buffers for faster device transfers, at the cost of pinned memory."""
+    pipeline_read: bool = _spec(_bool, default=False)
+    """Read the next sub-group's state from NVMe while the current one is updated."""
+    pipeline_write: bool = _spec(_bool, default=False)
+    """Write the previous sub-group's state to NVMe while the current one is updated."""
+    fast_init: bool = _spec(_bool, default=False)
+    """Skip the initial write-out of optimizer state when creating it on NVMe."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        _check_nvme_path(self)
+
+    @property
+    def pipeline(self) -> bool:
+        return self.pipeline_read or self.pipeline_write
+
+
+def _check_nvme_path(config: OffloadParamConfig | OffloadOptimizerConfig) -> None:
+    """With device "nvme", nvme_path is required and must be a directory; otherwise it is
+    kept unused, as DeepSpeed does."""
+    if config.device != "nvme":
+        return
+    if config.nvme_path is None:
+        raise ValueError(f'{_join(config._PATH, "nvme_path")}: required when device is "nvme"')
+    _check(config, "nvme_path", _directory)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ZeroConfig:
+    """ZeRO partitioning and offload (section `zero_optimization`)."""
+
+    _PATH: ClassVar[str] = "zero_optimization"
+
+    stage: int = _spec(_choice, (0, 1, 2, 3), default=0)
+    """0: no partitioning; 1: optimizer state; 2: + gradients; 3: + parameters."""
+    offload_param: OffloadParamConfig = _spec(
+        _instance, OffloadParamConfig, factory=OffloadParamConfig)
+    """Parameter offload (stage 3 only)."""
+    offload_optimizer: OffloadOptimizerConfig = _spec(
+        _instance, OffloadOptimizerConfig, factory=OffloadOptimizerConfig)
+    """Optimizer-state offload (stage 1 or more; NVMe with stage 3 only)."""
+    stage3_prefetch_bucket_size: int = _spec(_size, default=50_000_000)
+    """Parameter elements fetched ahead of use."""
+    stage3_max_live_parameters: int = _spec(_size, default=1_000_000_000)
+    """Gathered parameter elements allowed on the device before units are released."""
+    stage3_max_reuse_distance: int = _spec(_size, default=1_000_000_000)
+    """A unit needed again within this many parameter elements is kept rather than released."""
+    stage3_param_persistence_threshold: int = _spec(_size, default=100_000)
+    """Parameters of at most this many elements stay gathered on the device (0: none do)."""
+    stage3_gather_16bit_weights_on_model_save: bool = _spec(_bool, default=False)
+    """Gather full 16-bit weights when the model is saved."""
+    sub_group_size: int = _spec(_size, default=1_000_000_000)
+    """Parameter elements per optimizer sub-group (the tile of the pipelined CPU Adam step)."""
+    reduce_bucket_size: int = _spec(_size, default=500_000_000)
+    """Gradient elements reduced together."""
+    overlap_comm: bool | None = _spec(_bool, default=None)
+    """Overlap gradient reduction with backward; None (default) resolves to stage == 3."""
+    contiguous_gradients: bool = _spec(_bool, default=True)
+    """Copy gradients into one contiguous buffer as they are produced."""
+
+    def __post_init__(self) -> None:
+        if self.overlap_comm is None:  # DeepSpeed's dynamic default
+            object.__setattr__(self, "overlap_comm", self.stage == 3)
+        _validate(self)
+        param, optimizer = self.offload_param.device, self.offload_optimizer.device
+        if param != "none" and self.stage != 3:
+            raise ValueError(f"{OffloadParamConfig._PATH}.device: offloading parameters to "
+                             f"{_show(param)} needs zero_optimization.stage 3, "
+                             f"got stage {self.stage}")
+        if optimizer == "nvme" and self.stage != 3:
+            raise ValueError(f"{OffloadOptimizerConfig._PATH}.device: offloading optimizer state "
+                             f'to "nvme" needs zero_optimization.stage 3, got stage {self.stage}')
+        if optimizer == "cpu" and self.stage == 0:
+            raise ValueError(f"{OffloadOptimizerConfig._PATH}.device: offloading optimizer state "
+                             "needs zero_optimization.stage 1, 2 or 3, got stage 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AIOConfig:
+    """Asynchronous NVMe I/O (section `aio`): how one transfer is split and queued."""
+
+    _PATH: ClassVar[str] = "aio"
+
+    block_size: int = _spec(_size, minimum=1, default=1_048_576)
+    """Bytes per I/O request a transfer is split into."""
+    queue_depth: int = _spec(_int, minimum=1, default=8)
+    """Requests each worker keeps in flight."""
+    thread_count: int = _spec(_int, minimum=1, default=1)
+    """Worker threads per transfer (DeepSpeed's newer name: intra_op_parallelism)."""
+    single_submit: bool = _spec(_bool, default=False)
+    """Submit requests one at a time instead of in batches."""
+    overlap_events: bool = _spec(_bool, default=True)
+    """Reap completions while still submitting."""
+    engine: str = _spec(_choice, ("auto", "io_uring", "aio", "psync"), default="auto")
+    """Kernel interface (infinity's own key, written by aio_bench_sweep): io_uring, kernel AIO,
+    or a pread thread pool; auto picks the best the kernel offers."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InfinityConfig:
+    """A whole job's configuration: one sub-config per DeepSpeed section, plus top-level keys."""
+
+    _PATH: ClassVar[str] = ""
+
+    batch: BatchConfig = _spec(_instance, BatchConfig)
+    """Batch sizes (top-level train_batch_size, train_micro_batch_size_per_gpu, ...)."""
+    fp16: FP16Config = _spec(_instance, FP16Config, factory=FP16Config)
+    """fp16 mixed precision and loss scaling."""
+    bf16: BF16Config = _spec(_instance, BF16Config, factory=BF16Config)
+    """bf16 mixed precision."""
+    optimizer: OptimizerConfig | None = _spec(_optional(_instance), OptimizerConfig, default=None)
+    """The optimizer to build; None when the caller passes its own."""
+    scheduler: SchedulerConfig | None = _spec(_optional(_instance), SchedulerConfig, default=None)
+    """The learning-rate schedule to build; None for none (or the caller's own)."""
+    zero: ZeroConfig = _spec(_instance, ZeroConfig, factory=ZeroConfig)
+    """ZeRO stage and offload (JSON section `zero_optimization`)."""
+    aio: AIOConfig = _spec(_instance, AIOConfig, factory=AIOConfig)
+    """NVMe I/O tuning."""
+    gradient_clipping: float = _spec(_float, minimum=0.0, default=0.0)
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    steps_per_print: int | None = _spec(_optional(_int), minimum=1, default=10)
+    """Report progress every this many optimizer steps; None never does."""
+    wall_clock_breakdown: bool = _spec(_bool, default=False)
+    """Time forward, backward and step separately and report them."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ValueError("fp16.enabled, bf16.enabled: both are true; enable at most one")
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """dtype of parameters and activations on the device: float16, bfloat16 or float32."""
+        if self.fp16.enabled:
+            return torch.float16
+        if self.bf16.enabled:
+            return torch.bfloat16
+        return torch.float32
+
+
+# --------------------------------------------------------------------------------------------
+# Key tables (see [Note: which DeepSpeed keys are accepted])
+# --------------------------------------------------------------------------------------------
+
+_Check = Callable[[Any, str], Any]
+
+
+def _fraction(value: Any, path: str) -> float:
+    return _float(value, path, minimum=0.0, maximum=1.0)
+
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_ROOT_SCALARS = ("gradient_clipping", "steps_per_print", "wall_clock_breakdown")
+_ROOT_SECTIONS = ("fp16", "bf16", "bfloat16", "optimizer", "scheduler", "zero_optimization", "aio")
+
+_NO_EFFECT_ROOT: dict[str, _Check] = {
+    "zero_allow_untested_optimizer": _bool,
+    "zero_force_ds_cpu_optimizer": _bool,
+}
+_DEFAULT_ONLY_ROOT: dict[str, Any] = {
+    "prescale_gradients": False, "gradient_predivide_factor": 1.0, "sparse_gradients": False,
+    "disable_allgather": False, "dump_state": False, "memory_breakdown": False,
+    "dataloader_drop_last": False,
+}
+_NOT_IMPLEMENTED_ROOT: dict[str, str] = {
+    name: "" for name in (
+        "activation_checkpointing", "autotuning", "checkpoint", "comet", "comms_logger",
+        "communication_data_type", "compile", "compression_training", "csv_monitor",
+        "curriculum_learning", "data_efficiency", "data_types", "datastates", "eigenvalue",
+        "elasticity", "expert_parallel", "flops_profiler", "gradient_allreduce_op",
+        "graph_harvesting", "hybrid_engine", "log_level", "managed_gradient_accumulation",
+        "nebula", "pipeline", "progressive_layer_drop", "quantize_training",
+        "seq_parallel_comm_data_type", "sequence_parallel_size", "sparse_attention",
+        "swap_tensor", "tensor_parallel", "tensorboard", "timers",
+        "use_data_before_expert_parallelism", "vocabulary_size", "wandb", "weight_quantization",
+    )
+} | {
+    "amp": "use bf16 or fp16",
+    "torch_autocast": "use bf16 or fp16",
+}
+
+_DEFAULT_ONLY_FP16: dict[str, Any] = {"auto_cast": False, "fp16_master_weights_and_grads": False}
+_NOT_IMPLEMENTED_FP16 = {"fused_mode": "a legacy DeepSpeed key"}
+
+_NO_EFFECT_BF16: dict[str, _Check] = {"immediate_grad_update": _bool}
+_DEFAULT_ONLY_BF16: dict[str, Any] = {
+    "check_grad_overflow": False, "bf16_master_weights_and_grads": False,
+    "bf16_optimizer_states": False,
+}
+
+_DEFAULT_ONLY_OPTIMIZER: dict[str, Any] = {"legacy_fusion": False}
+_NO_EFFECT_ADAM: dict[str, _Check] = {"torch_adam": _bool}
+_DEFAULT_ONLY_ADAM: dict[str, Any] = {
+    "amsgrad": False, "bias_correction": True, "fp32_optimizer_states": True,
+}
+_NOT_IMPLEMENTED_ADAM = {
+    "max_grad_norm": "use the top-level gradient_clipping (DeepSpeed refuses it here too)",
+}
+
+_NO_EFFECT_ZERO: dict[str, _Check] = {
+    **{name: _bool for name in (
+        "reduce_scatter", "allgather_partitions", "round_robin_gradients",
+        "ignore_unused_parameters", "use_multi_rank_bucket_allreduce", "memory_efficient_linear",
+        "override_module_apply", "log_trace_cache_warnings", "enable_sanity_checks",
+        "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential",
+    )},
+    **{name: _size for name in (
+        "allgather_bucket_size", "stage3_module_granularity_threshold",
+        "stage3_partition_stream_chunk_size",
+    )},
+}
+_DEFAULT_ONLY_ZERO: dict[str, Any] = {"load_from_fp32_weights": True, "elastic_checkpoint": False}
+_NOT_IMPLEMENTED_ZERO: dict[str, str] = {
+    name: "" for name in (
+        "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+        "zero_quantized_gradients", "zeropp_loco_param", "mics_shard_size",
+        "mics_hierarchical_params_gather", "zenflow", "leaf_module",
+        "stage3_model_persistence_threshold", "save_muon_momentum_buffer_in_memory",
+        "pipeline_loading_checkpoint", "legacy_stage1",
+    )
+} | {
+    "cpu_offload": 'deprecated in DeepSpeed; use offload_optimizer {"device": "cpu"}',
+    "cpu_offload_param": 'deprecated in DeepSpeed; use offload_param {"device": "cpu"}',
+    "cpu_offload_use_pin_memory": "deprecated in DeepSpeed; use pin_memory in offload_param "
+                                  "or offload_optimizer",
+    "stage3_gather_fp16_weights_on_model_save": "deprecated in DeepSpeed; use "
+                                                "stage3_gather_16bit_weights_on_model_save",
+}
+
+_NO_EFFECT_OFFLOAD_OPTIMIZER: dict[str, _Check] = {
+    "convert_grad_on_cpu": _bool, "cpuadam_cores_perc": _fraction,
+}
+_DEFAULT_ONLY_OFFLOAD_OPTIMIZER: dict[str, Any] = {"ratio": 1.0, "super_offload": False}
+
+_DEFAULT_ONLY_AIO: dict[str, Any] = {"use_gds": False}
+
+
+# --------------------------------------------------------------------------------------------
+# Parsing
+# --------------------------------------------------------------------------------------------
+
+def load_config(config: Mapping[str, Any] | str | os.PathLike[str] | InfinityConfig, *,
+                world_size: int = 1) -> InfinityConfig:
+    """Parse a DeepSpeed config (a dict, or the path of a JSON file) for `world_size` ranks.
+
+    The dict is not modified. An `InfinityConfig` is returned as it is if it was built for the
+    same world size.
+    """
+    world_size = _int(world_size, "world_size", minimum=1)
+    if isinstance(config, InfinityConfig):
+        if config.batch.world_size != world_size:
+            raise ValueError(f"world_size: the config was built for world_size "
+                             f"{config.batch.world_size}, got {world_size}")
+        return config
+    raw = _read(config)
+    _reject_auto(raw)
+    return _parse_root(raw, world_size)
+
+
+def _read(config: Any) -> Any:
+    if isinstance(config, Mapping):
+        return config
+    if not isinstance(config, (str, os.PathLike)):
+        raise TypeError(f"config: expected a dict or the path of a JSON file, "
+                        f"got {type(config).__name__}")
+    path = Path(config)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"config: no such file: {path}") from None
+    try:
+        return json.loads(text, object_pairs_hook=_without_duplicates)
+    except ValueError as error:  # json.JSONDecodeError is a ValueError
+        raise ValueError(f"config: {path}: invalid JSON: {error}") from None
+
+
+def _without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
+def _auto_paths(value: Any, path: str) -> list[str]:
+    if isinstance(value, str):
+        return [path] if value == "auto" else []
+    if isinstance(value, Mapping):
+        return [found for key, item in value.items()
+                for found in _auto_paths(item, _join(path, str(key)))]
+    if isinstance(value, (list, tuple)):
+        return [found for i, item in enumerate(value)
+                for found in _auto_paths(item, f"{path}[{i}]")]
+    return []
+
+
+def _reject_auto(raw: Any) -> None:
+    paths = _auto_paths(raw, "")
+    if paths:
+        raise ValueError(
+            f'{", ".join(paths)}: "auto" must be resolved before the config reaches infinity. '
+            '"auto" is a trainer-integration convention (e.g. Hugging Face Trainer fills these '
+            "in from its own arguments): let the integration resolve them and pass the resolved "
+            "config, or write the values in")
+
+
+def _take(raw: Any, path: str, accepted: tuple[str, ...], *,
+          no_effect: Mapping[str, _Check] | None = None,
+          default_only: Mapping[str, Any] | None = None,
+          not_implemented: Mapping[str, str] | None = None,
+          misplaced: Mapping[str, str] | None = None,
+          required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The accepted keys of one JSON object; every other key is checked here and then dropped
+    or refused (see [Note: which DeepSpeed keys are accepted])."""
+    no_effect, default_only = no_effect or {}, default_only or {}
+    not_implemented, misplaced = not_implemented or {}, misplaced or {}
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"{path or 'config'}: expected an object ({{...}}), got {_show(raw)}")
+    taken: dict[str, Any] = {}
+    for key, value in raw.items():
+        key_path = _join(path, str(key))
+        if not isinstance(key, str):
+            raise TypeError(f"{key_path}: keys must be strings, got {key!r}")
+        if key in accepted:
+            taken[key] = value
+        elif key in no_effect:
+            no_effect[key](value, key_path)
+        elif key in default_only:
+            _require_default(value, key_path, default_only[key])
+        elif key in not_implemented:
+            hint = not_implemented[key]
+            raise ValueError(f"{key_path}: {NOT_IMPLEMENTED}" + (f"; {hint}" if hint else ""))
+        elif key in misplaced:
+            raise ValueError(f"{key_path}: unknown key here; it belongs in {misplaced[key]} "
+                             "(DeepSpeed silently ignores it here)")
+        else:
+            valid = (*accepted, *no_effect, *default_only)
+            raise ValueError(_unknown_key_message(key, path, valid))
+    for key in required:
+        if key not in taken:
+            raise ValueError(f"{_join(path, key)}: required key is missing")
+    return taken
+
+
+def _require_default(value: Any, path: str, default: Any) -> None:
+    if isinstance(default, bool) or default is None:
+        is_default = value is default
+    elif isinstance(default, numbers.Real):
+        is_default = (not isinstance(value, bool) and isinstance(value, numbers.Real)
+                      and value == default)
+    else:
+        is_default = value == default
+    if not is_default:
+        raise ValueError(f"{path}: {NOT_IMPLEMENTED} except at DeepSpeed's default "
+                         f"{json.dumps(default)}, got {_show(value)}")
+
+
+def _unknown_key_message(key: str, section: str, valid: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1)
+    if close:
+        return f"{_join(section, key)}: unknown key; did you mean {_join(section, close[0])}?"
+    return f"{_join(section, key)}: unknown key; valid keys here: {', '.join(sorted(valid))}"
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
+def _required_fields(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls)
+                 if f.default is MISSING and f.default_factory is MISSING)
+
+
+def _parse_section(raw: Any, path: str, cls: type, **tables: Any) -> Any:
+    """A section whose keys are exactly the fields of `cls`, plus the given key tables."""
+    return cls(**_take(raw, path, _field_names(cls), required=_required_fields(cls), **tables))
+
+
+def _parse_root(raw: Any, world_size: int) -> InfinityConfig:
+    keys = _take(raw, "", (*_BATCH_KEYS, *_ROOT_SCALARS, *_ROOT_SECTIONS),
+                 no_effect=_NO_EFFECT_ROOT, default_only=_DEFAULT_ONLY_ROOT,
+                 not_implemented=_NOT_IMPLEMENTED_ROOT)
+    if "bf16" in keys and "bfloat16" in keys:
+        raise ValueError("bfloat16: DeepSpeed's legacy name for bf16; give only bf16")
+    bf16_key = "bfloat16" if "bfloat16" in keys else "bf16"
+    if bf16_key == "bfloat16" and isinstance(keys[bf16_key], Mapping):  # name the key as written
+        _bool(keys[bf16_key].get("enabled", False), "bfloat16.enabled")
+    return InfinityConfig(
+        batch=_parse_batch(keys, world_size),
+        fp16=_parse_section(keys.get("fp16", {}), "fp16", FP16Config,
+                            default_only=_DEFAULT_ONLY_FP16,
+                            not_implemented=_NOT_IMPLEMENTED_FP16),
+        bf16=_parse_section(keys.get(bf16_key, {}), bf16_key, BF16Config,
+                            no_effect=_NO_EFFECT_BF16, default_only=_DEFAULT_ONLY_BF16),
+        optimizer=_parse_optimizer(keys["optimizer"]) if "optimizer" in keys else None,
+        scheduler=_parse_scheduler(keys["scheduler"]) if "scheduler" in keys else None,
+        zero=_parse_zero(keys.get("zero_optimization", {})),
+        aio=_parse_aio(keys.get("aio", {})),
+        **{name: keys[name] for name in _ROOT_SCALARS if name in keys},
+    )
+
+
+def _parse_batch(keys: Mapping[str, Any], world_size: int) -> BatchConfig:
+    """Derive the missing batch sizes as DeepSpeed's `_configure_train_batch_size` does."""
+    given = {name: _int(keys[name], name, minimum=1) for name in _BATCH_KEYS if name in keys}
+    train = given.get("train_batch_size")
+    micro = given.get("train_micro_batch_size_per_gpu")
+    accumulation = given.get("gradient_accumulation_steps")
+    if train is None and micro is None:
+        raise ValueError("train_batch_size, train_micro_batch_size_per_gpu: give at least one "
+                         "(the other is derived from gradient_accumulation_steps and world size)")
+    if train is None:
+        accumulation = 1 if accumulation is None else accumulation
+        train = micro * accumulation * world_size
+    elif micro is None:
+        accumulation = 1 if accumulation is None else accumulation
+        _require_divisible(train, accumulation * world_size,
+                           f"gradient_accumulation_steps {accumulation} * world_size {world_size}")
+        micro = train // (accumulation * world_size)
+    elif accumulation is None:
+        _require_divisible(train, micro * world_size,
+                           f"train_micro_batch_size_per_gpu {micro} * world_size {world_size}")
+        accumulation = train // (micro * world_size)
+    return BatchConfig(train_batch_size=train, train_micro_batch_size_per_gpu=micro,
+                       gradient_accumulation_steps=accumulation, world_size=world_size)
+
+
+def _require_divisible(train: int, divisor: int, divisor_text: str) -> None:
+    if train % divisor:
+        raise ValueError(f"train_batch_size: {train} is not a multiple of {divisor_text} "
+                         f"(= {divisor})")
+
+
+def _parse_optimizer(raw: Any) -> OptimizerConfig:
+    keys = _take(raw, "optimizer", ("type", "params"), default_only=_DEFAULT_ONLY_OPTIMIZER,
+                 misplaced={name: f"optimizer.params.{name}"
+                            for name in (*_field_names(AdamParams), *_NO_EFFECT_ADAM)},
+                 required=("type",))
+    params = _parse_section(keys.get("params", {}), "optimizer.params", AdamParams,
+                            no_effect=_NO_EFFECT_ADAM, default_only=_DEFAULT_ONLY_ADAM,
+                            not_implemented=_NOT_IMPLEMENTED_ADAM)
+    return OptimizerConfig(type=keys["type"], params=params)
+
+
+def _parse_scheduler(raw: Any) -> SchedulerConfig:
+    all_params = {name for cls in _SCHEDULER_PARAMS.values() for name in _field_names(cls)}
+    keys = _take(raw, "scheduler", ("type", "params"),
+                 misplaced={name: f"scheduler.params.{name}" for name in all_params},
+                 required=("type",))
+    kind = _scheduler_type(keys["type"], "scheduler.type")
+    params = _parse_section(keys.get("params", {}), "scheduler.params", _SCHEDULER_PARAMS[kind])
+    return SchedulerConfig(type=kind, params=params)
+
+
+def _parse_zero(raw: Any) -> ZeroConfig:
+    path = ZeroConfig._PATH
+    keys = _take(raw, path, _field_names(ZeroConfig), no_effect=_NO_EFFECT_ZERO,
+                 default_only=_DEFAULT_ONLY_ZERO, not_implemented=_NOT_IMPLEMENTED_ZERO)
+    # DeepSpeed takes null for "no offload".
+    offload_param = keys.get("offload_param")
+    keys["offload_param"] = _parse_section(
+        {} if offload_param is None else offload_param, OffloadParamConfig._PATH,
+        OffloadParamConfig)
+    offload_optimizer = keys.get("offload_optimizer")
+    keys["offload_optimizer"] = _parse_section(
+        {} if offload_optimizer is None else offload_optimizer, OffloadOptimizerConfig._PATH,
+        OffloadOptimizerConfig,
+        no_effect=_NO_EFFECT_OFFLOAD_OPTIMIZER, default_only=_DEFAULT_ONLY_OFFLOAD_OPTIMIZER)
+    return ZeroConfig(**keys)
+
+
+def _parse_aio(raw: Any) -> AIOConfig:
+    keys = _take(raw, "aio", (*_field_names(AIOConfig), "intra_op_parallelism"),
+                 default_only=_DEFAULT_ONLY_AIO)
+    if "intra_op_parallelism" in keys:
+        threads = _int(keys.pop("intra_op_parallelism"), "aio.intra_op_parallelism", minimum=1)
+        count = _int(keys.get("thread_count", threads), "aio.thread_count", minimum=1)
+        if count != threads:
+            raise ValueError(
+                f"aio.intra_op_parallelism, aio.thread_count: two names for the same setting "
+                f"with different values ({threads} and {count}); give one")
+        keys["thread_count"] = threads
+    return AIOConfig(**keys)

@@ -1,0 +1,244 @@
+"""DeepSpeed's warmup learning-rate schedules: WarmupLR, WarmupDecayLR and WarmupCosineLR.
+
+Same parameter names, defaults and numbers as DeepSpeed's `deepspeed.runtime.lr_schedules`, so
+a job that moves over keeps its learning-rate curve, and resumes from DeepSpeed's scheduler
+state (`{"last_batch_iteration": n}`).
+
+[Note: DeepSpeed's step counting]
+`last_batch_iteration` is the index of the last step taken. A schedule built with the default
+-1 writes the lr of "iteration -1" into the optimizer at once (warmup_min_lr; 0 for the cosine
+schedule) and does not step; each `step()` then advances one iteration and writes that
+iteration's lr. Iteration i < warmup_num_steps is in warmup, with progress
+log(i + 1) / log(warmup_num_steps) ("log") or i / warmup_num_steps ("linear"), and DeepSpeed
+warms up over at least 2 steps (so that the log is defined). A schedule built with another
+last_batch_iteration resumes there: it leaves the optimizer's lr alone until the next `step()`.
+
+[Note: why these are not torch LRScheduler subclasses]
+torch's LRScheduler steps once inside its constructor, counts epochs from 0, needs
+`initial_lr` in every param group to resume, and warns when stepped before `optimizer.step()`.
+Following it would change either DeepSpeed's numbers or its state dict, so these are plain
+objects with LRScheduler's everyday surface: `optimizer`, `step()`, `get_lr()`,
+`get_last_lr()`, `state_dict()` and `load_state_dict()`.
+
+Deliberate differences from DeepSpeed: an unknown warmup_type is an error (DeepSpeed warns and
+uses "log"), and `get_last_lr()` returns Python floats even where the optimizer keeps its lr
+in a tensor (which is updated in place).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import fields
+from typing import Any
+
+import torch
+
+from infinity.config import WARMUP_TYPES, SchedulerConfig
+
+__all__ = ["WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "build_scheduler"]
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    return int(value)
+
+
+def _param_groups(optimizer: Any) -> list[dict[str, Any]]:
+    """The param groups of a torch optimizer, or of a wrapper that holds one as `.optimizer`
+    (as DeepSpeed accepts); any object with `param_groups` will do."""
+    for candidate in (optimizer, getattr(optimizer, "optimizer", None)):
+        groups = getattr(candidate, "param_groups", None)
+        if isinstance(groups, list) and all(isinstance(g, dict) and "lr" in g for g in groups):
+            return groups
+    raise TypeError(f"optimizer: expected an optimizer with param_groups, "
+                    f"got {type(optimizer).__name__}")
+
+
+def _per_group(value: Any, name: str, num_groups: int) -> list[float]:
+    """One value per param group: a list or tuple as given, or a number repeated."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != num_groups:
+            raise ValueError(f"{name}: expected {num_groups} values (one per param group), "
+                             f"got {len(value)}")
+        return [float(item) for item in value]
+    return [float(value)] * num_groups
+
+
+class _WarmupSchedule:
+    """What the three schedules share: the optimizer, the step counter and the warmup curve."""
+
+    def __init__(self, optimizer: Any, *, warmup_num_steps: int, warmup_type: str,
+                 last_batch_iteration: int) -> None:
+        warmup_num_steps = _positive_int(warmup_num_steps, "warmup_num_steps")
+        if warmup_type not in WARMUP_TYPES:
+            raise ValueError(f"warmup_type: expected one of {', '.join(map(repr, WARMUP_TYPES))}, "
+                             f"got {warmup_type!r}")
+        if isinstance(last_batch_iteration, bool) or not isinstance(last_batch_iteration, int):
+            raise TypeError(f"last_batch_iteration: expected an integer, "
+                            f"got {last_batch_iteration!r}")
+        self.optimizer = optimizer
+        _param_groups(optimizer)  # fail now rather than at the first step
+        self.warmup_num_steps = max(2, warmup_num_steps)  # see [Note: DeepSpeed's step counting]
+        self.warmup_type = warmup_type
+        self.last_batch_iteration = last_batch_iteration
+        self._inverse_log_warmup = 1.0 / math.log(self.warmup_num_steps)
+        self._last_lr: list[float] | None = None
+
+    @property
+    def _groups(self) -> list[dict[str, Any]]:
+        # Looked up every time: torch's Optimizer.load_state_dict replaces the list.
+        return _param_groups(self.optimizer)
+
+    def _warmup_progress(self, iteration: int) -> float:
+        """Fraction of warmup done at 0 <= iteration < warmup_num_steps."""
+        if self.warmup_type == "log":
+            return self._inverse_log_warmup * math.log(iteration + 1)
+        return iteration / self.warmup_num_steps
+
+    def get_lr(self) -> list[float]:
+        """The lr of every param group at iteration `last_batch_iteration`."""
+        raise NotImplementedError
+
+    def step(self, last_batch_iteration: int | None = None) -> None:
+        """Advance one iteration (or jump to `last_batch_iteration`) and write its lr."""
+        if last_batch_iteration is None:
+            last_batch_iteration = self.last_batch_iteration + 1
+        self.last_batch_iteration = last_batch_iteration
+        self._write(self.get_lr())
+
+    def get_last_lr(self) -> list[float]:
+        """The lr last written into the optimizer, one per param group."""
+        if self._last_lr is None:
+            raise RuntimeError("get_last_lr: no learning rate written yet: the schedule resumes "
+                               f"after iteration {self.last_batch_iteration}; call step() first")
+        return list(self._last_lr)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"last_batch_iteration": self.last_batch_iteration}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume after `last_batch_iteration`; the optimizer's lr is left until `step()`."""
+        self.last_batch_iteration = state_dict["last_batch_iteration"]
+
+    def _write(self, lrs: list[float]) -> None:
+        for group, lr in zip(self._groups, lrs):
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+        self._last_lr = list(lrs)
+
+
+class WarmupLR(_WarmupSchedule):
+    """Raise the lr of each param group from warmup_min_lr to warmup_max_lr over
+    warmup_num_steps steps, then hold it at warmup_max_lr.
+
+    warmup_min_lr and warmup_max_lr take one number, or a list with one per param group;
+    warmup_max_lr None takes the lr of the optimizer's first param group.
+    """
+
+    def __init__(self, optimizer: Any, warmup_min_lr: float | list[float] = 0.0,
+                 warmup_max_lr: float | list[float] | None = None, warmup_num_steps: int = 1000,
+                 warmup_type: str = "log", last_batch_iteration: int = -1) -> None:
+        super().__init__(optimizer, warmup_num_steps=warmup_num_steps, warmup_type=warmup_type,
+                         last_batch_iteration=last_batch_iteration)
+        if warmup_max_lr is None:
+            warmup_max_lr = float(self._groups[0]["lr"])
+        self.min_lrs = _per_group(warmup_min_lr, "warmup_min_lr", len(self._groups))
+        self.max_lrs = _per_group(warmup_max_lr, "warmup_max_lr", len(self._groups))
+        self.delta_lrs = [high - low for high, low in zip(self.max_lrs, self.min_lrs)]
+        if last_batch_iteration == -1:
+            self._write(self.get_lr())
+
+    def _gamma(self, iteration: int) -> float:
+        """Position between warmup_min_lr (0) and warmup_max_lr (1) at `iteration` >= 0."""
+        if iteration < self.warmup_num_steps:
+            return self._warmup_progress(iteration)
+        return 1.0
+
+    def get_lr(self) -> list[float]:
+        if self.last_batch_iteration < 0:
+            return list(self.min_lrs)
+        gamma = self._gamma(self.last_batch_iteration)
+        return [low + delta * gamma for low, delta in zip(self.min_lrs, self.delta_lrs)]
+
+
+class WarmupDecayLR(WarmupLR):
+    """WarmupLR's warmup, then a linear decay from warmup_max_lr back to warmup_min_lr at
+    total_num_steps, where the lr stays."""
+
+    def __init__(self, optimizer: Any, total_num_steps: int,
+                 warmup_min_lr: float | list[float] = 0.0,
+                 warmup_max_lr: float | list[float] = 0.001, warmup_num_steps: int = 1000,
+                 warmup_type: str = "log", last_batch_iteration: int = -1) -> None:
+        # Set before the base class writes the first lr.
+        self.total_num_steps = _positive_int(total_num_steps, "total_num_steps")
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
+                         last_batch_iteration)
+
+    def _gamma(self, iteration: int) -> float:
+        if iteration < self.warmup_num_steps:
+            return self._warmup_progress(iteration)
+        decay_steps = max(1.0, self.total_num_steps - self.warmup_num_steps)
+        return max(0.0, float(self.total_num_steps - iteration) / float(decay_steps))
+
+
+class WarmupCosineLR(_WarmupSchedule):
+    """Scale each param group's lr (as found when the schedule is built) by a ratio that rises
+    from warmup_min_ratio to 1 over warmup_num_steps steps, then falls along a half cosine to
+    cos_min_ratio at total_num_steps, where it stays."""
+
+    def __init__(self, optimizer: Any, total_num_steps: int, warmup_min_ratio: float = 0.0,
+                 warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001,
+                 warmup_type: str = "log", last_batch_iteration: int = -1) -> None:
+        super().__init__(optimizer, warmup_num_steps=warmup_num_steps, warmup_type=warmup_type,
+                         last_batch_iteration=last_batch_iteration)
+        self.total_num_steps = _positive_int(total_num_steps, "total_num_steps")
+        self.warmup_min_ratio = float(warmup_min_ratio)
+        self.cos_min_ratio = float(cos_min_ratio)
+        self.org_lrs = [float(group["lr"]) for group in self._groups]
+        if last_batch_iteration == -1:
+            self._write(self.get_lr())
+
+    def get_lr_ratio(self) -> float:
+        """The factor applied to every param group's lr at iteration `last_batch_iteration`."""
+        iteration = self.last_batch_iteration
+        if iteration < 0:
+            return 0.0
+        if iteration < self.warmup_num_steps:
+            progress = self._warmup_progress(iteration)
+            return self.warmup_min_ratio + progress * (1.0 - self.warmup_min_ratio)
+        steps_into_decay = iteration - self.warmup_num_steps + 1
+        decay_steps = max(1, self.total_num_steps - self.warmup_num_steps)
+        # Clamped so that the ratio rests at cos_min_ratio after total_num_steps, as in
+        # current DeepSpeed (older versions let the cosine climb back up).
+        progress = min(1.0, steps_into_decay / decay_steps)
+        cosine = (1 + math.cos(math.pi * progress)) / 2
+        return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
+
+    def get_lr(self) -> list[float]:
+        if self.last_batch_iteration < 0:
+            return [0.0 for _ in self.org_lrs]
+        ratio = self.get_lr_ratio()
+        return [lr * ratio for lr in self.org_lrs]
+
+
+_SCHEDULES: dict[str, type[_WarmupSchedule]] = {
+    "WarmupLR": WarmupLR,
+    "WarmupDecayLR": WarmupDecayLR,
+    "WarmupCosineLR": WarmupCosineLR,
+}
+
+
+def build_scheduler(config: SchedulerConfig | None, optimizer: Any) -> _WarmupSchedule | None:
+    """The schedule a `scheduler` config section describes, driving `optimizer`'s lr; None for
+    no section. Built with the default last_batch_iteration -1, it sets the optimizer's lr at
+    once (see [Note: DeepSpeed's step counting])."""
+    if config is None:
+        return None
+    if not isinstance(config, SchedulerConfig):
+        raise TypeError(f"scheduler: expected a SchedulerConfig, got {type(config).__name__}")
+    params = {spec.name: getattr(config.params, spec.name) for spec in fields(config.params)}
+    return _SCHEDULES[config.type](optimizer, **params)
