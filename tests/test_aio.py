@@ -317,9 +317,16 @@ def test_aligned_empty_shapes():
     assert aligned_empty(0).numel() == 0
     with pytest.raises(ValueError, match="numel"):
         aligned_empty(-1)
+    assert aligned_empty(10, pin=False).numel() == 10
+
+
+def test_aligned_empty_is_page_locked():
+    t = aligned_empty(1 << 20, pin=None if torch.cuda.is_available() else True)
+    with open("/proc/self/status") as f:
+        locked_kib = next(int(line.split()[1]) for line in f if line.startswith("VmLck:"))
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="pin"):
-            aligned_empty(10, pin=True)
+        assert locked_kib >= 1024  # mlock'ed, since there is no CUDA to pin with
+    del t
 
 
 @pytest.mark.gpu

@@ -1,5 +1,8 @@
 #include "aligned_buffer.h"
 
+#include <errno.h>
+#include <sys/mman.h>
+
 #include <cstdlib>
 #include <new>
 
@@ -12,10 +15,19 @@ AlignedBuffer::AlignedBuffer(size_t nbytes, size_t alignment) : size_(nbytes) {
   void* mem = nullptr;
   if (posix_memalign(&mem, alignment < page ? page : alignment, bytes) != 0) throw std::bad_alloc();
   data_ = static_cast<char*>(mem);
+  capacity_ = bytes;
+}
+
+int AlignedBuffer::lock() {
+  if (locked_) return 0;
+  if (mlock(data_, capacity_) != 0) return errno;
+  locked_ = true;
+  return 0;
 }
 
 AlignedBuffer::~AlignedBuffer() {
   if (hook_) hook_();
+  if (locked_) munlock(data_, capacity_);
   std::free(data_);
 }
 

@@ -74,6 +74,9 @@ PYBIND11_MODULE(_aio, m) {
                              [](const AlignedBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })
       .def_property_readonly("nbytes", &AlignedBuffer::size)
       .def("set_release_hook", &AlignedBuffer::set_release_hook)
+      .def("lock", &AlignedBuffer::lock, py::call_guard<py::gil_scoped_release>(),
+           "mlock the memory; returns 0 or errno")
+      .def_property_readonly("locked", &AlignedBuffer::locked)
       .def_buffer([](AlignedBuffer& b) {
         return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<py::ssize_t>(b.size())}, {1});

@@ -1,4 +1,5 @@
-"""Exact-size, page-aligned host memory, pinned through CUDA when a GPU is present.
+"""Exact-size, page-aligned, page-locked host memory: pinned through CUDA when a GPU is
+present, mlock'ed otherwise.
 
 [Note: pinned buffer lifetime]
 torch's pinned allocator rounds every request up to a power of two and caches blocks, so a
@@ -7,15 +8,25 @@ pool of 5 x 100 MB buffers can pin 5 x 128 MiB and never give it back. We alloca
 cudaHostRegister. The tensor returned holds the only reference to the owning buffer object;
 when the tensor dies the buffer's release hook unregisters the pages and then frees them, in
 that order, so the driver never holds a registration on freed memory.
+
+[Note: page-locked even without a GPU]
+O_DIRECT reads into mlock'ed pages ran 2.7 GB/s on this machine's disk against 1.9 GB/s into
+ordinary (already touched) pages: the kernel pins user pages for every request, and locked ones
+need no fault handling. So host buffers are locked whether or not CUDA is there. A process
+whose RLIMIT_MEMLOCK is too small gets one warning and unlocked memory, never an error.
 """
 
 from __future__ import annotations
+
+import os
+import warnings
 
 import torch
 
 from infinity import _aio
 
 PAGE_SIZE = 4096
+_warned_mlock = False
 
 
 def _cuda_host_register(buf: _aio.AlignedBuffer) -> None:
@@ -27,23 +38,32 @@ def _cuda_host_register(buf: _aio.AlignedBuffer) -> None:
     buf.set_release_hook(lambda: cudart.cudaHostUnregister(ptr))
 
 
+def _mlock(buf: _aio.AlignedBuffer) -> None:
+    global _warned_mlock
+    err = buf.lock()
+    if err and not _warned_mlock:
+        _warned_mlock = True
+        warnings.warn(f"could not page-lock {buf.nbytes} bytes of host memory ({os.strerror(err)}); "
+                      "O_DIRECT reads into unlocked memory are slower: raise `ulimit -l`", RuntimeWarning,
+                      stacklevel=3)
+
+
 def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, pin: bool | None = None) -> torch.Tensor:
     """A 1-D CPU tensor of `numel` elements on page-aligned memory of exactly that size.
 
-    `pin=None` pins when CUDA is available; `pin=True` without CUDA is an error.
+    pin=None or True: page-locked (cudaHostRegister with CUDA, mlock without);
+    pin=False: plain pageable memory.
     """
     if not isinstance(numel, int) or numel < 0:
         raise ValueError(f"numel: expected a non-negative int, got {numel!r}")
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype: expected a torch.dtype, got {dtype!r}")
     cuda = torch.cuda.is_available()
-    if pin and not cuda:
-        raise ValueError("pin=True: no CUDA device, so host memory cannot be pinned")
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
     buf = _aio.AlignedBuffer(nbytes, PAGE_SIZE)
-    if cuda and pin is not False:
-        _cuda_host_register(buf)
+    if pin is not False:
+        _cuda_host_register(buf) if cuda else _mlock(buf)
     # frombuffer keeps `buf` alive for as long as the tensor's storage lives.
     return torch.frombuffer(buf, dtype=dtype, count=numel)
