@@ -336,3 +336,22 @@ def test_aligned_empty_is_pinned_on_cuda():
     gpu = t.cuda(non_blocking=True)
     torch.cuda.synchronize()
     assert gpu.shape == t.shape
+
+
+def test_handle_survives_fork(tmp_path):
+    handle = AsyncIOHandle(thread_count=2)
+    handle.write(torch.ones(4096, dtype=torch.uint8), tmp_path / "f")
+    pid = os.fork()
+    if pid == 0:  # the child drops its copy of the handle, whose threads it does not have
+        try:
+            del handle
+            import gc
+
+            gc.collect()
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    back = torch.empty(4096, dtype=torch.uint8)
+    handle.read(back, tmp_path / "f")
+    assert bool((back == 1).all())

@@ -292,7 +292,7 @@ class Worker {
   std::thread thread_;
 };
 
-Engine::Engine(const Config& config) : config_(config) {
+Engine::Engine(const Config& config) : config_(config), owner_pid_(getpid()) {
   for (int i = 0; i < config_.thread_count; ++i) {
     std::string why;
     auto backend = make_backend(config_.engine, config_.queue_depth, &why);
@@ -301,7 +301,15 @@ Engine::Engine(const Config& config) : config_(config) {
   }
 }
 
-Engine::~Engine() { workers_.clear(); }  // each worker drains its queue before joining
+Engine::~Engine() {
+  if (getpid() != owner_pid_) {
+    // In a forked child the workers' threads do not exist: joining them would fail. Leak the
+    // objects; the child's memory goes away with it.
+    for (auto& w : workers_) w.release();
+    return;
+  }
+  workers_.clear();  // each worker drains its queue before joining
+}
 
 int64_t Engine::submit(Op op, char* buf, size_t nbytes, const std::string& path, int64_t offset,
                        bool* direct) {

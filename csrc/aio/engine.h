@@ -157,6 +157,7 @@ class Engine {
   std::unordered_map<uint64_t, std::shared_ptr<Request>> requests_;
   uint64_t next_id_ = 1;
   size_t next_worker_ = 0;
+  int owner_pid_;  // a forked child inherits the object but not the worker threads
 };
 
 }  // namespace infinity::aio

@@ -1,0 +1,38 @@
+"""`ShardState`: where a shard's bytes are, the one enum for every layer (DESIGN.md section 3).
+
+The swapper (this package) moves a shard between `EMPTY`, `NVME`, `NVME_TO_HOST`, `HOST`,
+`HOST_TO_NVME` and `INVALID`; the engine owns the device side (`HOST_TO_DEVICE`, `DEVICE`) and
+reuses this enum for its own shard objects rather than defining another.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ShardState(enum.Enum):
+    """The state of one shard, and the memory held in each.
+
+    EMPTY:          an NVMe extent is reserved but nothing was ever written to it; no host
+                    memory. Reading it is an error: its bytes are not the shard's.
+    NVME:           the bytes are on NVMe only; no host memory.
+    NVME_TO_HOST:   a read from NVMe into a pool buffer is in flight; the buffer is held and
+                    neither read nor reused until the read is waited for.
+    HOST:           the bytes are in a pool buffer (held by fetchers or kept by the host cache);
+                    the NVMe copy is identical unless the shard was changed and not yet written.
+    HOST_TO_NVME:   a write from a host buffer to NVMe is in flight; the buffer is held and must
+                    not change, and the NVMe extent holds neither old nor new bytes for sure.
+    HOST_TO_DEVICE: (engine) a host-to-device copy is in flight; the host buffer is held.
+    DEVICE:         (engine) the bytes are in device memory.
+    INVALID:        a write failed; the NVMe extent holds unknown bytes and no host memory is
+                    held. Reading raises until a later write succeeds.
+    """
+
+    EMPTY = "empty"
+    NVME = "nvme"
+    NVME_TO_HOST = "nvme_to_host"
+    HOST = "host"
+    HOST_TO_NVME = "host_to_nvme"
+    HOST_TO_DEVICE = "host_to_device"
+    DEVICE = "device"
+    INVALID = "invalid"
