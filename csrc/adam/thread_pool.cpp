@@ -1,0 +1,66 @@
+#include "thread_pool.h"
+
+namespace infinity::adam {
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  start_.notify_all();
+  for (std::thread& t : workers_) t.join();
+}
+
+int ThreadPool::num_workers() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<int>(workers_.size());
+}
+
+void ThreadPool::run(int num_tasks, const std::function<void(int)>& task) {
+  if (num_tasks <= 1) {
+    if (num_tasks == 1) task(0);
+    return;
+  }
+  std::lock_guard<std::mutex> run_lock(run_mutex_);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    while (static_cast<int>(workers_.size()) < num_tasks - 1) {
+      const int index = static_cast<int>(workers_.size()) + 1;
+      workers_.emplace_back([this, index] { work(index); });
+    }
+    task_ = &task;
+    num_tasks_ = num_tasks;
+    num_pending_ = num_tasks - 1;
+    ++generation_;
+  }
+  start_.notify_all();
+  task(0);
+  std::unique_lock<std::mutex> lock(mutex_);
+  done_.wait(lock, [this] { return num_pending_ == 0; });
+  task_ = nullptr;
+}
+
+void ThreadPool::work(int index) {
+  uint64_t seen = 0;
+  {
+    // A worker started during a run must take part in that run, not wait for the next one.
+    std::lock_guard<std::mutex> lock(mutex_);
+    seen = generation_ - 1;
+  }
+  for (;;) {
+    const std::function<void(int)>* task;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      start_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      if (index >= num_tasks_) continue;  // this batch needs fewer workers
+      task = task_;
+    }
+    (*task)(index);
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (--num_pending_ == 0) done_.notify_one();
+  }
+}
+
+}  // namespace infinity::adam

@@ -1,0 +1,149 @@
+"""CPUAdam: torch.optim.AdamW (or Adam) for fp32 CPU parameters, on infinity's SIMD kernel.
+
+[Note: state_dict layout]
+The per-parameter state is torch's: `step` (a float32 scalar tensor), `exp_avg`, `exp_avg_sq`,
+so a state dict moves between CPUAdam and torch.optim.AdamW / Adam both ways. Param groups keep
+torch's keys (lr, betas, eps, weight_decay, amsgrad) plus two of our own (adamw_mode,
+bias_correction) that torch ignores; a group loaded from torch gets them from its
+`decoupled_weight_decay` and True. Torch options that change the math and that CPUAdam does not
+implement (amsgrad, maximize) raise instead of being ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+
+from infinity import _adam
+from infinity.optim.functional import check_hyper_params, check_tensor, run_update
+
+__all__ = ["CPUAdam", "DeepSpeedCPUAdam"]
+
+
+class CPUAdam(torch.optim.Optimizer):
+    """Adam / AdamW on the CPU with torch's arithmetic: the same bits as torch.optim.AdamW /
+    Adam with fused=True, and within the last bit, step by step, of their default CPU path.
+
+    adamw_mode=True is AdamW (decoupled weight decay), False is Adam with L2 weight decay added
+    to the gradient. bias_correction=False drops both bias corrections. amsgrad is not
+    implemented and raises. num_threads: threads per update, None for torch.get_num_threads()
+    at each step.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        adamw_mode: bool = True,
+        bias_correction: bool = True,
+        *,
+        num_threads: int | None = None,
+    ) -> None:
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        adamw_mode=adamw_mode, bias_correction=bias_correction)
+        _check_group(defaults)
+        if num_threads is not None and num_threads < 1:
+            raise ValueError(f"CPUAdam: num_threads must be >= 1, got {num_threads}")
+        self._num_threads = num_threads
+        self._updater = _adam.Updater()  # this optimizer's thread pool
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        index = len(self.param_groups) - 1
+        try:
+            _check_group(self.param_groups[index])
+            for i, p in enumerate(self.param_groups[index]["params"]):
+                check_tensor(f"CPUAdam: param_groups[{index}]['params'][{i}]", p,
+                             (torch.float32,), None)
+        except (TypeError, ValueError):
+            self.param_groups.pop()  # leave the optimizer as it was
+            raise
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if not hasattr(self, "_updater"):  # unpickled: torch's __getstate__ keeps no attribute
+            self._updater = _adam.Updater()
+            self._num_threads = None
+        for group in self.param_groups:
+            # A group saved by torch.optim.Adam/AdamW ([Note: state_dict layout]).
+            group.setdefault("adamw_mode", group.get("decoupled_weight_decay", True))
+            group.setdefault("bias_correction", True)
+            _check_group(group)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        num_threads = self._num_threads or torch.get_num_threads()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            hyper = _adam.HyperParams(
+                lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+                eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                adamw_mode=bool(group["adamw_mode"]),
+                bias_correction=bool(group["bias_correction"]))
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                n = p.numel()
+                check_tensor("CPUAdam: param.grad", p.grad, (torch.float32,), n)
+                check_tensor("CPUAdam: state['exp_avg']", state["exp_avg"], (torch.float32,), n)
+                check_tensor("CPUAdam: state['exp_avg_sq']", state["exp_avg_sq"],
+                             (torch.float32,), n)
+                state["step"] += 1
+                hyper.step = int(state["step"].item())
+                run_update(self._updater, hyper, p, p.grad, state["exp_avg"],
+                           state["exp_avg_sq"], half_out=None, offset=0, count=n,
+                           num_threads=num_threads, simd=None)
+        return loss
+
+
+class DeepSpeedCPUAdam(CPUAdam):
+    """CPUAdam under DeepSpeed's name and argument order, so that `from infinity.optim import
+    DeepSpeedCPUAdam` replaces `from deepspeed.ops.adam import DeepSpeedCPUAdam`.
+
+    Parameters must be fp32 (DeepSpeed also updates bf16/fp16 parameters in place; the engine
+    keeps fp32 masters instead). fp32_optimizer_states only matters for such half-precision
+    parameters, so with fp32 ones both values behave as in DeepSpeed.
+    """
+
+    def __init__(
+        self,
+        model_params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        adamw_mode: bool = True,
+        fp32_optimizer_states: bool = True,
+    ) -> None:
+        super().__init__(model_params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         amsgrad=amsgrad, adamw_mode=adamw_mode, bias_correction=bias_correction)
+        self.fp32_optimizer_states = fp32_optimizer_states
+
+
+def _check_group(group: dict[str, Any]) -> None:
+    """Raises ValueError for a hyper-parameter out of range or an option CPUAdam lacks."""
+    for key in ("amsgrad", "maximize"):
+        if group.get(key, False):
+            raise ValueError(f"CPUAdam: {key}=True is not supported")
+    betas = group["betas"]
+    if len(betas) != 2:
+        raise ValueError(f"CPUAdam: betas must be a pair, got {betas!r}")
+    check_hyper_params(float(group["lr"]), float(betas[0]), float(betas[1]),
+                       float(group["eps"]), float(group["weight_decay"]))
