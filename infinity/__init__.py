@@ -1,3 +1,8 @@
 """infinity: train models larger than GPU and CPU memory on one node (ZeRO-Infinity style)."""
 
+from infinity.engine import Engine, initialize
+from infinity.zero.registry import GatheredParameters
+
 __version__ = "0.1.0"
+
+__all__ = ["Engine", "GatheredParameters", "initialize", "__version__"]

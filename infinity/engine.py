@@ -1,0 +1,306 @@
+"""The training engine: DeepSpeed's `initialize` / forward / backward / step over ZeRO units.
+
+[Note: one step]
+forward: units are gathered by their pre-hooks (fetcher.py) and released after use.
+backward: the loss is multiplied by loss_scale / gradient_accumulation_steps; as each unit's
+  gradients are final they are reduce-scattered (mean over ranks) and accumulated in fp32 in the
+  optimizer tier (host memory when offloaded).
+step (at the accumulation boundary): the global gradient norm (all ranks) gives the clip
+  coefficient; fp16 overflow skips the step; otherwise each unit shard is updated by one Adam
+  pass that also writes the new compute-dtype shard into the parameter tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from infinity.config import InfinityConfig, load_config
+from infinity.lr_schedules import build_scheduler
+from infinity.zero import dist as zdist
+from infinity.zero.fetcher import Fetcher
+from infinity.zero.hooks import UnitHooks
+from infinity.zero.loss_scaler import LossScaler
+from infinity.zero.optim_shards import AdamHyper, ResidentOptimizerState
+from infinity.zero.param_shards import ResidentParams
+from infinity.zero.partitioner import UnitPolicy, plan_units
+from infinity.zero.registry import register_units
+from infinity.zero.report import StepReport
+from infinity.zero.unit import Unit, UnitState
+from infinity.zero.zero_optimizer import ZeroOptimizer
+
+log = logging.getLogger("infinity")
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _param_groups(model: nn.Module, model_parameters: Any) -> list[dict]:
+    if model_parameters is None:
+        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        return [dict(g, params=list(g["params"])) for g in items]
+    return [{"params": items}]
+
+
+class Engine:
+    """Wraps a module; forward, backward and step run ZeRO stage 3 (or 1/2) with offload."""
+
+    def __init__(self, model: nn.Module, config: InfinityConfig, *, model_parameters: Any = None,
+                 optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None,
+                 units: UnitPolicy = None):
+        self.config = config
+        self.rank, self.world_size = zdist.init_distributed()
+        self.device = _device()
+        self.module = model
+        self.dtype = config.compute_dtype
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._in_pass = False
+
+        groups = _param_groups(model, model_parameters)
+        self.optimizer = ZeroOptimizer(groups, config.optimizer, optimizer)
+        self.lr_scheduler = lr_scheduler
+        if lr_scheduler is None and config.scheduler is not None:
+            self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
+        fp16 = config.fp16
+        self.scaler = LossScaler(
+            loss_scale=fp16.loss_scale, initial_scale_power=fp16.initial_scale_power,
+            loss_scale_window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
+            consecutive_hysteresis=fp16.consecutive_hysteresis, min_loss_scale=fp16.min_loss_scale,
+        ) if fp16.enabled else None
+
+        zero = config.zero
+        self.units, modules = self._build_units(model, groups, units)
+        self.params = self._param_tier()
+        self.optim_state = self._optimizer_tier()
+        for u in self.units:
+            master = u.initial_shard()
+            self.optim_state.add(u, master)
+            self.params.add(u, master)
+            u.detach_params()
+        self._all_params = {id(s.param) for u in self.units for s in u.slots}
+        self.fetcher = Fetcher(self.units, self.params, max_live_numel=zero.stage3_max_live_parameters,
+                               max_reuse_distance=zero.stage3_max_reuse_distance,
+                               prefetch_numel=zero.stage3_prefetch_bucket_size)
+        self.hooks = UnitHooks(self.units, modules, self.fetcher, self._on_unit_grads)
+        self._first_micro = True
+        self.report = StepReport()
+        for u in self.units:
+            if u.persistent:
+                self.fetcher.acquire(u)
+        self.fetcher.begin_step()
+        model.to(self.device)  # buffers; parameters are empty until gathered
+        register_units(self)
+
+    # ---- construction ---------------------------------------------------------------------
+
+    def _build_units(self, model: nn.Module, groups: list[dict], policy: UnitPolicy):
+        zero = self.config.zero
+        group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+        threshold = zero.stage3_param_persistence_threshold if zero.stage == 3 else 0
+        plans, persistent = plan_units(model, policy, threshold)
+        for name, p in model.named_parameters():
+            if not p.is_floating_point():
+                raise TypeError(f"parameter {name}: only floating-point parameters can be partitioned, got {p.dtype}")
+        units: list[Unit] = []
+        modules: list[nn.Module | None] = []
+        every_unit_persists = zero.stage < 3  # stages 1/2: parameters stay whole on the device
+
+        def add(name, params, module, persists):
+            entries = [(n, p, group_of.get(id(p), -1)) for n, p in params]
+            units.append(Unit(len(units), name, entries, self.dtype, self.device, self.rank, self.world_size,
+                              persistent=persists))
+            modules.append(None if persists else module)
+
+        for plan in plans:
+            if plan.params:
+                add(plan.name, plan.params, plan.module, every_unit_persists)
+        if persistent:
+            add("<persistent>", persistent, None, True)
+        return units, modules
+
+    def _param_tier(self):
+        offload = self.config.zero.offload_param
+        if offload.device == "nvme":
+            from infinity.zero.nvme_params import NvmeParams
+            return NvmeParams(self.device, offload, self.config.aio, rank=self.rank, units=self.units)
+        return ResidentParams(self.device, offload=offload.device == "cpu", pin=offload.pin_memory)
+
+    def _optimizer_tier(self):
+        offload = self.config.zero.offload_optimizer
+        if offload.device == "nvme":
+            from infinity.zero.nvme_optim import NvmeOptimizerState
+            return NvmeOptimizerState(offload, self.config.aio, self.config.zero.sub_group_size, rank=self.rank,
+                                      units=self.units)
+        return ResidentOptimizerState(torch.device("cpu") if offload.device == "cpu" else self.device)
+
+    # ---- the training loop ----------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        if not self._in_pass:
+            self.fetcher.begin_step()
+            self._in_pass = True
+        out = self.module(*args, **kwargs)
+        if not torch.is_grad_enabled():  # evaluation: no backward will end this pass
+            self.fetcher.end_step()
+            self._in_pass = False
+        self.report.add_time("forward", time.perf_counter() - t0)
+        return out
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward of `loss` scaled for accumulation (and fp16 loss scale); reduces gradients."""
+        t0 = time.perf_counter()
+        scale = 1.0 / self.config.batch.gradient_accumulation_steps
+        if self.scaler is not None:
+            scale *= self.scaler.scale
+        self.hooks.in_backward = True
+        try:
+            (loss * scale if scale != 1.0 else loss).backward()
+            self.hooks.finish_backward()
+        finally:
+            self.hooks.in_backward = False
+            self.fetcher.end_step()
+            self._in_pass = False
+        self._first_micro = False
+        self.micro_steps += 1
+        self.report.add_time("backward", time.perf_counter() - t0)
+        return loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.micro_steps % self.config.batch.gradient_accumulation_steps == 0
+
+    def step(self) -> None:
+        """Applies the update at the accumulation boundary; counts the micro-step otherwise."""
+        if not self.is_gradient_accumulation_boundary():
+            return
+        t0 = time.perf_counter()
+        units = [u for u in self.units if any(s.group >= 0 for s in u.slots)]
+        sq, bad = torch.zeros((), dtype=torch.float32), torch.zeros((), dtype=torch.float32)
+        for u in units:
+            s, b = self.optim_state.grad_stats(u)
+            sq += s.cpu()
+            bad = torch.maximum(bad, b.cpu().float())
+        stats = torch.stack([sq, bad]).to(self.device)
+        zdist.all_reduce_sum(stats[:1])
+        zdist.all_reduce_max(stats[1:])
+        sq, overflow = stats[0].item(), bool(stats[1].item())
+        loss_scale = self.scaler.scale if self.scaler else 1.0
+        grad_norm = (sq ** 0.5) / loss_scale
+        grad_scale = 1.0 / loss_scale
+        clip = self.config.gradient_clipping
+        if clip > 0 and not overflow:
+            coef = torch.tensor(clip, dtype=torch.float32) / (torch.tensor(grad_norm, dtype=torch.float32) + 1e-6)
+            grad_scale *= float(torch.clamp(coef, max=1.0))
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+        if overflow:
+            self.skipped_steps += 1
+            log.info("step %d: gradient overflow, skipped; loss scale now %g", self.global_steps, self.scaler.scale)
+        else:
+            self._apply_update(self.optim_state.step_order(units), grad_scale)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self.optim_state.finish_step()
+        self.params.flush()
+        self._first_micro = True
+        self.global_steps += 1
+        self.report.add_time("step", time.perf_counter() - t0)
+        self.report.finish_step(self, grad_norm)
+
+    def _apply_update(self, units: list[Unit], grad_scale: float) -> None:
+        self.optimizer.step_count += 1
+        self.optimizer.mark_stepped()
+        hypers = self.optimizer.hypers()
+        for u in units:
+            self.optim_state.update(u, hypers, self.optimizer.step_count, grad_scale, self.params.update_target(u))
+            self.params.commit(u)
+        for u in self.units:  # persistent units hold gathered copies: refresh them
+            if u.persistent and u.state is UnitState.GATHERED:
+                u.to_released()
+                u.to_gathered(self.params.fetch(u))
+
+    def _on_unit_grads(self, unit: Unit) -> None:
+        with torch.profiler.record_function("infinity::reduce_scatter"):
+            shard = zdist.reduce_scatter_mean(unit.take_grad())
+        last = (self.micro_steps + 1) % self.config.batch.gradient_accumulation_steps == 0
+        self.optim_state.accumulate(unit, shard, first=self._first_micro, last=last)
+
+    # ---- DeepSpeed's engine surface -------------------------------------------------------
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    def zero_grad(self) -> None:
+        for p in self.module.parameters():
+            p.grad = None
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler else 1.0
+
+    def parameters(self) -> Iterable[nn.Parameter]:
+        return self.module.parameters()
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full fp32 state dict on CPU, gathered unit by unit, on rank 0 (empty elsewhere)."""
+        out: dict[str, torch.Tensor] = {}
+        full_values: dict[int, torch.Tensor] = {}
+        for u in self.units:
+            master = self.optim_state.master(u).to(self.device, torch.float32)
+            full = torch.empty(u.padded_numel, dtype=torch.float32, device=self.device)
+            zdist.all_gather(full, master)
+            if self.rank == 0:
+                full = full.cpu()
+                for s in u.slots:
+                    full_values[id(s.param)] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
+        if self.rank != 0:
+            return out
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            out[name] = full_values[id(t)] if id(t) in full_values else t.detach().cpu().clone()
+        return out
+
+    def close(self) -> None:
+        """Releases the tiers (removes NVMe files unless asked to keep them)."""
+        self.hooks.remove()
+        self.params.close()
+        self.optim_state.close()
+
+
+def initialize(model: nn.Module, model_parameters: Any = None, optimizer: torch.optim.Optimizer | None = None,
+               lr_scheduler: Any = None, config: Any = None, args: Any = None, *,
+               units: UnitPolicy = None) -> tuple[Engine, ZeroOptimizer, None, Any]:
+    """DeepSpeed's entry point: returns (engine, optimizer, None, lr_scheduler).
+
+    `config` is a DeepSpeed JSON config (a dict or a path); `args.deepspeed_config` is read when
+    `config` is None, as DeepSpeed does. `units` overrides which modules are gathered together:
+    a list of module classes or a callable (qualified_name, module) -> bool.
+    """
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None)
+    if config is None:
+        raise ValueError("config: expected a DeepSpeed JSON config (dict or path), got None")
+    cfg = load_config(config, world_size=zdist.world_size() if zdist.init_distributed() else 1)
+    engine = Engine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
+                    lr_scheduler=lr_scheduler, units=units)
+    return engine, engine.optimizer, None, engine.lr_scheduler

@@ -1,0 +1,71 @@
+"""Collectives over torch.distributed, with world size 1 as the same code path without a group.
+
+gloo (the CPU backend) has no reduce-scatter and no all-gather into one tensor, so on gloo
+those are built from all_reduce / all_gather of lists; NCCL gets the single-tensor versions.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init_distributed() -> tuple[int, int]:
+    """(rank, world size). Initialises the process group when a launcher's environment is
+    there (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR) and no group exists yet."""
+    if dist.is_available() and not dist.is_initialized() and "WORLD_SIZE" in os.environ:
+        if int(os.environ["WORLD_SIZE"]) > 1:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group(backend)
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _nccl() -> bool:
+    return dist.get_backend() == "nccl"
+
+
+def all_gather(full: torch.Tensor, shard: torch.Tensor) -> None:
+    """Fills `full` (world * len(shard)) with every rank's shard, in rank order."""
+    if world_size() == 1:
+        if full.data_ptr() != shard.data_ptr():
+            full.copy_(shard)
+        return
+    if _nccl():
+        dist.all_gather_into_tensor(full, shard)
+    else:
+        dist.all_gather(list(full.chunk(world_size())), shard)
+
+
+def reduce_scatter_mean(full: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of the element-wise mean of `full` over ranks."""
+    world = world_size()
+    if world == 1:
+        return full
+    if _nccl():
+        shard = torch.empty(full.numel() // world, dtype=full.dtype, device=full.device)
+        dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.AVG)
+        return shard
+    dist.all_reduce(full)
+    return full.chunk(world)[dist.get_rank()].div_(world)
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    if world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t

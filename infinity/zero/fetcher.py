@@ -1,0 +1,154 @@
+"""Gathers units when they are needed, ahead of time when the order is known, within budgets.
+
+[Note: recorded order]
+Each step, every time a unit is needed (forward pre-hook, pre-backward, recomputation) its
+index is appended to the step's trace. The previous step's trace is the schedule: while the
+current step follows it, the fetcher knows what comes next and (1) asks the parameter tier to
+start moving the shards of the next units (up to `prefetch_numel` elements ahead: NVMe reads,
+host-to-device copies), and (2) keeps a unit gathered after use when its next use is within
+`max_reuse_distance` elements. A step that departs from the schedule (another code path) just
+stops prefetching; at the end of the step its trace becomes the new schedule.
+
+[Note: live budget]
+`live_numel` counts the elements of gathered units that are not persistent. Before a unit is
+gathered, kept units are released (the one used furthest in the future first) until the new
+unit fits in `max_live_numel`; the unit being gathered is always gathered, so the peak is at
+most the budget plus one unit. Units in use (their forward or backward running) are never
+released early.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from infinity.zero.param_shards import ParamTier
+from infinity.zero.unit import Unit, UnitState
+
+
+class Fetcher:
+    def __init__(self, units: list[Unit], params: ParamTier, *, max_live_numel: int,
+                 max_reuse_distance: int, prefetch_numel: int):
+        self.units = units
+        self.params = params
+        self.max_live_numel = max_live_numel
+        self.max_reuse_distance = max_reuse_distance
+        self.prefetch_numel = prefetch_numel
+        self.schedule: list[int] | None = None
+        self.trace: list[int] = []
+        self.on_schedule = False
+        self.in_use: dict[int, int] = {}  # unit index -> nesting count of current uses
+        self.live_numel = 0
+        self.peak_live_numel = 0
+        self.gather_seconds = 0.0
+        self._prefetched: set[int] = set()  # schedule positions whose shard read is already issued
+
+    # ---- per step -------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        self.trace = []
+        self.on_schedule = self.schedule is not None
+        self._prefetched = set()
+
+    def end_step(self) -> None:
+        """Releases every non-persistent unit; the step's trace becomes the schedule."""
+        for u in self.units:
+            if u.state is UnitState.GATHERED and not u.persistent:
+                self._release(u)
+        self.in_use.clear()
+        self.params.drop_prefetched()  # a shard may change before its next use (optimizer step)
+        if self.trace and self.trace != self.schedule:
+            self.schedule = list(self.trace)
+            self.params.set_schedule(self.schedule)
+
+    # ---- per use --------------------------------------------------------------------------
+
+    def acquire(self, unit: Unit) -> None:
+        """The unit is about to run: gathered on return, and marked in use."""
+        pos = len(self.trace)
+        self.trace.append(unit.index)
+        if self.on_schedule and (pos >= len(self.schedule) or self.schedule[pos] != unit.index):
+            self.on_schedule = False
+        self.in_use[unit.index] = self.in_use.get(unit.index, 0) + 1
+        if unit.state is UnitState.RELEASED:
+            self._make_room(unit.padded_numel if not unit.persistent else 0)
+            self._gather(unit)
+        if self.on_schedule:
+            self._prefetch(pos + 1)
+
+    def release(self, unit: Unit, *, keep_if_reused: bool = True, force: bool = False) -> None:
+        """The unit's current use is over: released now, or kept if it is needed again soon.
+        `force` ends every use at once (a unit whose gradients are final is not needed again)."""
+        n = 0 if force else self.in_use.get(unit.index, 0) - 1
+        if n > 0:
+            self.in_use[unit.index] = n
+            return
+        self.in_use.pop(unit.index, None)
+        if unit.persistent or unit.state is UnitState.RELEASED:
+            return
+        if keep_if_reused and self._reused_soon(unit) and self.live_numel <= self.max_live_numel:
+            return
+        self._release(unit)
+        if self.on_schedule:
+            self._prefetch(len(self.trace))  # its next use can be read now that it is released
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _gather(self, unit: Unit) -> None:
+        t0 = time.perf_counter()
+        with torch.profiler.record_function("infinity::all_gather"):
+            unit.to_gathered(self.params.fetch(unit))
+        self.gather_seconds += time.perf_counter() - t0
+        if not unit.persistent:
+            self.live_numel += unit.padded_numel
+            self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
+
+    def _release(self, unit: Unit) -> None:
+        unit.to_released()
+        self.params.done(unit)
+        if not unit.persistent:
+            self.live_numel -= unit.padded_numel
+
+    def _next_use(self, index: int) -> int:
+        """Schedule position of the unit's next use after the current one (large if none)."""
+        if not self.on_schedule:
+            return 1 << 62
+        start = len(self.trace)
+        for pos in range(start, len(self.schedule)):
+            if self.schedule[pos] == index:
+                return pos
+        return 1 << 62
+
+    def _reused_soon(self, unit: Unit) -> bool:
+        nxt = self._next_use(unit.index)
+        if nxt >= len(self.schedule or ()):
+            return False
+        between = sum(self.units[i].padded_numel for i in self.schedule[len(self.trace):nxt])
+        return between < self.max_reuse_distance  # 0 keeps nothing, as in DeepSpeed
+
+    def _make_room(self, numel: int) -> None:
+        if self.live_numel + numel <= self.max_live_numel:
+            return
+        kept = [u for u in self.units if u.state is UnitState.GATHERED and not u.persistent
+                and u.index not in self.in_use]
+        kept.sort(key=lambda u: self._next_use(u.index), reverse=True)
+        for u in kept:
+            if self.live_numel + numel <= self.max_live_numel:
+                break
+            self._release(u)
+
+    def _prefetch(self, start: int) -> None:
+        """Asks the tier to start moving the shards of the uses in the next `prefetch_numel`
+        elements of the schedule. A use whose unit is still gathered or has a read pending for
+        an earlier use is retried at the next acquire (a unit used twice is read twice)."""
+        ahead = 0
+        for pos in range(start, len(self.schedule)):
+            if ahead >= self.prefetch_numel:
+                break
+            u = self.units[self.schedule[pos]]
+            ahead += u.padded_numel
+            if pos in self._prefetched or u.state is UnitState.GATHERED:
+                continue
+            if self.params.prefetch(u):
+                self._prefetched.add(pos)

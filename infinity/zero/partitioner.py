@@ -1,0 +1,92 @@
+"""Which modules become units.
+
+[Note: choosing units]
+By default a unit is each child of the largest nn.ModuleList / nn.Sequential whose children are
+all of one class (the transformer blocks of nearly every model); if a model has none, each
+direct child holding parameters is a unit. The user can name module classes or pass a callable
+`(qualified_name, module) -> bool` instead. Whatever no unit claims (embeddings, final norm,
+LM head) forms the root unit, gathered for the root module's whole forward; a parameter shared
+by modules of two units (tied embeddings) goes to the root unit too, because it is used at two
+different times. Parameters of at most `persistence_threshold` elements form one persistent
+unit that is never released (as DeepSpeed's stage3_param_persistence_threshold).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Union
+
+from torch import nn
+
+UnitPolicy = Union[Sequence[type], Callable[[str, nn.Module], bool], None]
+
+
+class UnitPlan(NamedTuple):
+    """Modules whose forward gathers each unit, and the named parameters of each unit."""
+
+    name: str
+    module: nn.Module  # its forward pre-hook gathers the unit
+    params: list[tuple[str, nn.Parameter]]
+
+
+def _auto_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    best: list[tuple[str, nn.Module]] = []
+    best_numel = 0
+    for name, m in model.named_modules():
+        if not isinstance(m, (nn.ModuleList, nn.Sequential)) or len(m) < 2:
+            continue
+        kids = list(m.named_children())
+        if len({type(k) for _, k in kids}) != 1:
+            continue
+        numel = sum(p.numel() for p in m.parameters())
+        if numel > best_numel:
+            best = [(f"{name}.{k}" if name else k, child) for k, child in kids]
+            best_numel = numel
+    if best:
+        return best
+    return [(n, c) for n, c in model.named_children() if any(True for _ in c.parameters())]
+
+
+def _select(model: nn.Module, policy: UnitPolicy) -> list[tuple[str, nn.Module]]:
+    if policy is None:
+        return _auto_blocks(model)
+    if callable(policy) and not isinstance(policy, (list, tuple)):
+        match = policy
+    else:
+        classes = tuple(policy)
+        if not classes or not all(isinstance(c, type) for c in classes):
+            raise TypeError(f"units: expected module classes or a callable, got {policy!r}")
+        match = lambda _name, module: isinstance(module, classes)  # noqa: E731
+    chosen: list[tuple[str, nn.Module]] = []
+    taken: set[str] = set()
+    for name, m in model.named_modules():
+        if m is model or any(name.startswith(t + ".") for t in taken):
+            continue  # outermost match wins: a unit is never nested in another
+        if match(name, m):
+            chosen.append((name, m))
+            taken.add(name)
+    return chosen
+
+
+def plan_units(model: nn.Module, policy: UnitPolicy = None, persistence_threshold: int = 0) -> tuple[
+        list[UnitPlan], list[tuple[str, nn.Parameter]]]:
+    """(units in module order, the last one the root; persistent parameters)."""
+    blocks = _select(model, policy)
+    owner: dict[int, int] = {}  # id(param) -> block index, or -1 when shared between blocks
+    for i, (_, block) in enumerate(blocks):
+        for p in block.parameters():
+            owner[id(p)] = i if owner.get(id(p), i) == i else -1
+
+    per_block: list[list[tuple[str, nn.Parameter]]] = [[] for _ in blocks]
+    root: list[tuple[str, nn.Parameter]] = []
+    persistent: list[tuple[str, nn.Parameter]] = []
+    for name, p in model.named_parameters():  # deduplicated: a tied parameter appears once
+        if 0 < p.numel() <= persistence_threshold:
+            persistent.append((name, p))
+        elif owner.get(id(p), -1) >= 0:
+            per_block[owner[id(p)]].append((name, p))
+        else:
+            root.append((name, p))
+    plans = [UnitPlan(n, m, ps) for (n, m), ps in zip(blocks, per_block) if ps]
+    plans.append(UnitPlan("<root>", model, root))
+    return plans, persistent

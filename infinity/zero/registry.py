@@ -1,0 +1,76 @@
+"""Which engine and unit own a parameter, and `GatheredParameters` built on it.
+
+A weak, identity-keyed map instead of attributes on nn.Parameter (see STYLE.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from infinity.zero import dist as zdist
+from infinity.zero.unit import UnitState
+
+if TYPE_CHECKING:
+    from infinity.engine import Engine
+    from infinity.zero.unit import Unit
+
+_owners: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def register_units(engine: "Engine") -> None:
+    for u in engine.units:
+        for s in u.slots:
+            _owners[s.param] = (engine, u)
+
+
+@contextmanager
+def GatheredParameters(params: torch.nn.Parameter | Iterable[torch.nn.Parameter], modifier_rank: int | None = None,
+                       enabled: bool = True):
+    """Gathers partitioned parameters for the body of the `with`; partitions them again on exit.
+
+    With `modifier_rank` set, that rank's values at exit are broadcast and become the new
+    shards (and the optimizer's fp32 master), as DeepSpeed's context of the same name.
+    Parameters that infinity does not manage pass through untouched.
+    """
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    owners: dict[int, tuple["Engine", "Unit"]] = {}
+    for p in params:
+        if p in _owners:
+            engine, unit = _owners[p]
+            owners[id(unit)] = (engine, unit)
+    gathered = []
+    if enabled:
+        for engine, unit in owners.values():
+            if unit.state is UnitState.RELEASED:
+                unit.to_gathered(engine.params.fetch(unit))
+                gathered.append((engine, unit))
+    try:
+        yield
+    finally:
+        if enabled and modifier_rank is not None:
+            for engine, unit in owners.values():
+                _write_back(engine, unit, modifier_rank)
+        for engine, unit in gathered:
+            unit.to_released()
+            engine.params.done(unit)
+
+
+def _write_back(engine: "Engine", unit: "Unit", src: int) -> None:
+    full = unit.full
+    if zdist.world_size() > 1:
+        torch.distributed.broadcast(full, src)
+    shard = full[unit.rank * unit.shard_numel:(unit.rank + 1) * unit.shard_numel]
+    master = torch.zeros(unit.shard_numel, dtype=torch.float32)
+    master.copy_(shard)
+    # The modifier wrote compute-dtype values; fp32 parameters keep full precision.
+    engine.optim_state.set_master(unit, master)
+    target = engine.params.update_target(unit)
+    if target.data_ptr() != shard.data_ptr():
+        target.copy_(shard)
+    engine.params.commit(unit)
