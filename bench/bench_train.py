@@ -1,0 +1,263 @@
+"""End-to-end training step with parameters and optimizer state on NVMe, against its floors and
+against DeepSpeed ZeRO-Infinity on the same model and config.
+
+    python bench/bench_train.py --layers 20 --dim 2048 --vocab 32000 --steps 3 --nvme-path /work
+
+In one run it measures
+  * infinity: the step with offload_param and offload_optimizer on NVMe (bf16, stage 3);
+  * the compute floor: forward + backward + CPU Adam of the same model all in memory; for a
+    model that does not fit, `--floor-layers` layers are timed and scaled to the full depth;
+  * the I/O floor: the bytes a step must move (params read twice, written once; optimizer
+    state read and written) over the read and write GB/s of our handle, measured now;
+  * DeepSpeed 0.19.8 ZeRO-Infinity on the CPU accelerator with the same config, in the
+    virtual environment given by --ds-python (skipped when missing).
+It prints the step times and the ratios step / max(floors) and DeepSpeed / infinity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GPT_FILE = os.path.join(HERE, "..", "infinity", "models", "gpt.py")
+
+
+def load_gpt():
+    """The model module by path, so the DeepSpeed environment needs no infinity install."""
+    spec = importlib.util.spec_from_file_location("bench_gpt", GPT_FILE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_gpt"] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def ds_config(nvme_path: str, micro: int, bf16: bool = True) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 10 ** 9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_max_reuse_distance": 0,
+            "stage3_prefetch_bucket_size": 0,  # DeepSpeed fails with 'Not enough buffers' otherwise (its #3062)
+            "offload_param": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 5, "max_in_cpu": 0,
+                              "buffer_size": 1e8},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 4},
+        },
+        "aio": {"block_size": 1048576, "queue_depth": 32, "thread_count": 1, "single_submit": False,
+                "overlap_events": True},
+    }
+
+
+def batch(vocab: int, micro: int, seq: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, vocab, (micro, seq + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def time_steps(engine, args, steps: int) -> list[float]:
+    times = []
+    for s in range(steps + 1):  # the first step records the order and warms up
+        idx, tgt = batch(args.vocab, args.micro, args.seq, s)
+        t0 = time.perf_counter()
+        loss = engine(idx, tgt)
+        engine.backward(loss)
+        engine.step()
+        if s:
+            times.append(time.perf_counter() - t0)
+        print(f"  step {s}: {time.perf_counter() - t0:.2f} s, loss {loss.item():.3f}", flush=True)
+    return times
+
+
+def run_infinity(args, gpt) -> dict:
+    import infinity
+
+    cfg = gpt.GPTConfig(vocab_size=args.vocab, seq_len=args.seq, dim=args.dim, layers=args.layers,
+                        heads=args.dim // 64)
+    torch.manual_seed(0)
+    model = gpt.GPT(cfg)
+    work = tempfile.mkdtemp(prefix="bench-train-", dir=args.nvme_path)
+    config = ds_config(work, args.micro)
+    z = config["zero_optimization"]
+    z["stage3_prefetch_bucket_size"] = 5e8  # ours prefetches in the recorded order
+    z["offload_param"]["buffer_count"] = 8
+    z["offload_optimizer"]["buffer_count"] = 9
+    z["sub_group_size"] = 1e8
+    try:
+        engine, *_ = infinity.initialize(model=model, config=config)
+        times = time_steps(engine, args, args.steps)
+        report = dict(engine.report.last)
+        engine.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"step_s": statistics.median(times), "times": times, "params": cfg.num_params(), "report": report}
+
+
+def compute_floor(args, gpt) -> dict:
+    """Forward + backward + CPU Adam (one fused pass, bf16 copy out) all in memory."""
+    from infinity.optim.functional import adam_update
+
+    layers = min(args.layers, args.floor_layers)
+    cfg = gpt.GPTConfig(vocab_size=args.vocab, seq_len=args.seq, dim=args.dim, layers=layers, heads=args.dim // 64)
+    torch.manual_seed(0)
+    model = gpt.GPT(cfg).to(torch.bfloat16)
+    params = [p for p in model.parameters()]
+    masters = [p.detach().float() for p in params]
+    m = [torch.zeros_like(x) for x in masters]
+    v = [torch.zeros_like(x) for x in masters]
+    fb, opt = [], []
+    for s in range(args.steps + 1):
+        idx, tgt = batch(args.vocab, args.micro, args.seq, s)
+        t0 = time.perf_counter()
+        model(idx, tgt).backward()
+        t1 = time.perf_counter()
+        for p, w, a, b in zip(params, masters, m, v):
+            adam_update(w.view(-1), p.grad.view(-1), a.view(-1), b.view(-1), step=s + 1, lr=1e-4, beta1=0.9,
+                        beta2=0.999, eps=1e-8, weight_decay=0.01, half_out=p.data.view(-1))
+            p.grad = None
+        t2 = time.perf_counter()
+        if s:
+            fb.append(t1 - t0)
+            opt.append(t2 - t1)
+    # Scale the blocks' share to the full depth; embeddings and head are timed as they are.
+    block = 12 * args.dim * args.dim
+    full = gpt.GPTConfig(vocab_size=args.vocab, seq_len=args.seq, dim=args.dim, layers=args.layers).num_params()
+    scale = full / cfg.num_params()
+    step = (statistics.median(fb) + statistics.median(opt)) * scale
+    return {"step_s": step, "measured_layers": layers, "scale": scale, "block_params": block,
+            "forward_backward_s": statistics.median(fb), "adam_s": statistics.median(opt)}
+
+
+def io_floor(args, num_params: int) -> dict:
+    from infinity.io import AsyncIOHandle, aligned_empty
+
+    size = 1 << 30
+    work = tempfile.mkdtemp(prefix="bench-io-", dir=args.nvme_path)
+    try:
+        handle = AsyncIOHandle(block_size=1 << 20, queue_depth=32)
+        buf = aligned_empty(size)
+        buf.fill_(1)
+        path = os.path.join(work, "f")
+        handle.write(buf, path)
+        w, r = [], []
+        for _ in range(3):
+            t = time.perf_counter(); handle.write(buf, path); w.append(size / (time.perf_counter() - t) / 1e9)
+            t = time.perf_counter(); handle.read(buf, path); r.append(size / (time.perf_counter() - t) / 1e9)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    read_bytes = (2 + 2 + 12) * num_params   # bf16 params in forward and backward, fp32 master + moments
+    write_bytes = (2 + 12) * num_params      # new bf16 params, fp32 master + moments
+    read_gbps, write_gbps = statistics.median(r), statistics.median(w)
+    return {"step_s": read_bytes / read_gbps / 1e9 + write_bytes / write_gbps / 1e9, "read_gbps": read_gbps,
+            "write_gbps": write_gbps, "read_bytes": read_bytes, "write_bytes": write_bytes}
+
+
+DS_SCRIPT = r"""
+import json, os, sys, time, statistics, importlib.util, torch
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("BENCH_PORT", "29533"), RANK="0",
+                  WORLD_SIZE="1", LOCAL_RANK="0")
+import deepspeed
+args = json.loads(sys.argv[1])
+spec = importlib.util.spec_from_file_location("bench_gpt", args["gpt_file"]); gpt = importlib.util.module_from_spec(spec)
+sys.modules["bench_gpt"] = gpt
+spec.loader.exec_module(gpt)
+deepspeed.init_distributed(dist_backend="gloo")
+cfg = gpt.GPTConfig(vocab_size=args["vocab"], seq_len=args["seq"], dim=args["dim"], layers=args["layers"], heads=args["dim"] // 64)
+torch.manual_seed(0)
+model = gpt.GPT(cfg)
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=args["config"])
+times = []
+for s in range(args["steps"] + 1):
+    g = torch.Generator().manual_seed(s)
+    idx = torch.randint(0, args["vocab"], (args["micro"], args["seq"] + 1), generator=g)
+    t0 = time.perf_counter()
+    loss = engine(idx[:, :-1], idx[:, 1:])
+    engine.backward(loss)
+    engine.step()
+    if s:
+        times.append(time.perf_counter() - t0)
+    print(f"  deepspeed step {s}: {time.perf_counter() - t0:.2f} s, loss {loss.item():.3f}", file=sys.stderr, flush=True)
+print(json.dumps({"step_s": statistics.median(times), "times": times}))
+"""
+
+
+def run_deepspeed(args) -> dict | None:
+    if not os.path.exists(args.ds_python):
+        print(f"{args.ds_python} not found: DeepSpeed skipped", file=sys.stderr)
+        return None
+    work = tempfile.mkdtemp(prefix="bench-ds-", dir=args.nvme_path)
+    try:
+        payload = {"gpt_file": GPT_FILE, "vocab": args.vocab, "seq": args.seq, "dim": args.dim, "layers": args.layers,
+                   "micro": args.micro, "steps": args.steps, "config": ds_config(work, args.micro)}
+        env = dict(os.environ, DS_ACCELERATOR="cpu")
+        out = subprocess.run([args.ds_python, "-c", DS_SCRIPT, json.dumps(payload)], env=env, cwd=tempfile.gettempdir(),
+                             stdout=subprocess.PIPE, text=True, timeout=args.ds_timeout)
+        if out.returncode != 0:
+            print(f"DeepSpeed run failed with exit code {out.returncode}", file=sys.stderr)
+            return {"error": out.returncode}
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except subprocess.TimeoutExpired:
+        print("DeepSpeed run timed out", file=sys.stderr)
+        return {"error": "timeout"}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=20)
+    p.add_argument("--dim", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--micro", type=int, default=2)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--floor-layers", type=int, default=4, help="layers timed in memory for the compute floor")
+    p.add_argument("--nvme-path", default=".")
+    p.add_argument("--ds-python", default="/work/venv-ds/bin/python")
+    p.add_argument("--ds-timeout", type=int, default=3600)
+    p.add_argument("--skip-deepspeed", action="store_true")
+    p.add_argument("--output")
+    args = p.parse_args()
+    gpt = load_gpt()
+
+    print("infinity, params and optimizer on NVMe:", flush=True)
+    ours = run_infinity(args, gpt)
+    print(f"compute floor ({min(args.layers, args.floor_layers)} layers in memory, scaled):", flush=True)
+    floor_c = compute_floor(args, gpt)
+    floor_io = io_floor(args, ours["params"])
+    ds = None if args.skip_deepspeed else run_deepspeed(args)
+
+    floor = max(floor_c["step_s"], floor_io["step_s"])
+    print(f"\n{ours['params'] / 1e9:.2f}B params, bf16, micro-batch {args.micro} x {args.seq} tokens, 1 process")
+    print(f"infinity step (median of {args.steps}):   {ours['step_s']:.2f} s")
+    print(f"compute floor (fwd+bwd+Adam in memory): {floor_c['step_s']:.2f} s")
+    print(f"I/O floor ({floor_io['read_bytes'] / 1e9:.1f} GB read at {floor_io['read_gbps']:.2f} GB/s, "
+          f"{floor_io['write_bytes'] / 1e9:.1f} GB written at {floor_io['write_gbps']:.2f} GB/s): {floor_io['step_s']:.2f} s")
+    print(f"step / max(floors) = {ours['step_s'] / floor:.3f}")
+    if ds and "step_s" in ds:
+        print(f"DeepSpeed step: {ds['step_s']:.2f} s -> infinity is {ds['step_s'] / ours['step_s']:.2f}x faster")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"args": vars(args), "infinity": ours, "compute_floor": floor_c, "io_floor": floor_io,
+                       "deepspeed": ds}, f, indent=2, default=float)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""The command-line tools: the main job, the estimate, and the aio sweep's output."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from infinity.cli import main as infinity_main
+from infinity.config import load_config
+from infinity.tools.aio_bench_sweep import main as sweep_main
+from infinity.tools.aio_bench_sweep import parse_size
+
+
+def test_finetune_on_nvme_runs_and_cleans_up(tmp_path, capsys):
+    rc = infinity_main(["finetune", "--steps", "4", "--layers", "2", "--dim", "64", "--vocab", "128",
+                        "--seq-len", "16", "--nvme-path", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "offload: param=nvme, optimizer=nvme" in out
+    assert '"nvme_read_bytes"' in out and "loss" in out
+    assert os.listdir(tmp_path) == []  # the job's NVMe files are gone
+
+
+def test_estimate(capsys):
+    assert infinity_main(["estimate", "--params", "7e9"]) == 0
+    out = capsys.readouterr().out
+    assert "nvme" in out and "7.00B parameters" in out
+
+
+def test_sweep_writes_a_config_block_the_engine_reads(tmp_path, capsys):
+    best = tmp_path / "best.json"
+    rc = sweep_main(["--nvme-path", str(tmp_path), "--quick", "--io-size", "8M", "--block-sizes", "1M",
+                     "--queue-depths", "4", "--output", str(best)])
+    assert rc == 0
+    block = json.loads(best.read_text())
+    assert set(block) == {"aio"} and isinstance(block["aio"]["single_submit"], bool)
+    config = load_config({"train_micro_batch_size_per_gpu": 1, **block})
+    assert config.aio.block_size == block["aio"]["block_size"]
+    assert [p for p in os.listdir(tmp_path) if p != "best.json"] == []  # its data file is removed
+    assert "GB/s" in capsys.readouterr().out
+
+
+def test_sweep_refuses_a_bad_directory(tmp_path):
+    with pytest.raises(SystemExit, match="not a directory"):
+        sweep_main(["--nvme-path", str(tmp_path / "missing"), "--quick"])
+    with pytest.raises(SystemExit, match="GiB free"):
+        sweep_main(["--nvme-path", str(tmp_path), "--io-size", "1000T"])
+
+
+def test_parse_size():
+    assert parse_size("1G") == 1 << 30 and parse_size("512K") == 512 << 10 and parse_size("4096") == 4096

@@ -1,0 +1,174 @@
+"""ZeRO-Infinity: parameters and optimizer state on NVMe train exactly like the in-memory run."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+
+import infinity
+from gpt import TinyGPT, batches, config, engine_run, reference_run
+
+STEPS = 10
+
+
+def nvme_config(path, param: str, optim: str, *, gas: int = 1, param_buffers: int = 4, **zero) -> dict:
+    cfg = config(3, param, optim, gas)
+    z = cfg["zero_optimization"]
+    if param == "nvme":
+        z["offload_param"].update(nvme_path=str(path), buffer_count=param_buffers, max_in_cpu=0)
+    if optim == "nvme":
+        z["offload_optimizer"].update(nvme_path=str(path), buffer_count=9)
+    z.update(sub_group_size=4096, stage3_max_reuse_distance=0, **zero)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return TinyGPT()
+
+
+@pytest.fixture(scope="module")
+def cpu_run(model):
+    data = batches(STEPS, 4)
+    engine, *_ = infinity.initialize(copy.deepcopy(model), config=config(3, "cpu", "cpu"))
+    losses = engine_run(engine, data, gas=1)
+    return losses, engine.consolidated_state_dict()
+
+
+@pytest.mark.parametrize("param,optim", [("nvme", "cpu"), ("cpu", "nvme"), ("nvme", "nvme"), ("nvme", "none")])
+def test_parity_and_bit_identical_to_cpu_offload(tmp_path, model, cpu_run, param, optim):
+    data = batches(STEPS, 4)
+    ref_losses, ref_model = reference_run(model, data, gas=1)
+    engine, *_ = infinity.initialize(copy.deepcopy(model), config=nvme_config(tmp_path, param, optim))
+    losses = engine_run(engine, data, gas=1)
+    state = engine.consolidated_state_dict()
+    for x, y in zip(losses, ref_losses, strict=True):
+        assert abs(x - y) <= 1e-5 * abs(y)
+    for name, value in ref_model.state_dict().items():
+        torch.testing.assert_close(state[name], value, atol=1e-5, rtol=1e-5, msg=name)
+    # Same numbers as keeping everything in host memory, to the bit.
+    assert losses == cpu_run[0]
+    assert all(torch.equal(state[k], cpu_run[1][k]) for k in state)
+    engine.close()
+
+
+def test_gradient_accumulation_and_bf16_on_nvme(tmp_path, model):
+    data = batches(8, 4)
+    cfg_cpu = config(3, "cpu", "cpu", gas=4)
+    cfg_cpu["bf16"] = {"enabled": True}
+    cfg_nvme = nvme_config(tmp_path, "nvme", "nvme", gas=4)
+    cfg_nvme["bf16"] = {"enabled": True}
+    runs = []
+    for cfg in (cfg_cpu, cfg_nvme):
+        engine, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
+        runs.append((engine_run(engine, data, gas=4), engine.consolidated_state_dict()))
+        engine.close()
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+
+
+def test_every_step_moves_the_bytes_the_layout_predicts(tmp_path):
+    torch.manual_seed(0)
+    deep = TinyGPT(layers=32, d=16)
+    engine, *_ = infinity.initialize(deep, config=nvme_config(tmp_path, "nvme", "nvme", param_buffers=4))
+    assert len(engine.units) >= 33
+    gathers = []
+    real_gather = engine.fetcher._gather
+    engine.fetcher._gather = lambda unit: (gathers.append(unit.index), real_gather(unit))
+    data = batches(3, 4)
+    engine_run(engine, data[:1], gas=1)  # first step records the order
+    for idx, tgt in data[1:]:
+        gathers.clear()
+        engine.backward(engine(idx, tgt))
+        engine.step()
+        report = engine.report.last
+        shard_bytes = {u.index: u.shard_numel * 4 for u in engine.units}
+        # max_in_cpu 0 and no reuse window: every gather reads the unit's shard (forward and
+        # backward both), and the update writes each shard once. Optimizer state: 12 bytes
+        # per element read and written.
+        assert sorted(set(gathers)) == [u.index for u in engine.units]
+        assert len(gathers) >= 2 * len(engine.units)
+        assert report["nvme_read_bytes"] == sum(shard_bytes[i] for i in gathers)
+        assert report["nvme_write_bytes"] == sum(shard_bytes.values())
+        state = sum(12 * u.shard_numel for u in engine.units)
+        assert report["optimizer_nvme_read_bytes"] == state
+        assert report["optimizer_nvme_write_bytes"] == state
+    # The pool never held more than it has.
+    assert engine.params.pool.stats.peak_in_use <= engine.params.pool.stats.bytes_total
+    engine.close()
+
+
+def test_prefetch_hides_slow_reads(tmp_path, model):
+    """With every read delayed, prefetching ahead in the recorded order beats reading on demand."""
+    times = {}
+    for prefetch in (0, 10 ** 9):
+        engine, *_ = infinity.initialize(copy.deepcopy(model), config=nvme_config(
+            tmp_path, "nvme", "cpu", param_buffers=8, stage3_prefetch_bucket_size=prefetch))
+        engine.params.swapper.read_delay_s = 0.3  # dominates compute, even on a busy machine
+        engine_run(engine, batches(1, 4), gas=1)  # records the order
+        start = time.perf_counter()
+        engine_run(engine, batches(1, 4, seed=5), gas=1)
+        times[prefetch] = time.perf_counter() - start
+        engine.close()
+    assert times[10 ** 9] < 0.75 * times[0], times
+
+
+def test_report_and_overlap(tmp_path, model):
+    engine, *_ = infinity.initialize(copy.deepcopy(model), config=nvme_config(tmp_path, "nvme", "nvme"))
+    engine_run(engine, batches(2, 4), gas=1)
+    r = engine.report.last
+    for key in ("nvme_read_bytes", "nvme_write_bytes", "nvme_read_gbps", "nvme_wait_seconds", "overlap_fraction",
+                "optimizer_nvme_read_bytes", "optimizer_overlap_fraction"):
+        assert key in r, key
+    assert 0.0 <= r["overlap_fraction"] <= 1.0
+    engine.close()
+
+
+MEMORY_SCRIPT = r"""
+import json, resource, sys, torch
+sys.path.insert(0, sys.argv[2])
+import infinity
+from gpt import TinyGPT, batches, engine_run
+from test_nvme import nvme_config
+torch.manual_seed(0)
+model = TinyGPT(layers=24, d=384)
+params = sum(p.numel() for p in model.parameters())
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+cfg = nvme_config(sys.argv[1], "nvme", "nvme", param_buffers=4)
+cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = 200_000
+engine, *_ = infinity.initialize(model, config=cfg)
+engine_run(engine, batches(3, 4), gas=1)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+pools = engine.params.pool.stats.bytes_total + engine.optim_state.pool.stats.bytes_total
+print(json.dumps({"params": params, "base": base, "peak": peak, "pools": pools,
+                  "param_pool_peak": engine.params.pool.stats.peak_in_use,
+                  "param_pool_total": engine.params.pool.stats.bytes_total,
+                  "cache_peak": engine.params.cache.peak_bytes, "cache_max": engine.params.cache.max_bytes}))
+engine.close()
+"""
+
+
+@pytest.mark.slow
+def test_host_memory_stays_within_budgets(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(tmp_path), os.path.dirname(__file__)],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    assert m["param_pool_peak"] <= m["param_pool_total"]
+    assert m["cache_peak"] <= m["cache_max"]
+    # Host memory that may exist: the model as built (in `base`), the fp32 gradient
+    # accumulators (4 bytes a parameter), as much again for what the allocator keeps of the
+    # model's freed weights, the pools, and 96 MiB for activations and slack. Keeping master
+    # weights and moments in memory would add 12 bytes a parameter on top.
+    bound = m["base"] + 8 * m["params"] + m["pools"] + (96 << 20)
+    assert m["peak"] <= bound, m
+    assert 12 * m["params"] > 4 * (96 << 20), "the model is too small for the bound to mean anything"
