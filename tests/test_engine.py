@@ -52,7 +52,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_rank_worker(rank: int, port: int, model, cases, results) -> None:
+def _two_rank_worker(rank: int, port: int, model, cases, results, nvme_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -60,9 +60,14 @@ def _two_rank_worker(rank: int, port: int, model, cases, results) -> None:
     try:
         for key, (stage, param, optim, gas) in cases.items():
             data = batches(STEPS * gas, 4)
-            engine, *_ = infinity.initialize(copy.deepcopy(model), config=config(stage, param, optim, gas, micro=2))
+            cfg = config(stage, param, optim, gas, micro=2)
+            for section, device in (("offload_param", param), ("offload_optimizer", optim)):
+                if device == "nvme":
+                    cfg["zero_optimization"][section].update(nvme_path=nvme_path, buffer_count=9)
+            engine, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
             losses = engine_run(engine, data, gas=gas, rank=rank, world=2)
             state = engine.consolidated_state_dict()
+            engine.close()
             if rank == 0:
                 results[key] = (losses, state)
             else:
@@ -72,12 +77,12 @@ def _two_rank_worker(rank: int, port: int, model, cases, results) -> None:
 
 
 @pytest.mark.slow
-def test_two_ranks_match_one_rank_pytorch(model):
+def test_two_ranks_match_one_rank_pytorch(model, tmp_path):
     cases = {"s3-cpu-gas1": (3, "cpu", "cpu", 1), "s3-none-gas4": (3, "none", "none", 4),
-             "s2-cpu-gas1": (2, "none", "cpu", 1)}
+             "s2-cpu-gas1": (2, "none", "cpu", 1), "s3-nvme-gas2": (3, "nvme", "nvme", 2)}
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_two_rank_worker, args=(_free_port(), model, cases, results), nprocs=2)
+        mp.spawn(_two_rank_worker, args=(_free_port(), model, cases, results, str(tmp_path)), nprocs=2)
         results = dict(results)
     for key, (stage, param, optim, gas) in cases.items():
         ref_losses, ref_model = reference_run(model, batches(STEPS * gas, 4), gas=gas)

@@ -56,6 +56,30 @@ def test_parity_and_bit_identical_to_cpu_offload(tmp_path, model, cpu_run, param
     engine.close()
 
 
+DEVICES = ("none", "cpu", "nvme")
+
+
+@pytest.mark.parametrize("param", DEVICES)
+@pytest.mark.parametrize("optim", DEVICES)
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_every_offload_combination_matches_cpu_offload(tmp_path, model, param, optim, precision):
+    """All nine placements train to the same bits as offload cpu/cpu, in every precision."""
+    data = batches(3, 4)
+    runs = []
+    for p, o in (("cpu", "cpu"), (param, optim)):
+        cfg = nvme_config(tmp_path, p, o)
+        if precision != "fp32":
+            cfg[precision] = {"enabled": True}
+        engine, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
+        runs.append((engine_run(engine, data, gas=1), engine.consolidated_state_dict()))
+        engine.close()
+    if torch.cuda.is_available() and optim == "none":  # torch's Adam on the GPU, not our CPU kernel
+        torch.testing.assert_close(runs[0][0], runs[1][0], rtol=1e-3, atol=0)
+        return
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+
+
 def test_gradient_accumulation_and_bf16_on_nvme(tmp_path, model):
     data = batches(8, 4)
     cfg_cpu = config(3, "cpu", "cpu", gas=4)
