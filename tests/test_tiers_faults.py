@@ -236,7 +236,7 @@ FULL_DISK = """
 def test_a_full_disk_through_the_real_engine(tmp_path):
     child = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(FULL_DISK), str(tmp_path)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,  # not the source tree
     )
     assert child.returncode == 0, child.stderr
     result = json.loads(child.stdout)

@@ -11,6 +11,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -33,6 +34,7 @@ def start_child(body: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(body), *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tempfile.gettempdir(),  # not the source tree: the child must import the built package
     )
 
 
