@@ -23,7 +23,7 @@ import torch
 from infinity.optim.functional import adam_update
 from infinity.tiers import BufferPool, NvmeStore, Swapper
 from infinity.tiers.store import default_job_id
-from infinity.zero.nvme_params import _plan_count, io_delta, make_handle
+from infinity.zero.nvme_params import IOTally, _plan_count, make_handle
 from infinity.zero.optim_shards import AdamHyper
 from infinity.zero.unit import Unit
 
@@ -51,7 +51,7 @@ class NvmeOptimizerState:
         self._grads = {u.index: torch.zeros(u.shard_numel, dtype=torch.float32) for u in units}
         self._early: dict[tuple[int, int], list] = {}  # (unit, piece) -> fetch handles issued in backward
         self._ready: list[int] = []  # units in the order their gradients became final
-        self._stats_mark = self.swapper.stats
+        self._tally = IOTally(self.swapper)
 
     # ---- gradients ------------------------------------------------------------------------
 
@@ -156,9 +156,7 @@ class NvmeOptimizerState:
                 self.swapper.flush()
 
     def io_stats(self) -> dict[str, float]:
-        now, before = self.swapper.stats, self._stats_mark
-        self._stats_mark = now
-        return io_delta("nvme", now, before)
+        return self._tally.take()
 
     def close(self) -> None:
         for (index, k), handles in list(self._early.items()):

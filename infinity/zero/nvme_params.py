@@ -68,7 +68,7 @@ class NvmeParams:
         self._prefetched: dict[int, object] = {}  # unit index -> FetchHandle
         self._held: dict[int, object] = {}  # unit index fetched -> its host-to-device copy's event (None on CPU)
         self._targets: dict[int, torch.Tensor] = {}  # unit index -> pool buffer for the new values
-        self._stats_mark = self.swapper.stats
+        self._tally = IOTally(self.swapper)
 
     # ---- ParamTier --------------------------------------------------------------------------
 
@@ -141,9 +141,7 @@ class NvmeParams:
 
     def io_stats(self) -> dict[str, float]:
         """Traffic since the last call: bytes, GB/s, and how much of the I/O time was hidden."""
-        now, before = self.swapper.stats, self._stats_mark
-        self._stats_mark = now
-        return io_delta("nvme", now, before)
+        return self._tally.take()
 
     def close(self) -> None:
         self.drop_prefetched()
@@ -152,6 +150,19 @@ class NvmeParams:
         self._held.clear()
         self.swapper.close()
         self.store.close()
+
+
+class IOTally:
+    """A swapper's traffic since the last `take()`, for the per-step report."""
+
+    def __init__(self, swapper: Swapper):
+        self._swapper = swapper
+        self._mark = swapper.stats
+
+    def take(self) -> dict[str, float]:
+        now = self._swapper.stats
+        before, self._mark = self._mark, now
+        return io_delta("nvme", now, before)
 
 
 def io_delta(prefix: str, now, before) -> dict[str, float]:
