@@ -59,8 +59,12 @@ def fio(engine: str, path: str, size: int, block: int, depth: int, op: str) -> f
 
 def deepspeed(python: str, path: str, size: int, block: int, depth: int, op: str) -> float:
     env = dict(os.environ, DS_ACCELERATOR="cpu")
-    out = subprocess.run([python, "-c", DS_SCRIPT, path, str(size), str(block), str(depth), op], check=True,
+    out = subprocess.run([python, "-c", DS_SCRIPT, path, str(size), str(block), str(depth), op],
                          capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
+    if out.returncode != 0:
+        print(f"DeepSpeed {op} failed (exit {out.returncode}): {out.stderr.strip().splitlines()[-1:]}",
+              file=sys.stderr)
+        return float("nan")
     return json.loads(out.stdout.strip().splitlines()[-1])["gbps"]
 
 
@@ -112,7 +116,7 @@ def main() -> int:
           f"block {args.block_size >> 20} MiB, queue depth {args.queue_depth}, O_DIRECT, engine {handle.engine}")
     summary = {}
     for op in ("read", "write"):
-        med = {name: statistics.median(v[op]) for name, v in results.items()}
+        med = {name: statistics.median([g for g in v[op] if g == g] or [float("nan")]) for name, v in results.items()}
         best_other = max((g for n, g in med.items() if n != "infinity"), default=float("nan"))
         summary[op] = {"median_gbps": med, "ratio_vs_best_other": med["infinity"] / best_other}
         cells = "  ".join(f"{n} {g:.2f}" for n, g in med.items())
