@@ -189,6 +189,9 @@ class Engine:
         if not self.is_gradient_accumulation_boundary():
             return
         t0 = time.perf_counter()
+        # The previous step's optimizer-state writes drained behind this step's forward and
+        # backward; a failed one is raised now, before anything is updated on top of it.
+        self.optim_state.flush()
         units = [u for u in self.units if any(s.group >= 0 for s in u.slots)]
         sq, bad = torch.zeros((), dtype=torch.float32), torch.zeros((), dtype=torch.float32)
         for u in units:
@@ -216,7 +219,7 @@ class Engine:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.optim_state.finish_step()
-        self.params.flush()
+        self.params.flush()  # parameter writes are few (2 bytes a parameter): finish them here
         self._first_micro = True
         self.global_steps += 1
         self.report.add_time("step", time.perf_counter() - t0)

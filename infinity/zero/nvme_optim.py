@@ -122,8 +122,14 @@ class NvmeOptimizerState:
             self._ready.remove(unit.index)
 
     def finish_step(self) -> None:
-        """Waits for the step's writes; a failed one raises here, naming the shard."""
         self._ready.clear()
+
+    def flush(self) -> None:
+        """Waits for the writes in flight; a failed one raises here, naming the shard.
+
+        The engine calls it at the start of the next step, so the last pieces' writes drain
+        while the next forward and backward compute; a read of a shard still being written
+        waits for that write (the swapper's ordering), never reading old bytes."""
         self.swapper.flush()
 
     # ---- checkpoints and GatheredParameters -------------------------------------------------

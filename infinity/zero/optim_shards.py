@@ -38,6 +38,8 @@ class OptimizerTier(Protocol):
 
     def step_order(self, units: list[Unit]) -> list[Unit]: ...
     def finish_step(self) -> None: ...
+    def flush(self) -> None:
+        """Completes the previous step's writes, raising a failed one."""
     def grad_stats(self, unit: Unit) -> tuple[torch.Tensor, torch.Tensor]: ...
     def update(self, unit: Unit, hypers: list[AdamHyper], step: int, grad_scale: float,
                out: torch.Tensor) -> None: ...
@@ -114,6 +116,9 @@ class ResidentOptimizerState:
         return units
 
     def finish_step(self) -> None:
+        pass
+
+    def flush(self) -> None:
         pass
 
     def master(self, unit: Unit) -> torch.Tensor:
