@@ -232,9 +232,18 @@ def main() -> int:
     p.add_argument("--ds-python", default="/work/venv-ds/bin/python")
     p.add_argument("--ds-timeout", type=int, default=3600)
     p.add_argument("--skip-deepspeed", action="store_true")
+    p.add_argument("--only-deepspeed", action="store_true",
+                   help="run DeepSpeed alone (at sizes where both do not fit in memory at once)")
     p.add_argument("--output")
     args = p.parse_args()
     gpt = load_gpt()
+    if args.only_deepspeed:
+        ds = run_deepspeed(args)
+        print(json.dumps(ds))
+        if args.output:
+            with open(args.output, "w") as f:
+                json.dump({"args": vars(args), "deepspeed": ds}, f, indent=2)
+        return 0
 
     print("infinity, params and optimizer on NVMe:", flush=True)
     ours = run_infinity(args, gpt)
