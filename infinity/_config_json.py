@@ -1,0 +1,383 @@
+"""Reading a DeepSpeed JSON config into `infinity.config`'s dataclasses: the key tables
+([Note: which DeepSpeed keys are accepted] in config.py) and the section parsers behind
+`load_config`. Split from config.py so each file holds one concern: what a setting is
+(config.py) and how JSON becomes settings (here)."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import numbers
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Any
+
+from infinity.config import (
+    AIOConfig,
+    AdamParams,
+    BF16Config,
+    BatchConfig,
+    FP16Config,
+    InfinityConfig,
+    NOT_IMPLEMENTED,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    ZeroConfig,
+    _SCHEDULER_PARAMS,
+    _bool,
+    _float,
+    _int,
+    _join,
+    _scheduler_type,
+    _show,
+    _size,
+)
+
+# --------------------------------------------------------------------------------------------
+# Key tables (see [Note: which DeepSpeed keys are accepted])
+# --------------------------------------------------------------------------------------------
+
+_Check = Callable[[Any, str], Any]
+
+
+def _fraction(value: Any, path: str) -> float:
+    return _float(value, path, minimum=0.0, maximum=1.0)
+
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_ROOT_SCALARS = ("gradient_clipping", "steps_per_print", "wall_clock_breakdown")
+_ROOT_SECTIONS = ("fp16", "bf16", "bfloat16", "optimizer", "scheduler", "zero_optimization", "aio")
+
+_NO_EFFECT_ROOT: dict[str, _Check] = {
+    "zero_allow_untested_optimizer": _bool,
+    "zero_force_ds_cpu_optimizer": _bool,
+}
+_DEFAULT_ONLY_ROOT: dict[str, Any] = {
+    "prescale_gradients": False, "gradient_predivide_factor": 1.0, "sparse_gradients": False,
+    "disable_allgather": False, "dump_state": False, "memory_breakdown": False,
+    "dataloader_drop_last": False,
+}
+_NOT_IMPLEMENTED_ROOT: dict[str, str] = {
+    name: "" for name in (
+        "activation_checkpointing", "autotuning", "checkpoint", "comet", "comms_logger",
+        "communication_data_type", "compile", "compression_training", "csv_monitor",
+        "curriculum_learning", "data_efficiency", "data_types", "datastates", "eigenvalue",
+        "elasticity", "expert_parallel", "flops_profiler", "gradient_allreduce_op",
+        "graph_harvesting", "hybrid_engine", "log_level", "managed_gradient_accumulation",
+        "nebula", "pipeline", "progressive_layer_drop", "quantize_training",
+        "seq_parallel_comm_data_type", "sequence_parallel_size", "sparse_attention",
+        "swap_tensor", "tensor_parallel", "tensorboard", "timers",
+        "use_data_before_expert_parallelism", "vocabulary_size", "wandb", "weight_quantization",
+    )
+} | {
+    "amp": "use bf16 or fp16",
+    "torch_autocast": "use bf16 or fp16",
+}
+
+_DEFAULT_ONLY_FP16: dict[str, Any] = {"auto_cast": False, "fp16_master_weights_and_grads": False}
+_NOT_IMPLEMENTED_FP16 = {"fused_mode": "a legacy DeepSpeed key"}
+
+_NO_EFFECT_BF16: dict[str, _Check] = {"immediate_grad_update": _bool}
+_DEFAULT_ONLY_BF16: dict[str, Any] = {
+    "check_grad_overflow": False, "bf16_master_weights_and_grads": False,
+    "bf16_optimizer_states": False,
+}
+
+_DEFAULT_ONLY_OPTIMIZER: dict[str, Any] = {"legacy_fusion": False}
+_NO_EFFECT_ADAM: dict[str, _Check] = {"torch_adam": _bool}
+_DEFAULT_ONLY_ADAM: dict[str, Any] = {
+    "amsgrad": False, "bias_correction": True, "fp32_optimizer_states": True,
+}
+_NOT_IMPLEMENTED_ADAM = {
+    "max_grad_norm": "use the top-level gradient_clipping (DeepSpeed refuses it here too)",
+}
+
+_NO_EFFECT_ZERO: dict[str, _Check] = {
+    **{name: _bool for name in (
+        "reduce_scatter", "allgather_partitions", "round_robin_gradients",
+        "ignore_unused_parameters", "use_multi_rank_bucket_allreduce", "memory_efficient_linear",
+        "override_module_apply", "log_trace_cache_warnings", "enable_sanity_checks",
+        "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential",
+    )},
+    **{name: _size for name in (
+        "allgather_bucket_size", "stage3_module_granularity_threshold",
+        "stage3_partition_stream_chunk_size",
+    )},
+}
+_DEFAULT_ONLY_ZERO: dict[str, Any] = {"load_from_fp32_weights": True, "elastic_checkpoint": False}
+_NOT_IMPLEMENTED_ZERO: dict[str, str] = {
+    name: "" for name in (
+        "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+        "zero_quantized_gradients", "zeropp_loco_param", "mics_shard_size",
+        "mics_hierarchical_params_gather", "zenflow", "leaf_module",
+        "stage3_model_persistence_threshold", "save_muon_momentum_buffer_in_memory",
+        "pipeline_loading_checkpoint", "legacy_stage1",
+    )
+} | {
+    "cpu_offload": 'deprecated in DeepSpeed; use offload_optimizer {"device": "cpu"}',
+    "cpu_offload_param": 'deprecated in DeepSpeed; use offload_param {"device": "cpu"}',
+    "cpu_offload_use_pin_memory": "deprecated in DeepSpeed; use pin_memory in offload_param "
+                                  "or offload_optimizer",
+    "stage3_gather_fp16_weights_on_model_save": "deprecated in DeepSpeed; use "
+                                                "stage3_gather_16bit_weights_on_model_save",
+}
+
+_NO_EFFECT_OFFLOAD_OPTIMIZER: dict[str, _Check] = {
+    "convert_grad_on_cpu": _bool, "cpuadam_cores_perc": _fraction,
+}
+_DEFAULT_ONLY_OFFLOAD_OPTIMIZER: dict[str, Any] = {"ratio": 1.0, "super_offload": False}
+
+_DEFAULT_ONLY_AIO: dict[str, Any] = {"use_gds": False}
+
+
+# --------------------------------------------------------------------------------------------
+# Parsing
+# --------------------------------------------------------------------------------------------
+
+def load_config(config: Mapping[str, Any] | str | os.PathLike[str] | InfinityConfig, *,
+                world_size: int = 1) -> InfinityConfig:
+    """Parse a DeepSpeed config (a dict, or the path of a JSON file) for `world_size` ranks.
+
+    The dict is not modified. An `InfinityConfig` is returned as it is if it was built for the
+    same world size.
+    """
+    world_size = _int(world_size, "world_size", minimum=1)
+    if isinstance(config, InfinityConfig):
+        if config.batch.world_size != world_size:
+            raise ValueError(f"world_size: the config was built for world_size "
+                             f"{config.batch.world_size}, got {world_size}")
+        return config
+    raw = _read(config)
+    _reject_auto(raw)
+    return _parse_root(raw, world_size)
+
+
+def _read(config: Any) -> Any:
+    if isinstance(config, Mapping):
+        return config
+    if not isinstance(config, (str, os.PathLike)):
+        raise TypeError(f"config: expected a dict or the path of a JSON file, "
+                        f"got {type(config).__name__}")
+    path = Path(config)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"config: no such file: {path}") from None
+    try:
+        return json.loads(text, object_pairs_hook=_without_duplicates)
+    except ValueError as error:  # json.JSONDecodeError is a ValueError
+        raise ValueError(f"config: {path}: invalid JSON: {error}") from None
+
+
+def _without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
+def _auto_paths(value: Any, path: str) -> list[str]:
+    if isinstance(value, str):
+        return [path] if value == "auto" else []
+    if isinstance(value, Mapping):
+        return [found for key, item in value.items()
+                for found in _auto_paths(item, _join(path, str(key)))]
+    if isinstance(value, (list, tuple)):
+        return [found for i, item in enumerate(value)
+                for found in _auto_paths(item, f"{path}[{i}]")]
+    return []
+
+
+def _reject_auto(raw: Any) -> None:
+    paths = _auto_paths(raw, "")
+    if paths:
+        raise ValueError(
+            f'{", ".join(paths)}: "auto" must be resolved before the config reaches infinity. '
+            '"auto" is a trainer-integration convention (e.g. Hugging Face Trainer fills these '
+            "in from its own arguments): let the integration resolve them and pass the resolved "
+            "config, or write the values in")
+
+
+def _take(raw: Any, path: str, accepted: tuple[str, ...], *,
+          no_effect: Mapping[str, _Check] | None = None,
+          default_only: Mapping[str, Any] | None = None,
+          not_implemented: Mapping[str, str] | None = None,
+          misplaced: Mapping[str, str] | None = None,
+          required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The accepted keys of one JSON object; every other key is checked here and then dropped
+    or refused (see [Note: which DeepSpeed keys are accepted])."""
+    no_effect, default_only = no_effect or {}, default_only or {}
+    not_implemented, misplaced = not_implemented or {}, misplaced or {}
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"{path or 'config'}: expected an object ({{...}}), got {_show(raw)}")
+    taken: dict[str, Any] = {}
+    for key, value in raw.items():
+        key_path = _join(path, str(key))
+        if not isinstance(key, str):
+            raise TypeError(f"{key_path}: keys must be strings, got {key!r}")
+        if key in accepted:
+            taken[key] = value
+        elif key in no_effect:
+            no_effect[key](value, key_path)
+        elif key in default_only:
+            _require_default(value, key_path, default_only[key])
+        elif key in not_implemented:
+            hint = not_implemented[key]
+            raise ValueError(f"{key_path}: {NOT_IMPLEMENTED}" + (f"; {hint}" if hint else ""))
+        elif key in misplaced:
+            raise ValueError(f"{key_path}: unknown key here; it belongs in {misplaced[key]} "
+                             "(DeepSpeed silently ignores it here)")
+        else:
+            valid = (*accepted, *no_effect, *default_only)
+            raise ValueError(_unknown_key_message(key, path, valid))
+    for key in required:
+        if key not in taken:
+            raise ValueError(f"{_join(path, key)}: required key is missing")
+    return taken
+
+
+def _require_default(value: Any, path: str, default: Any) -> None:
+    if isinstance(default, bool) or default is None:
+        is_default = value is default
+    elif isinstance(default, numbers.Real):
+        is_default = (not isinstance(value, bool) and isinstance(value, numbers.Real)
+                      and value == default)
+    else:
+        is_default = value == default
+    if not is_default:
+        raise ValueError(f"{path}: {NOT_IMPLEMENTED} except at DeepSpeed's default "
+                         f"{json.dumps(default)}, got {_show(value)}")
+
+
+def _unknown_key_message(key: str, section: str, valid: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1)
+    if close:
+        return f"{_join(section, key)}: unknown key; did you mean {_join(section, close[0])}?"
+    return f"{_join(section, key)}: unknown key; valid keys here: {', '.join(sorted(valid))}"
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
+def _required_fields(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls)
+                 if f.default is MISSING and f.default_factory is MISSING)
+
+
+def _parse_section(raw: Any, path: str, cls: type, **tables: Any) -> Any:
+    """A section whose keys are exactly the fields of `cls`, plus the given key tables."""
+    return cls(**_take(raw, path, _field_names(cls), required=_required_fields(cls), **tables))
+
+
+def _parse_root(raw: Any, world_size: int) -> InfinityConfig:
+    keys = _take(raw, "", (*_BATCH_KEYS, *_ROOT_SCALARS, *_ROOT_SECTIONS),
+                 no_effect=_NO_EFFECT_ROOT, default_only=_DEFAULT_ONLY_ROOT,
+                 not_implemented=_NOT_IMPLEMENTED_ROOT)
+    if "bf16" in keys and "bfloat16" in keys:
+        raise ValueError("bfloat16: DeepSpeed's legacy name for bf16; give only bf16")
+    bf16_key = "bfloat16" if "bfloat16" in keys else "bf16"
+    if bf16_key == "bfloat16" and isinstance(keys[bf16_key], Mapping):  # name the key as written
+        _bool(keys[bf16_key].get("enabled", False), "bfloat16.enabled")
+    return InfinityConfig(
+        batch=_parse_batch(keys, world_size),
+        fp16=_parse_section(keys.get("fp16", {}), "fp16", FP16Config,
+                            default_only=_DEFAULT_ONLY_FP16,
+                            not_implemented=_NOT_IMPLEMENTED_FP16),
+        bf16=_parse_section(keys.get(bf16_key, {}), bf16_key, BF16Config,
+                            no_effect=_NO_EFFECT_BF16, default_only=_DEFAULT_ONLY_BF16),
+        optimizer=_parse_optimizer(keys["optimizer"]) if "optimizer" in keys else None,
+        scheduler=_parse_scheduler(keys["scheduler"]) if "scheduler" in keys else None,
+        zero=_parse_zero(keys.get("zero_optimization", {})),
+        aio=_parse_aio(keys.get("aio", {})),
+        **{name: keys[name] for name in _ROOT_SCALARS if name in keys},
+    )
+
+
+def _parse_batch(keys: Mapping[str, Any], world_size: int) -> BatchConfig:
+    """Derive the missing batch sizes as DeepSpeed's `_configure_train_batch_size` does."""
+    given = {name: _int(keys[name], name, minimum=1) for name in _BATCH_KEYS if name in keys}
+    train = given.get("train_batch_size")
+    micro = given.get("train_micro_batch_size_per_gpu")
+    accumulation = given.get("gradient_accumulation_steps")
+    if train is None and micro is None:
+        raise ValueError("train_batch_size, train_micro_batch_size_per_gpu: give at least one "
+                         "(the other is derived from gradient_accumulation_steps and world size)")
+    if train is None:
+        accumulation = 1 if accumulation is None else accumulation
+        train = micro * accumulation * world_size
+    elif micro is None:
+        accumulation = 1 if accumulation is None else accumulation
+        _require_divisible(train, accumulation * world_size,
+                           f"gradient_accumulation_steps {accumulation} * world_size {world_size}")
+        micro = train // (accumulation * world_size)
+    elif accumulation is None:
+        _require_divisible(train, micro * world_size,
+                           f"train_micro_batch_size_per_gpu {micro} * world_size {world_size}")
+        accumulation = train // (micro * world_size)
+    return BatchConfig(train_batch_size=train, train_micro_batch_size_per_gpu=micro,
+                       gradient_accumulation_steps=accumulation, world_size=world_size)
+
+
+def _require_divisible(train: int, divisor: int, divisor_text: str) -> None:
+    if train % divisor:
+        raise ValueError(f"train_batch_size: {train} is not a multiple of {divisor_text} "
+                         f"(= {divisor})")
+
+
+def _parse_optimizer(raw: Any) -> OptimizerConfig:
+    keys = _take(raw, "optimizer", ("type", "params"), default_only=_DEFAULT_ONLY_OPTIMIZER,
+                 misplaced={name: f"optimizer.params.{name}"
+                            for name in (*_field_names(AdamParams), *_NO_EFFECT_ADAM)},
+                 required=("type",))
+    params = _parse_section(keys.get("params", {}), "optimizer.params", AdamParams,
+                            no_effect=_NO_EFFECT_ADAM, default_only=_DEFAULT_ONLY_ADAM,
+                            not_implemented=_NOT_IMPLEMENTED_ADAM)
+    return OptimizerConfig(type=keys["type"], params=params)
+
+
+def _parse_scheduler(raw: Any) -> SchedulerConfig:
+    all_params = {name for cls in _SCHEDULER_PARAMS.values() for name in _field_names(cls)}
+    keys = _take(raw, "scheduler", ("type", "params"),
+                 misplaced={name: f"scheduler.params.{name}" for name in all_params},
+                 required=("type",))
+    kind = _scheduler_type(keys["type"], "scheduler.type")
+    params = _parse_section(keys.get("params", {}), "scheduler.params", _SCHEDULER_PARAMS[kind])
+    return SchedulerConfig(type=kind, params=params)
+
+
+def _parse_zero(raw: Any) -> ZeroConfig:
+    path = ZeroConfig._PATH
+    keys = _take(raw, path, _field_names(ZeroConfig), no_effect=_NO_EFFECT_ZERO,
+                 default_only=_DEFAULT_ONLY_ZERO, not_implemented=_NOT_IMPLEMENTED_ZERO)
+    # DeepSpeed takes null for "no offload".
+    offload_param = keys.get("offload_param")
+    keys["offload_param"] = _parse_section(
+        {} if offload_param is None else offload_param, OffloadParamConfig._PATH,
+        OffloadParamConfig)
+    offload_optimizer = keys.get("offload_optimizer")
+    keys["offload_optimizer"] = _parse_section(
+        {} if offload_optimizer is None else offload_optimizer, OffloadOptimizerConfig._PATH,
+        OffloadOptimizerConfig,
+        no_effect=_NO_EFFECT_OFFLOAD_OPTIMIZER, default_only=_DEFAULT_ONLY_OFFLOAD_OPTIMIZER)
+    return ZeroConfig(**keys)
+
+
+def _parse_aio(raw: Any) -> AIOConfig:
+    keys = _take(raw, "aio", (*_field_names(AIOConfig), "intra_op_parallelism"),
+                 default_only=_DEFAULT_ONLY_AIO)
+    if "intra_op_parallelism" in keys:
+        threads = _int(keys.pop("intra_op_parallelism"), "aio.intra_op_parallelism", minimum=1)
+        count = _int(keys.get("thread_count", threads), "aio.thread_count", minimum=1)
+        if count != threads:
+            raise ValueError(
+                f"aio.intra_op_parallelism, aio.thread_count: two names for the same setting "
+                f"with different values ({threads} and {count}); give one")
+        keys["thread_count"] = threads
+    return AIOConfig(**keys)
