@@ -303,7 +303,8 @@ def initialize(model: nn.Module, model_parameters: Any = None, optimizer: torch.
         config = getattr(args, "deepspeed_config", None)
     if config is None:
         raise ValueError("config: expected a DeepSpeed JSON config (dict or path), got None")
-    cfg = load_config(config, world_size=zdist.world_size() if zdist.init_distributed() else 1)
+    _, world = zdist.init_distributed()  # the batch-size rule needs the world size
+    cfg = load_config(config, world_size=world)
     engine = Engine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
                     lr_scheduler=lr_scheduler, units=units)
     return engine, engine.optimizer, None, engine.lr_scheduler
