@@ -1,7 +1,7 @@
 """Adam step throughput on this CPU: infinity's CPUAdam against torch and DeepSpeed.
 
-    python bench/bench_adam.py            # 100M and 500M params, 1 and 2 threads (~5 min)
-    python bench/bench_adam.py --quick    # 32M params, a smoke run (~20 s)
+    python bench/bench_adam.py            # 100M and 500M params, 1 and 2 threads (~25 min)
+    python bench/bench_adam.py --quick    # 32M params, a smoke run (~1 min)
 
 DeepSpeed's DeepSpeedCPUAdam is timed in a second interpreter that has it (default
 /work/venv-ds/bin/python, made with `python3 -m venv /work/venv-ds &&
@@ -26,10 +26,11 @@ another, and 500M parameters fit: 4 x 2 GB plus 1 GB of bf16 copies.
   the optimizer step, bf16.copy_(param): 8 + 28 + 6 (+2 for the write-allocate) bytes.
 Each timing is one optimizer step over all tensors. Methods run interleaved, round after round,
 each round starting one method later, so that load from other processes and the after-effects
-of one method on the next hit all of them alike; after a warm-up round the median of the timed
-rounds is reported (every round's time is in the JSON beside the report). The machine is shared: a round during which other processes kept
-more than BUSY_LIMIT of a core busy (read from /proc/stat) is redone, for up to --patience
-seconds, and the report says how many were redone and how busy the kept ones were.
+of one method on the next hit all of them alike. After a warm-up round, times are medians of
+the timed rounds and ratios medians of per-round ratios (every round is in the JSON beside the
+report). The machine is shared: a round during which other processes kept more than BUSY_LIMIT
+of a core busy (read from /proc/stat) is redone, for up to --patience seconds, and the report
+says how many were redone and how busy the kept ones were.
 """
 
 from __future__ import annotations
@@ -184,7 +185,7 @@ def time_methods(methods: dict, rounds: int, patience: float) -> tuple[Timings, 
     """
     for fn in methods.values():  # warm-up: page faults, lazily started threads
         fn()
-    timings, busy_kept, rejected = Timings(), [], 0
+    timings, busy_kept, rejected = Timings({name: [] for name in methods}), [], 0
     deadline = time.monotonic() + patience
     names = list(methods)
     while len(busy_kept) < rounds:

@@ -119,9 +119,20 @@ struct Avx2Loop {
   }
 
   static void run(const StepConstants& c, const Buffers& b, size_t begin, size_t end) {
-    const bool stream = H != DType::kNone &&
-        reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(b.half_out) + begin) % 16 == 0;
     size_t i = begin;
+    bool stream = false;
+    if constexpr (H != DType::kNone) {
+      // Elements up to the half copy's next 16-byte boundary go first, so that the rest can
+      // use streaming stores whatever the offset the caller started at.
+      const auto address =
+          reinterpret_cast<uintptr_t>(static_cast<const uint16_t*>(b.half_out) + i);
+      const size_t lead = address % 2 ? 0 : (16 - address % 16) % 16 / 2;
+      if (address % 2 == 0 && lead < end - i) {
+        if (lead > 0) tail(c, b, i, lead);
+        i += lead;
+        stream = true;
+      }
+    }
     // Two vectors a turn: one prefetch per 64-byte line of each fp32 stream.
     for (; i + 2 * kWidth <= end; i += 2 * kWidth) {
       prefetch_ahead<G>(b, i);

@@ -95,9 +95,20 @@ struct Avx512Loop {
   }
 
   static void run(const StepConstants& c, const Buffers& b, size_t begin, size_t end) {
-    const bool stream = H != DType::kNone &&
-        reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(b.half_out) + begin) % 32 == 0;
     size_t i = begin;
+    bool stream = false;
+    if constexpr (H != DType::kNone) {
+      // Elements up to the half copy's next 32-byte boundary go first, so that the rest can
+      // use streaming stores whatever the offset the caller started at.
+      const auto address =
+          reinterpret_cast<uintptr_t>(static_cast<const uint16_t*>(b.half_out) + i);
+      const size_t lead = address % 2 ? 0 : (32 - address % 32) % 32 / 2;
+      if (address % 2 == 0 && lead < end - i) {
+        if (lead > 0) body(c, b, i, static_cast<__mmask16>((1u << lead) - 1u), false);
+        i += lead;
+        stream = true;
+      }
+    }
     for (; i + 16 <= end; i += 16) {
       prefetch_ahead<G>(b, i);
       body(c, b, i, 0xFFFF, stream);

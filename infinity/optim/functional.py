@@ -15,6 +15,8 @@ the same fp32 values ([Note: exact parity with torch] in csrc/adam/adam.h).
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from infinity import _adam
@@ -134,8 +136,12 @@ def adam_update(
     if offset < 0 or count < 0 or offset + count > n:
         raise ValueError(
             f"adam_update: offset={offset}, count={count} is outside the {n} elements of param")
-    if not isinstance(step, int) or step < 1:
-        raise ValueError(f"adam_update: step must be an int >= 1, got {step!r}")
+    try:
+        step = operator.index(step)
+    except TypeError:
+        raise TypeError(f"adam_update: step must be an int, got {step!r}") from None
+    if step < 1:
+        raise ValueError(f"adam_update: step must be >= 1, got {step}")
     check_hyper_params(lr, beta1, beta2, eps, weight_decay)
     hyper = _adam.HyperParams(
         lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
