@@ -453,3 +453,35 @@ def test_concurrent_callers_share_one_updater():
         t.join()
     for (p, _, _, _), e in zip(cases, expected):
         assert torch.equal(bits(p), bits(e))
+
+
+def test_update_in_a_forked_child():
+    """A DataLoader-style fork after the pool started: the child updates, exits, never hangs."""
+    import os
+    import time
+
+    from infinity.optim import adam_update
+
+    def one_update():
+        p, g = torch.ones(1 << 16), torch.full((1 << 16,), 0.5)
+        m, v = torch.zeros_like(p), torch.zeros_like(p)
+        adam_update(p, g, m, v, step=1, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                    num_threads=2)
+        return p
+
+    expected = one_update()  # starts the pool's worker threads in this process
+    pid = os.fork()
+    if pid == 0:
+        torch.set_num_threads(1)  # torch's own OpenMP pool does not survive fork(); ours must
+        ok = torch.equal(one_update(), expected)
+        os._exit(0 if ok else 3)
+    deadline = time.monotonic() + 30
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            raise AssertionError("the forked child hung in adam_update")
+        time.sleep(0.05)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0

@@ -1,8 +1,28 @@
 #include "thread_pool.h"
 
+#include <unistd.h>
+
+#include <new>
+
 namespace infinity::adam {
 
+void ThreadPool::forget_workers_after_fork() {
+  if (workers_.empty() || owner_pid_ == getpid()) return;
+  // The parent's threads (and whoever held these locks) are gone in the child: leak their
+  // handles rather than join them, and re-create the synchronisation objects.
+  new std::vector<std::thread>(std::move(workers_));
+  workers_.clear();
+  new (&run_mutex_) std::mutex();
+  new (&mutex_) std::mutex();
+  new (&start_) std::condition_variable();
+  new (&done_) std::condition_variable();
+  task_ = nullptr;
+  num_pending_ = 0;
+  stop_ = false;
+}
+
 ThreadPool::~ThreadPool() {
+  forget_workers_after_fork();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
@@ -21,9 +41,11 @@ void ThreadPool::run(int num_tasks, const std::function<void(int)>& task) {
     if (num_tasks == 1) task(0);
     return;
   }
+  forget_workers_after_fork();
   std::lock_guard<std::mutex> run_lock(run_mutex_);
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    owner_pid_ = getpid();
     while (static_cast<int>(workers_.size()) < num_tasks - 1) {
       const int index = static_cast<int>(workers_.size()) + 1;
       workers_.emplace_back([this, index] { work(index); });

@@ -30,6 +30,9 @@ class ThreadPool {
 
  private:
   void work(int index);  // worker `index` runs task `index` (1-based: task 0 is the caller's)
+  // In a child made by fork() the workers do not exist: forget them (never join them) and
+  // start afresh, so the child can run updates and exit.
+  void forget_workers_after_fork();
 
   std::mutex run_mutex_;  // held for a whole run(): one batch of tasks at a time
   std::mutex mutex_;      // guards everything below
@@ -41,6 +44,7 @@ class ThreadPool {
   uint64_t generation_ = 0;   // bumped per batch, so a worker runs each batch once
   bool stop_ = false;
   std::vector<std::thread> workers_;
+  int owner_pid_ = -1;  // the process whose threads `workers_` are
 };
 
 }  // namespace infinity::adam
