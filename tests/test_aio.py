@@ -306,6 +306,10 @@ def test_deepspeed_names(tmp_path):
     locked.copy_(torch.randn(1000))
     handle.async_pwrite(locked, str(tmp_path / "f"), 0)
     assert handle.wait() == 1
+    scratch = torch.empty_like(locked)
+    handle.async_pread(scratch, str(tmp_path / "f"), 0)
+    assert handle.wait() == 1 and torch.equal(scratch, locked)
+    assert handle.free_cpu_locked_tensor(scratch)
     back = torch.empty_like(locked)
     handle.sync_pread(back, str(tmp_path / "f"), 0)
     assert torch.equal(back, locked)

@@ -98,10 +98,6 @@ class Unit:
     def padded_numel(self) -> int:
         return self.shard_numel * self.world
 
-    @property
-    def full_bytes(self) -> int:
-        return self.padded_numel * torch.empty((), dtype=self.dtype).element_size()
-
     def _segments(self) -> list[Segment]:
         lo, hi = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
         runs: list[Segment] = []
