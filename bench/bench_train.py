@@ -97,8 +97,9 @@ def run_infinity(args, gpt) -> dict:
     z = config["zero_optimization"]
     z["stage3_prefetch_bucket_size"] = 5e8  # ours prefetches in the recorded order
     z["offload_param"]["buffer_count"] = 8
-    z["offload_optimizer"]["buffer_count"] = 9
-    z["sub_group_size"] = 1e8
+    # 100 MB pieces, and a pool big enough to read a third of a 1B model's state during backward.
+    z["offload_optimizer"]["buffer_count"] = 48
+    z["sub_group_size"] = 2.5e7
     try:
         engine, *_ = infinity.initialize(model=model, config=config)
         times = time_steps(engine, args, args.steps)

@@ -10,8 +10,10 @@ boundary. The Adam pass also writes the new compute-dtype parameter into the par
 target buffer, so no second pass over the shard is needed.
 
 Reads start earlier than the step: when a unit's gradient becomes final during the last
-micro-step's backward, the reads of its first pieces are issued (`accumulate(last=True)`) as
-long as the pool has buffers to spare, and the step updates units in that order.
+micro-step's backward, the reads of its pieces are issued (`accumulate(last=True)`) as long as
+the pool has buffers to spare beyond the step's own pipeline, and the step updates units in
+that order. A larger `offload_optimizer.buffer_count` therefore moves more of the state
+traffic under backward's compute.
 
 The fp32 gradient accumulators stay in host memory (4 bytes per parameter of the shard).
 """
@@ -70,7 +72,9 @@ class NvmeOptimizerState:
             acc.copy_(g) if first else acc.add_(g)
         if last:
             self._ready.append(unit.index)
-            self._read_early(unit.index, 0)
+            for k in range(len(self._pieces[unit.index])):
+                if not self._read_early(unit.index, k):
+                    break  # the pool is as full as the step's own pipeline allows
 
     def grad_stats(self, unit: Unit) -> tuple[torch.Tensor, torch.Tensor]:
         acc = self._grads[unit.index]
@@ -86,10 +90,15 @@ class NvmeOptimizerState:
     def _fetch(self, index: int, k: int) -> list:
         return self._early.pop((index, k), None) or [self.swapper.fetch(kind, (index, k)) for kind in KINDS]
 
-    def _read_early(self, index: int, k: int) -> None:
-        # Keep two pieces' worth of buffers free for the step's own pipeline.
-        if (index, k) not in self._early and self.pool.num_free >= 3 * len(KINDS):
-            self._early[(index, k)] = [self.swapper.fetch(kind, (index, k)) for kind in KINDS]
+    def _read_early(self, index: int, k: int) -> bool:
+        """Issues the reads of one piece during backward, if the pool can spare its buffers while
+        keeping room for the step's pipeline (a piece updating, one reading, one writing)."""
+        if (index, k) in self._early:
+            return True
+        if self.pool.num_free < 3 * len(KINDS) + len(KINDS):
+            return False
+        self._early[(index, k)] = [self.swapper.fetch(kind, (index, k)) for kind in KINDS]
+        return True
 
     def update(self, unit: Unit, hypers: list[AdamHyper], step: int, grad_scale: float,
                out: torch.Tensor) -> None:
