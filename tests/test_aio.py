@@ -324,6 +324,19 @@ def test_aligned_empty_shapes():
     assert aligned_empty(10, pin=False).numel() == 10
 
 
+@pytest.mark.parametrize("nbytes", [(2 << 20) - 4096, 2 << 20, (6 << 20) + 3])
+def test_aligned_empty_large_buffers_sit_on_huge_page_boundaries(nbytes):
+    # A buffer of one huge page or more starts on a 2 MiB boundary, so that the kernel can back
+    # it with transparent huge pages (fewer pages to pin per O_DIRECT request); smaller ones
+    # only need the page. Every byte is usable and the memory comes back when the tensor dies.
+    t = aligned_empty(nbytes)
+    assert t.numel() == nbytes and t.data_ptr() % 4096 == 0
+    assert (t.data_ptr() % (2 << 20) == 0) == (nbytes >= 2 << 20)
+    t.fill_(7)
+    assert int(t[-1]) == 7 and int(t[0]) == 7
+    del t
+
+
 def test_aligned_empty_is_page_locked():
     t = aligned_empty(1 << 20, pin=None if torch.cuda.is_available() else True)
     with open("/proc/self/status") as f:

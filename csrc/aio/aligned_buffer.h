@@ -10,7 +10,8 @@ namespace infinity::aio {
 
 class AlignedBuffer {
  public:
-  // Allocates `nbytes` (rounded up to whole pages internally) aligned to `alignment`.
+  // Maps `nbytes` (rounded up to whole pages internally) aligned to `alignment`; from 2 MiB up
+  // on a huge-page boundary with MADV_HUGEPAGE. See [Note: huge pages for I/O buffers].
   AlignedBuffer(size_t nbytes, size_t alignment);
   ~AlignedBuffer();
   AlignedBuffer(const AlignedBuffer&) = delete;

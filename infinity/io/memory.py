@@ -14,6 +14,8 @@ O_DIRECT reads into mlock'ed pages ran 2.7 GB/s on this machine's disk against 1
 ordinary (already touched) pages: the kernel pins user pages for every request, and locked ones
 need no fault handling. So host buffers are locked whether or not CUDA is there. A process
 whose RLIMIT_MEMLOCK is too small gets one warning and unlocked memory, never an error.
+Buffers of 2 MiB and more are also backed by transparent huge pages where the kernel allows it
+([Note: huge pages for I/O buffers] in csrc/aio/aligned_buffer.cpp).
 """
 
 from __future__ import annotations
