@@ -493,6 +493,10 @@ class OffloadOptimizerConfig:
     """Write the previous sub-group's state to NVMe while the current one is updated."""
     fast_init: bool = _spec(_bool, default=False)
     """Skip the initial write-out of optimizer state when creating it on NVMe."""
+    max_grad_in_cpu: int = _spec(_size, default=1_000_000_000)
+    """(infinity) fp32 gradient elements kept in host memory with device "nvme" while they
+    accumulate for the step; the gradients of the units beyond it spill to the NVMe store. Not
+    needed when the update runs during backward on one micro-step (no clipping, no fp16)."""
 
     def __post_init__(self) -> None:
         _validate(self)

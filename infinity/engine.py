@@ -8,6 +8,16 @@ backward: the loss is multiplied by loss_scale / gradient_accumulation_steps; as
 step (at the accumulation boundary): the global gradient norm (all ranks) gives the clip
   coefficient; fp16 overflow skips the step; otherwise each unit shard is updated by one Adam
   pass that also writes the new compute-dtype shard into the parameter tier.
+
+[Note: update during backward]
+Without gradient clipping and without fp16 loss scaling nothing in a unit's update depends on
+other units: in the last micro-step's backward, the moment a unit's gradient shard is final it
+is updated (`_on_unit_grads`), so CPU Adam and the optimizer-state I/O run inside backward
+instead of after it, and `step()` only updates what was left (persistent units, whose gathered
+copies must not change while autograd runs) and moves the LR schedule. The update uses the
+param groups' values as they are when backward runs; the numbers are those of a step after
+backward, since every element's update is independent of the others'. Non-finite gradients
+are then applied as PyTorch applies them (with a warning); only fp16's loss scaling skips steps.
 """
 
 from __future__ import annotations
@@ -67,6 +77,9 @@ class Engine:
         self.micro_steps = 0
         self.skipped_steps = 0
         self._in_pass = False
+        self._hypers: list[AdamHyper] | None = None  # this step's, once its first unit was updated
+        self._updated: set[int] = set()  # units updated this step
+        self._updated_in_backward = 0
 
         groups = _param_groups(model, model_parameters)
         self.optimizer = ZeroOptimizer(groups, config.optimizer, optimizer)
@@ -79,6 +92,8 @@ class Engine:
             loss_scale_window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
             consecutive_hysteresis=fp16.consecutive_hysteresis, min_loss_scale=fp16.min_loss_scale,
         ) if fp16.enabled else None
+        # [Note: update during backward]
+        self.update_in_backward = config.gradient_clipping == 0 and self.scaler is None
 
         zero = config.zero
         self.units, modules = self._build_units(model, groups, units)
@@ -141,8 +156,10 @@ class Engine:
         offload = self.config.zero.offload_optimizer
         if offload.device == "nvme":
             from infinity.zero.nvme_optim import NvmeOptimizerState
+            # Gradients outlive their backward unless each one feeds its update at once.
+            keep = not self.update_in_backward or self.config.batch.gradient_accumulation_steps > 1
             return NvmeOptimizerState(offload, self.config.aio, self.config.zero.sub_group_size, rank=self.rank,
-                                      units=self.units)
+                                      units=self.units, keep_grads=keep)
         return ResidentOptimizerState(torch.device("cpu") if offload.device == "cpu" else self.device)
 
     # ---- the training loop ----------------------------------------------------------------
@@ -169,6 +186,7 @@ class Engine:
         if self.scaler is not None:
             scale *= self.scaler.scale
         self.hooks.in_backward = True
+        self.optim_state.begin_backward(last=self._last_micro())
         try:
             (loss * scale if scale != 1.0 else loss).backward()
             self.hooks.finish_backward()
@@ -180,6 +198,10 @@ class Engine:
         self.micro_steps += 1
         self.report.add_time("backward", time.perf_counter() - t0)
         return loss
+
+    def _last_micro(self) -> bool:
+        """Whether the backward about to run (or running) ends an accumulation."""
+        return (self.micro_steps + 1) % self.config.batch.gradient_accumulation_steps == 0
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.micro_steps % self.config.batch.gradient_accumulation_steps == 0
@@ -201,12 +223,16 @@ class Engine:
         stats = torch.stack([sq, bad]).to(self.device)
         zdist.all_reduce_sum(stats[:1])
         zdist.all_reduce_max(stats[1:])
-        sq, overflow = stats[0].item(), bool(stats[1].item())
+        sq, nonfinite = stats[0].item(), bool(stats[1].item())
         loss_scale = self.scaler.scale if self.scaler else 1.0
         grad_norm = (sq ** 0.5) / loss_scale
         grad_scale = 1.0 / loss_scale
+        overflow = nonfinite and self.scaler is not None
+        if nonfinite and self.scaler is None:
+            log.warning("step %d: the gradients hold inf or nan; applied as they are (only fp16 loss scaling "
+                        "skips steps)", self.global_steps)
         clip = self.config.gradient_clipping
-        if clip > 0 and not overflow:
+        if clip > 0 and not nonfinite:
             coef = torch.tensor(clip, dtype=torch.float32) / (torch.tensor(grad_norm, dtype=torch.float32) + 1e-6)
             grad_scale *= float(torch.clamp(coef, max=1.0))
         if self.scaler is not None:
@@ -215,33 +241,44 @@ class Engine:
             self.skipped_steps += 1
             log.info("step %d: gradient overflow, skipped; loss scale now %g", self.global_steps, self.scaler.scale)
         else:
-            self._apply_update(self.optim_state.step_order(units), grad_scale)
+            for u in self.optim_state.step_order([u for u in units if u.index not in self._updated]):
+                self._update_unit(u, grad_scale)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
+        self._refresh_persistent()
+        in_backward = self._updated_in_backward
+        self._hypers, self._updated, self._updated_in_backward = None, set(), 0
         self.optim_state.finish_step()
         self.params.flush()  # parameter writes are few (2 bytes a parameter): finish them here
         self._first_micro = True
         self.global_steps += 1
         self.report.add_time("step", time.perf_counter() - t0)
-        self.report.finish_step(self, grad_norm)
+        self.report.finish_step(self, grad_norm, updated_in_backward=in_backward)
 
-    def _apply_update(self, units: list[Unit], grad_scale: float) -> None:
-        self.optimizer.step_count += 1
-        self.optimizer.mark_stepped()
-        hypers = self.optimizer.hypers()
-        for u in units:
-            self.optim_state.update(u, hypers, self.optimizer.step_count, grad_scale, self.params.update_target(u))
-            self.params.commit(u)
+    def _update_unit(self, unit: Unit, grad_scale: float) -> None:
+        if self._hypers is None:  # the step's first update
+            self.optimizer.step_count += 1
+            self.optimizer.mark_stepped()
+            self._hypers = self.optimizer.hypers()
+        self.optim_state.update(unit, self._hypers, self.optimizer.step_count, grad_scale,
+                                self.params.update_target(unit))
+        self.params.commit(unit)
+        self._updated.add(unit.index)
+
+    def _refresh_persistent(self) -> None:
         for u in self.units:  # persistent units hold gathered copies: refresh them
-            if u.persistent and u.state is UnitState.GATHERED:
+            if u.persistent and u.state is UnitState.GATHERED and u.index in self._updated:
                 u.to_released()
                 u.to_gathered(self.params.fetch(u))
 
     def _on_unit_grads(self, unit: Unit) -> None:
         with torch.profiler.record_function("infinity::reduce_scatter"):
             shard = zdist.reduce_scatter_mean(unit.take_grad())
-        last = (self.micro_steps + 1) % self.config.batch.gradient_accumulation_steps == 0
+        last = self._last_micro()
         self.optim_state.accumulate(unit, shard, first=self._first_micro, last=last)
+        if last and self.update_in_backward and not unit.persistent and any(s.group >= 0 for s in unit.slots):
+            self._update_unit(unit, 1.0)  # [Note: update during backward]
+            self._updated_in_backward += 1
 
     # ---- DeepSpeed's engine surface -------------------------------------------------------
 

@@ -74,7 +74,8 @@ def reference_run(model: nn.Module, data, *, gas: int, lr: float = 3e-3, wd: flo
             loss = model(idx, tgt)
             (loss / gas).backward()
             total += loss.item() / gas
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if clip > 0:  # DeepSpeed's gradient_clipping 0 means no clipping
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         losses.append(total)

@@ -15,7 +15,24 @@ the pool has buffers to spare beyond the step's own pipeline, and the step updat
 that order. A larger `offload_optimizer.buffer_count` therefore moves more of the state
 traffic under backward's compute.
 
-The fp32 gradient accumulators stay in host memory (4 bytes per parameter of the shard).
+[Note: reading ahead in the expected order]
+In the last micro-step's backward the reads do not wait for a unit's gradient: units become
+final in the same order every step (reverse forward order), so the order recorded in the
+previous step says which unit comes next, and its pieces are read while the units before it
+are still computing, as far as the pool allows (`_read_ahead`). With the update running during
+backward (no clipping, no fp16: see [Note: update during backward] in engine.py) the state of a
+unit is then in memory when its gradient is final, its update runs at once, and its writes
+drain behind the next unit's backward.
+
+[Note: gradient spill]
+Gradients are reduced to this rank's shard and accumulated in fp32 on the host. When the update
+waits for the step (clipping or fp16 needs the global norm first, or several micro-steps
+accumulate), every unit needs an accumulator until then: units are given one in host memory in
+backward order while `max_grad_in_cpu` elements last; the gradients of the others spill to the
+store as kind "grad", cut into the same pieces as the state, so the update reads them beside
+master, exp_avg and exp_avg_sq (4 bytes a parameter written in backward and read in the step;
+a later micro-step reads, adds and writes back). With the update in backward on one micro-step
+no accumulator is needed: the fp32 shard goes straight into the update.
 """
 
 from __future__ import annotations
@@ -30,30 +47,58 @@ from infinity.zero.optim_shards import AdamHyper
 from infinity.zero.unit import Unit
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
+GRAD = "grad"  # spilled gradient accumulators ([Note: gradient spill])
 PIECE_ALIGN = 1024  # elements: 4 KiB of fp32, so every piece's extent is O_DIRECT-aligned
 
 
 class NvmeOptimizerState:
-    """The NVMe optimizer tier (same methods as `ResidentOptimizerState`)."""
+    """The NVMe optimizer tier (same methods as `ResidentOptimizerState`).
 
-    def __init__(self, offload, aio, sub_group_size: int, *, rank: int, units: list[Unit]):
+    keep_grads: whether gradients must outlive the backward that made them (the update waits
+    for the step, or micro-steps accumulate); then they get accumulators, in host memory or
+    spilled ([Note: gradient spill]).
+    """
+
+    def __init__(self, offload, aio, sub_group_size: int, *, rank: int, units: list[Unit], keep_grads: bool = True):
         piece = max(PIECE_ALIGN, sub_group_size // PIECE_ALIGN * PIECE_ALIGN)
         self._pieces: dict[int, list[tuple[int, int]]] = {
             u.index: [(s, min(piece, u.shard_numel - s)) for s in range(0, u.shard_numel, piece)] for u in units}
+        self._grads: dict[int, torch.Tensor] = {}  # host accumulators
+        self._spilled: set[int] = set()  # units whose accumulators live in the store
+        if keep_grads:
+            room = offload.max_grad_in_cpu
+            for u in reversed(units):  # backward order: the units the step updates first stay in memory
+                if u.shard_numel <= room:
+                    room -= u.shard_numel
+                    self._grads[u.index] = torch.zeros(u.shard_numel, dtype=torch.float32)
+                else:
+                    self._spilled.add(u.index)
         layout = {kind: {(i, k): n * 4 for i, ps in self._pieces.items() for k, (_, n) in enumerate(ps)}
                   for kind in KINDS}
+        if self._spilled:
+            layout[GRAD] = {(i, k): n * 4 for i in self._spilled for k, (_, n) in enumerate(self._pieces[i])}
         self.handle = make_handle(aio)
         self.store = NvmeStore(offload.nvme_path, layout, job_id=f"{default_job_id()}-optimizer", rank=rank,
                                handle=self.handle, name="offload_optimizer")
         largest = max((n for ps in self._pieces.values() for _, n in ps), default=PIECE_ALIGN)
-        # Three kinds for each of: the piece being read, the piece being updated, the piece being written.
-        self.pool = BufferPool(_plan_count(offload.buffer_count, 3 * len(KINDS), "offload_optimizer"), largest * 4,
-                               name="offload_optimizer")
+        self._per_piece = len(KINDS) + (1 if self._spilled else 0)
+        # A buffer for each kind of: the piece being read, the piece being updated, the piece being written.
+        self.pool = BufferPool(_plan_count(offload.buffer_count, 3 * self._per_piece, "offload_optimizer"),
+                               largest * 4, name="offload_optimizer")
         self.swapper = Swapper(self.store, self.pool, None, self.handle)
-        self._grads = {u.index: torch.zeros(u.shard_numel, dtype=torch.float32) for u in units}
-        self._early: dict[tuple[int, int], list] = {}  # (unit, piece) -> fetch handles issued in backward
-        self._ready: list[int] = []  # units in the order their gradients became final
+        self._fresh: dict[int, torch.Tensor] = {}  # unit -> its gradient, no accumulator: used by its update
+        self._stats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # unit -> (sum of squares, any non-finite)
+        self._early: dict[tuple[int, int], list] = {}  # (unit, piece) -> fetch handles issued before the update
+        self._ready: list[int] = []  # units in the order their gradients became final, not yet updated
+        self._order: list[int] = []  # this step's order of final gradients
+        self._expected: list[int] = []  # the previous step's: what `_read_ahead` follows
+        self._final: set[int] = set()  # units whose gradient is final this step
+        self._updated: set[int] = set()
+        self._reading_ahead = False
         self._tally = IOTally(self.swapper)
+
+    def _kinds(self, index: int) -> tuple[str, ...]:
+        return KINDS + (GRAD,) if index in self._spilled else KINDS
 
     # ---- gradients ------------------------------------------------------------------------
 
@@ -63,62 +108,133 @@ class NvmeOptimizerState:
             self.swapper.write("master", (unit.index, k), master[start:start + n].contiguous())
             self.swapper.write("exp_avg", (unit.index, k), zeros[:n])
             self.swapper.write("exp_avg_sq", (unit.index, k), zeros[:n])
+            if unit.index in self._spilled:
+                self.swapper.write(GRAD, (unit.index, k), zeros[:n])
         self.swapper.flush()  # the sources are views of `master` and `zeros`: alive until here
 
-    def accumulate(self, unit: Unit, grad_shard: torch.Tensor, first: bool, last: bool = False) -> None:
-        acc = self._grads[unit.index]
-        with torch.profiler.record_function("infinity::grad_accumulate"):
-            g = grad_shard.to("cpu", non_blocking=False)
-            acc.copy_(g) if first else acc.add_(g)
+    def begin_backward(self, last: bool) -> None:
+        """A backward starts; `last`: the accumulation boundary's, whose gradients are final."""
+        self._reading_ahead = last
         if last:
-            self._ready.append(unit.index)
-            for k in range(len(self._pieces[unit.index])):
-                if not self._read_early(unit.index, k):
+            self._read_ahead()
+
+    def accumulate(self, unit: Unit, grad_shard: torch.Tensor, first: bool, last: bool = False) -> None:
+        index = unit.index
+        with torch.profiler.record_function("infinity::grad_accumulate"):
+            g = grad_shard.to("cpu", torch.float32)
+            if index in self._grads:
+                acc = self._grads[index]
+                acc.copy_(g) if first else acc.add_(g)
+                if last:
+                    self._stats[index] = _stats(acc)
+            elif index in self._spilled:
+                self._spill(index, g, first, last)
+            else:
+                assert first and last, "gradients without an accumulator must be used by the update they feed"
+                self._fresh[index] = g
+                self._stats[index] = _stats(g)
+        if last:
+            self._final.add(index)
+            self._ready.append(index)
+            self._order.append(index)
+            for k in range(len(self._pieces[index])):
+                if not self._read_early(index, k):
                     break  # the pool is as full as the step's own pipeline allows
+            self._read_ahead()
+
+    def _spill(self, index: int, g: torch.Tensor, first: bool, last: bool) -> None:
+        sq, bad = torch.zeros((), dtype=torch.float32), torch.zeros((), dtype=torch.bool)
+        for k, (start, n) in enumerate(self._pieces[index]):
+            if first:
+                buf = self.swapper.acquire(n * 4).view(torch.float32)
+                buf.copy_(g[start:start + n])
+                acc = buf
+            else:
+                acc = self.swapper.wait(self.swapper.fetch(GRAD, (index, k))).view(torch.float32)[:n]
+                acc.add_(g[start:start + n])
+            if last:
+                s, b = _stats(acc)
+                sq += s
+                bad |= b
+            if first:
+                self.swapper.evict(GRAD, (index, k), buf)
+            else:
+                self.swapper.release(GRAD, (index, k), dirty=True)
+        if last:
+            self._stats[index] = (sq, bad)
 
     def grad_stats(self, unit: Unit) -> tuple[torch.Tensor, torch.Tensor]:
-        acc = self._grads[unit.index]
-        return acc.square().sum(dtype=torch.float32), ~torch.isfinite(acc).all()
+        """(sum of squares, any inf/nan) of the unit's final gradient, taken when it became final."""
+        return self._stats.get(unit.index, (torch.zeros(()), torch.zeros((), dtype=torch.bool)))
 
     def step_order(self, units: list[Unit]) -> list[Unit]:
-        """Units whose state reads started in backward first, in that order."""
+        """Units not yet updated, those whose state reads started in backward first, in that order."""
         rank = {index: pos for pos, index in enumerate(self._ready)}
-        return sorted(units, key=lambda u: rank.get(u.index, len(rank) + u.index))
+        rest = [u for u in units if u.index not in self._updated]
+        return sorted(rest, key=lambda u: rank.get(u.index, len(rank) + u.index))
 
     # ---- the update -----------------------------------------------------------------------
 
     def _fetch(self, index: int, k: int) -> list:
-        return self._early.pop((index, k), None) or [self.swapper.fetch(kind, (index, k)) for kind in KINDS]
+        """The fetch handles of one piece, in `_kinds` order: those issued early, and the rest now."""
+        early = self._early.pop((index, k), {})
+        return [early.get(kind) or self.swapper.fetch(kind, (index, k)) for kind in self._kinds(index)]
 
     def _read_early(self, index: int, k: int) -> bool:
-        """Issues the reads of one piece during backward, if the pool can spare its buffers while
-        keeping room for the step's pipeline (a piece updating, one reading, one writing)."""
-        if (index, k) in self._early:
+        """Issues the reads of one piece before its update, if the pool can spare its buffers while
+        keeping room for the update's pipeline (a piece updating, one reading, one writing). A
+        spilled gradient is read only once it is final."""
+        early = self._early.setdefault((index, k), {})
+        kinds = [kind for kind in self._kinds(index) if kind not in early
+                 and (kind != GRAD or index in self._final)]
+        if not kinds:
             return True
-        if self.pool.num_free < 3 * len(KINDS) + len(KINDS):
+        if self.pool.num_free < 3 * self._per_piece + len(kinds):
+            if not early:
+                del self._early[(index, k)]
             return False
-        self._early[(index, k)] = [self.swapper.fetch(kind, (index, k)) for kind in KINDS]
+        for kind in kinds:
+            early[kind] = self.swapper.fetch(kind, (index, k))
         return True
+
+    def _read_ahead(self) -> None:
+        """Reads the pieces of the units expected to become final next ([Note: reading ahead in
+        the expected order]), as far as the pool allows."""
+        if not self._reading_ahead:
+            return
+        for index in self._expected:
+            if index in self._updated or index not in self._pieces:
+                continue
+            for k in range(len(self._pieces[index])):
+                if not self._read_early(index, k):
+                    return
 
     def update(self, unit: Unit, hypers: list[AdamHyper], step: int, grad_scale: float,
                out: torch.Tensor) -> None:
-        pieces = self._pieces[unit.index]
-        grad = self._grads[unit.index]
+        index = unit.index
+        pieces = self._pieces[index]
+        kinds = self._kinds(index)
+        grad = self._grads.get(index)
+        if grad is None:
+            grad = self._fresh.pop(index, None)
+        if grad is None and index not in self._spilled:
+            grad = torch.zeros(unit.shard_numel, dtype=torch.float32)  # no gradient reached this unit
         half = out if out.dtype in (torch.bfloat16, torch.float16) else None
-        pending = self._fetch(unit.index, 0)
+        pending = self._fetch(index, 0)
         for k, (start, n) in enumerate(pieces):
             current = pending
             if k + 1 < len(pieces):
-                pending = self._fetch(unit.index, k + 1)  # read ahead while this piece updates
+                pending = self._fetch(index, k + 1)  # read ahead while this piece updates
             with torch.profiler.record_function("infinity::nvme_wait"):
-                master, m, v = (self.swapper.wait(h).view(torch.float32)[:n] for h in current)
+                master, m, v, *spilled = (self.swapper.wait(h).view(torch.float32)[:n] for h in current)
+            g = spilled[0] if spilled else grad[start:start + n]
             with torch.profiler.record_function("infinity::adam"):
                 for seg in unit.segments:
                     lo, hi = max(seg.start, start), min(seg.start + seg.count, start + n)
                     if lo >= hi:
                         continue
                     h = hypers[seg.group]
-                    adam_update(master[lo - start:hi - start], grad[lo:hi], m[lo - start:hi - start],
+                    adam_update(master[lo - start:hi - start], g[lo - start:hi - start], m[lo - start:hi - start],
                                 v[lo - start:hi - start], step=step, lr=h.lr, beta1=h.beta1, beta2=h.beta2,
                                 eps=h.eps, weight_decay=h.weight_decay, adamw_mode=h.adamw_mode,
                                 bias_correction=h.bias_correction, grad_scale=grad_scale,
@@ -126,12 +242,30 @@ class NvmeOptimizerState:
                 if half is None:
                     out[start:start + n].copy_(master)
             for kind in KINDS:
-                self.swapper.release(kind, (unit.index, k), dirty=True)  # the write starts now
-        if unit.index in self._ready:
-            self._ready.remove(unit.index)
+                self.swapper.release(kind, (index, k), dirty=True)  # the write starts now
+            if spilled:
+                self.swapper.release(GRAD, (index, k))
+        if index in self._ready:
+            self._ready.remove(index)
+        self._updated.add(index)
+        self._read_ahead()
+
+    def _drop_early(self) -> None:
+        for (index, k), early in self._early.items():
+            for kind in early:
+                self.swapper.release(kind, (index, k))
+        self._early.clear()
 
     def finish_step(self) -> None:
+        self._drop_early()  # reads for an update that did not come (a skipped step)
         self._ready.clear()
+        self._final.clear()
+        self._fresh.clear()
+        self._stats.clear()
+        self._updated.clear()
+        if self._order:
+            self._expected, self._order = self._order, []
+        self._reading_ahead = False
 
     def flush(self) -> None:
         """Waits for the writes in flight; a failed one raises here, naming the shard.
@@ -174,9 +308,10 @@ class NvmeOptimizerState:
         return self._tally.take()
 
     def close(self) -> None:
-        for (index, k), handles in list(self._early.items()):
-            for kind in KINDS:
-                self.swapper.release(kind, (index, k))
-        self._early.clear()
+        self._drop_early()
         self.swapper.close()
         self.store.close()
+
+
+def _stats(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return g.square().sum(dtype=torch.float32), ~torch.isfinite(g).all()

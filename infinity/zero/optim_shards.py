@@ -36,6 +36,9 @@ class OptimizerTier(Protocol):
         """Adds a reduced gradient shard into the fp32 accumulator (`first`: replaces it);
         `last`: the final micro-step's, so the unit's state may start moving for the step."""
 
+    def begin_backward(self, last: bool) -> None:
+        """A backward starts; `last`: the one that ends an accumulation (its gradients are final)."""
+
     def step_order(self, units: list[Unit]) -> list[Unit]: ...
     def finish_step(self) -> None: ...
     def flush(self) -> None:
@@ -111,6 +114,9 @@ class ResidentOptimizerState:
                                    grad_scale)
             if half is None:
                 out.copy_(s["master"], non_blocking=True)
+
+    def begin_backward(self, last: bool) -> None:
+        pass
 
     def step_order(self, units: list[Unit]) -> list[Unit]:
         return units

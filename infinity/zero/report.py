@@ -23,7 +23,7 @@ class StepReport:
     def add_time(self, phase: str, seconds: float) -> None:
         self._times[phase] += seconds
 
-    def finish_step(self, engine: "Engine", grad_norm: float) -> None:
+    def finish_step(self, engine: "Engine", grad_norm: float, *, updated_in_backward: int = 0) -> None:
         gather = engine.fetcher.gather_seconds - self._step_start_gather
         reduce = engine.hooks.reduce_seconds - self._step_start_reduce
         self._step_start_gather = engine.fetcher.gather_seconds
@@ -35,6 +35,7 @@ class StepReport:
             "step_s": t.get("step", 0.0), "gather_s": gather, "reduce_s": reduce, "grad_norm": grad_norm,
             "loss_scale": engine.get_loss_scale(), "lr": engine.get_lr(),
             "peak_live_numel": engine.fetcher.peak_live_numel,
+            "units_updated_in_backward": updated_in_backward,
         }
         io = getattr(engine.params, "io_stats", None)
         if io is not None:
