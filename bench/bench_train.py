@@ -43,11 +43,11 @@ def load_gpt():
     return module
 
 
-def ds_config(nvme_path: str, micro: int, bf16: bool = True) -> dict:
+def ds_config(nvme_path: str, micro: int, bf16: bool = True, clip: float = 1.0) -> dict:
     return {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
+        "gradient_clipping": clip,
         "bf16": {"enabled": bf16},
         "steps_per_print": 10 ** 9,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
@@ -93,13 +93,14 @@ def run_infinity(args, gpt) -> dict:
     torch.manual_seed(0)
     model = gpt.GPT(cfg)
     work = tempfile.mkdtemp(prefix="bench-train-", dir=args.nvme_path)
-    config = ds_config(work, args.micro)
+    config = ds_config(work, args.micro, clip=args.clip)
     z = config["zero_optimization"]
     z["stage3_prefetch_bucket_size"] = 5e8  # ours prefetches in the recorded order
     z["offload_param"]["buffer_count"] = 8
     # 100 MB pieces, and a pool big enough to read a third of a 1B model's state during backward.
     z["offload_optimizer"]["buffer_count"] = 48
     z["sub_group_size"] = 2.5e7
+    z["offload_optimizer"]["max_grad_in_cpu"] = args.max_grad_in_cpu
     try:
         engine, *_ = infinity.initialize(model=model, config=config)
         times = time_steps(engine, args, args.steps)
@@ -205,7 +206,7 @@ def run_deepspeed(args) -> dict | None:
     work = tempfile.mkdtemp(prefix="bench-ds-", dir=args.nvme_path)
     try:
         payload = {"gpt_file": GPT_FILE, "vocab": args.vocab, "seq": args.seq, "dim": args.dim, "layers": args.layers,
-                   "micro": args.micro, "steps": args.steps, "config": ds_config(work, args.micro)}
+                   "micro": args.micro, "steps": args.steps, "config": ds_config(work, args.micro, clip=args.clip)}
         env = dict(os.environ, DS_ACCELERATOR="cpu")
         out = subprocess.run([args.ds_python, "-c", DS_SCRIPT, json.dumps(payload)], env=env, cwd=tempfile.gettempdir(),
                              stdout=subprocess.PIPE, text=True, timeout=args.ds_timeout)
@@ -230,6 +231,10 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--floor-layers", type=int, default=4, help="layers timed in memory for the compute floor")
     p.add_argument("--nvme-path", default=".")
+    p.add_argument("--clip", type=float, default=1.0,
+                   help="gradient_clipping; 0 lets infinity update each unit during backward")
+    p.add_argument("--max-grad-in-cpu", type=float, default=1e9,
+                   help="offload_optimizer.max_grad_in_cpu: gradient elements held in host memory")
     p.add_argument("--ds-python", default="/work/venv-ds/bin/python")
     p.add_argument("--ds-timeout", type=int, default=3600)
     p.add_argument("--skip-deepspeed", action="store_true")

@@ -23,6 +23,7 @@ are then applied as PyTorch applies them (with a warning); only fp16's loss scal
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -80,6 +81,7 @@ class Engine:
         self._hypers: list[AdamHyper] | None = None  # this step's, once its first unit was updated
         self._updated: set[int] = set()  # units updated this step
         self._updated_in_backward = 0
+        self._grad_buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
         groups = _param_groups(model, model_parameters)
         self.optimizer = ZeroOptimizer(groups, config.optimizer, optimizer)
@@ -172,6 +174,8 @@ class Engine:
         if not self._in_pass:
             self.fetcher.begin_step()
             self._in_pass = True
+            if torch.is_grad_enabled():  # a training pass: its backward will follow
+                self.optim_state.begin_pass(last=self._last_micro())
         out = self.module(*args, **kwargs)
         if not torch.is_grad_enabled():  # evaluation: no backward will end this pass
             self.fetcher.end_step()
@@ -186,7 +190,6 @@ class Engine:
         if self.scaler is not None:
             scale *= self.scaler.scale
         self.hooks.in_backward = True
-        self.optim_state.begin_backward(last=self._last_micro())
         try:
             (loss * scale if scale != 1.0 else loss).backward()
             self.hooks.finish_backward()
@@ -200,7 +203,7 @@ class Engine:
         return loss
 
     def _last_micro(self) -> bool:
-        """Whether the backward about to run (or running) ends an accumulation."""
+        """Whether the micro-step running (or about to) ends an accumulation."""
         return (self.micro_steps + 1) % self.config.batch.gradient_accumulation_steps == 0
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -215,15 +218,13 @@ class Engine:
         # backward; a failed one is raised now, before anything is updated on top of it.
         self.optim_state.flush()
         units = [u for u in self.units if any(s.group >= 0 for s in u.slots)]
-        sq, bad = torch.zeros((), dtype=torch.float32), torch.zeros((), dtype=torch.float32)
+        sq = torch.zeros((), dtype=torch.float32)
         for u in units:
-            s, b = self.optim_state.grad_stats(u)
-            sq += s.cpu()
-            bad = torch.maximum(bad, b.cpu().float())
-        stats = torch.stack([sq, bad]).to(self.device)
-        zdist.all_reduce_sum(stats[:1])
-        zdist.all_reduce_max(stats[1:])
-        sq, nonfinite = stats[0].item(), bool(stats[1].item())
+            sq += self.optim_state.grad_sq(u).cpu()
+        total = sq.to(self.device)
+        zdist.all_reduce_sum(total)
+        sq = total.item()
+        nonfinite = not math.isfinite(sq)  # a square sum is inf or nan iff some gradient was (or overflowed)
         loss_scale = self.scaler.scale if self.scaler else 1.0
         grad_norm = (sq ** 0.5) / loss_scale
         grad_scale = 1.0 / loss_scale
@@ -273,7 +274,12 @@ class Engine:
 
     def _on_unit_grads(self, unit: Unit) -> None:
         with torch.profiler.record_function("infinity::reduce_scatter"):
-            shard = zdist.reduce_scatter_mean(unit.take_grad())
+            # One flat buffer per unit size, reused: every consumer below copies the shard or
+            # is done with it before the next unit's gradient comes.
+            key = (unit.padded_numel, unit.dtype)
+            if key not in self._grad_buffers:
+                self._grad_buffers[key] = torch.zeros(unit.padded_numel, dtype=unit.dtype, device=self.device)
+            shard = zdist.reduce_scatter_mean(unit.take_grad(self._grad_buffers[key]))
         last = self._last_micro()
         self.optim_state.accumulate(unit, shard, first=self._first_micro, last=last)
         if last and self.update_in_backward and not unit.persistent and any(s.group >= 0 for s in unit.slots):

@@ -64,8 +64,3 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(t)
     return t
 
-
-def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
-    if world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t

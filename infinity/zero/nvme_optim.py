@@ -16,13 +16,13 @@ that order. A larger `offload_optimizer.buffer_count` therefore moves more of th
 traffic under backward's compute.
 
 [Note: reading ahead in the expected order]
-In the last micro-step's backward the reads do not wait for a unit's gradient: units become
-final in the same order every step (reverse forward order), so the order recorded in the
-previous step says which unit comes next, and its pieces are read while the units before it
-are still computing, as far as the pool allows (`_read_ahead`). With the update running during
-backward (no clipping, no fp16: see [Note: update during backward] in engine.py) the state of a
-unit is then in memory when its gradient is final, its update runs at once, and its writes
-drain behind the next unit's backward.
+In the last micro-step the reads do not wait for a unit's gradient: units become final in the
+same order every step (reverse forward order), so the order recorded in the previous step says
+which unit comes next, and its pieces are read from the start of that micro-step's forward,
+while the units before it compute, as far as the pool allows (`_read_ahead`). With the update
+running during backward (no clipping, no fp16: see [Note: update during backward] in engine.py)
+the state of a unit is then in memory when its gradient is final, its update runs at once, and
+its writes drain behind the next unit's backward.
 
 [Note: gradient spill]
 Gradients are reduced to this rank's shard and accumulated in fp32 on the host. When the update
@@ -43,12 +43,13 @@ from infinity.optim.functional import adam_update
 from infinity.tiers import BufferPool, NvmeStore, Swapper
 from infinity.tiers.store import default_job_id
 from infinity.zero.nvme_params import IOTally, _plan_count, make_handle
-from infinity.zero.optim_shards import AdamHyper
+from infinity.zero.optim_shards import NORM_ROW, AdamHyper, row_norms_sq
 from infinity.zero.unit import Unit
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 GRAD = "grad"  # spilled gradient accumulators ([Note: gradient spill])
 PIECE_ALIGN = 1024  # elements: 4 KiB of fp32, so every piece's extent is O_DIRECT-aligned
+assert PIECE_ALIGN % NORM_ROW == 0  # pieces start on norm rows ([Note: gradient norm by rows])
 
 
 class NvmeOptimizerState:
@@ -60,7 +61,7 @@ class NvmeOptimizerState:
     """
 
     def __init__(self, offload, aio, sub_group_size: int, *, rank: int, units: list[Unit], keep_grads: bool = True):
-        piece = max(PIECE_ALIGN, sub_group_size // PIECE_ALIGN * PIECE_ALIGN)
+        piece = max(PIECE_ALIGN, int(sub_group_size) // PIECE_ALIGN * PIECE_ALIGN)
         self._pieces: dict[int, list[tuple[int, int]]] = {
             u.index: [(s, min(piece, u.shard_numel - s)) for s in range(0, u.shard_numel, piece)] for u in units}
         self._grads: dict[int, torch.Tensor] = {}  # host accumulators
@@ -80,14 +81,14 @@ class NvmeOptimizerState:
         self.handle = make_handle(aio)
         self.store = NvmeStore(offload.nvme_path, layout, job_id=f"{default_job_id()}-optimizer", rank=rank,
                                handle=self.handle, name="offload_optimizer")
-        largest = max((n for ps in self._pieces.values() for _, n in ps), default=PIECE_ALIGN)
+        largest = max((n for ps in self._pieces.values() for _, n in ps), default=1)
         self._per_piece = len(KINDS) + (1 if self._spilled else 0)
         # A buffer for each kind of: the piece being read, the piece being updated, the piece being written.
         self.pool = BufferPool(_plan_count(offload.buffer_count, 3 * self._per_piece, "offload_optimizer"),
                                largest * 4, name="offload_optimizer")
         self.swapper = Swapper(self.store, self.pool, None, self.handle)
         self._fresh: dict[int, torch.Tensor] = {}  # unit -> its gradient, no accumulator: used by its update
-        self._stats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # unit -> (sum of squares, any non-finite)
+        self._sq: dict[int, torch.Tensor] = {}  # unit -> squared norm of its final gradient
         self._early: dict[tuple[int, int], list] = {}  # (unit, piece) -> fetch handles issued before the update
         self._ready: list[int] = []  # units in the order their gradients became final, not yet updated
         self._order: list[int] = []  # this step's order of final gradients
@@ -112,8 +113,9 @@ class NvmeOptimizerState:
                 self.swapper.write(GRAD, (unit.index, k), zeros[:n])
         self.swapper.flush()  # the sources are views of `master` and `zeros`: alive until here
 
-    def begin_backward(self, last: bool) -> None:
-        """A backward starts; `last`: the accumulation boundary's, whose gradients are final."""
+    def begin_pass(self, last: bool) -> None:
+        """A training forward starts; `last`: the accumulation boundary's, whose gradients are
+        final. State reads start now, under forward ([Note: reading ahead in the expected order])."""
         self._reading_ahead = last
         if last:
             self._read_ahead()
@@ -121,18 +123,18 @@ class NvmeOptimizerState:
     def accumulate(self, unit: Unit, grad_shard: torch.Tensor, first: bool, last: bool = False) -> None:
         index = unit.index
         with torch.profiler.record_function("infinity::grad_accumulate"):
-            g = grad_shard.to("cpu", torch.float32)
+            g = grad_shard.to("cpu")  # any float dtype: copy_/add_ and the Adam kernel convert it in their pass
             if index in self._grads:
                 acc = self._grads[index]
                 acc.copy_(g) if first else acc.add_(g)
                 if last:
-                    self._stats[index] = _stats(acc)
+                    self._sq[index] = row_norms_sq(acc).sum()
             elif index in self._spilled:
                 self._spill(index, g, first, last)
             else:
                 assert first and last, "gradients without an accumulator must be used by the update they feed"
                 self._fresh[index] = g
-                self._stats[index] = _stats(g)
+                self._sq[index] = row_norms_sq(g).sum()
         if last:
             self._final.add(index)
             self._ready.append(index)
@@ -143,29 +145,26 @@ class NvmeOptimizerState:
             self._read_ahead()
 
     def _spill(self, index: int, g: torch.Tensor, first: bool, last: bool) -> None:
-        sq, bad = torch.zeros((), dtype=torch.float32), torch.zeros((), dtype=torch.bool)
+        rows = []
         for k, (start, n) in enumerate(self._pieces[index]):
             if first:
-                buf = self.swapper.acquire(n * 4).view(torch.float32)
-                buf.copy_(g[start:start + n])
-                acc = buf
+                acc = self.swapper.acquire(n * 4).view(torch.float32)
+                acc.copy_(g[start:start + n])
             else:
                 acc = self.swapper.wait(self.swapper.fetch(GRAD, (index, k))).view(torch.float32)[:n]
                 acc.add_(g[start:start + n])
             if last:
-                s, b = _stats(acc)
-                sq += s
-                bad |= b
+                rows.append(row_norms_sq(acc))
             if first:
-                self.swapper.evict(GRAD, (index, k), buf)
+                self.swapper.evict(GRAD, (index, k), self.pool.base(acc)[:n * 4])
             else:
                 self.swapper.release(GRAD, (index, k), dirty=True)
         if last:
-            self._stats[index] = (sq, bad)
+            self._sq[index] = torch.cat(rows).sum()
 
-    def grad_stats(self, unit: Unit) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of squares, any inf/nan) of the unit's final gradient, taken when it became final."""
-        return self._stats.get(unit.index, (torch.zeros(()), torch.zeros((), dtype=torch.bool)))
+    def grad_sq(self, unit: Unit) -> torch.Tensor:
+        """Squared norm of the unit's final gradient, taken when it became final."""
+        return self._sq.get(unit.index, torch.zeros((), dtype=torch.float32))
 
     def step_order(self, units: list[Unit]) -> list[Unit]:
         """Units not yet updated, those whose state reads started in backward first, in that order."""
@@ -261,7 +260,7 @@ class NvmeOptimizerState:
         self._ready.clear()
         self._final.clear()
         self._fresh.clear()
-        self._stats.clear()
+        self._sq.clear()
         self._updated.clear()
         if self._order:
             self._expected, self._order = self._order, []
@@ -311,7 +310,3 @@ class NvmeOptimizerState:
         self._drop_early()
         self.swapper.close()
         self.store.close()
-
-
-def _stats(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return g.square().sum(dtype=torch.float32), ~torch.isfinite(g).all()

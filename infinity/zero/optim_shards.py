@@ -18,6 +18,40 @@ from infinity.optim.functional import adam_update
 from infinity.zero.unit import Unit
 
 
+NORM_ROW = 1024  # elements; see [Note: gradient norm by rows]
+_WIDEN_BLOCK = 256 * NORM_ROW
+
+
+def row_norms_sq(g: torch.Tensor) -> torch.Tensor:
+    """Squared 2-norms, in fp32, of `g`'s consecutive rows of NORM_ROW elements (the last row
+    may be shorter); `g` may be any float dtype. Inf or nan where a row holds one.
+
+    [Note: gradient norm by rows]
+    The squared norm of a gradient shard is the sum of its row norms, summed in one call over
+    the whole shard's rows. A spilled gradient meets the update piece by piece, but pieces
+    start on row boundaries (PIECE_ALIGN), so their rows are the shard's rows: concatenated,
+    they give the same vector and the same sum, to the bit, as the gradient whole in memory,
+    and the clip coefficient does not depend on where the gradient lived or on sub_group_size.
+    """
+    n = g.numel()
+    full = n // NORM_ROW * NORM_ROW
+    out = torch.empty(-(-n // NORM_ROW), dtype=torch.float32, device=g.device)
+    if g.dtype == torch.float32:
+        torch.linalg.vector_norm(g[:full].view(-1, NORM_ROW), dim=1, out=out[:full // NORM_ROW])
+    else:
+        # Widened a block at a time into one small buffer: converting the whole shard would
+        # allocate (and page-fault) 4 bytes an element, slower than the norm itself.
+        scratch = torch.empty(min(full, _WIDEN_BLOCK), dtype=torch.float32, device=g.device)
+        for lo in range(0, full, _WIDEN_BLOCK):
+            hi = min(full, lo + _WIDEN_BLOCK)
+            block = scratch[:hi - lo]
+            block.copy_(g[lo:hi])
+            torch.linalg.vector_norm(block.view(-1, NORM_ROW), dim=1, out=out[lo // NORM_ROW:hi // NORM_ROW])
+    if full < n:
+        out[-1] = torch.linalg.vector_norm(g[full:], dtype=torch.float32)
+    return out.square_()
+
+
 class AdamHyper(NamedTuple):
     """Hyper-parameters of one param group at one step."""
 
@@ -36,14 +70,15 @@ class OptimizerTier(Protocol):
         """Adds a reduced gradient shard into the fp32 accumulator (`first`: replaces it);
         `last`: the final micro-step's, so the unit's state may start moving for the step."""
 
-    def begin_backward(self, last: bool) -> None:
-        """A backward starts; `last`: the one that ends an accumulation (its gradients are final)."""
+    def begin_pass(self, last: bool) -> None:
+        """A training forward starts; `last`: its micro-step ends an accumulation (its gradients are final)."""
 
     def step_order(self, units: list[Unit]) -> list[Unit]: ...
     def finish_step(self) -> None: ...
     def flush(self) -> None:
         """Completes the previous step's writes, raising a failed one."""
-    def grad_stats(self, unit: Unit) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def grad_sq(self, unit: Unit) -> torch.Tensor:
+        """Squared 2-norm of the unit's final gradient ([Note: gradient norm by rows])."""
     def update(self, unit: Unit, hypers: list[AdamHyper], step: int, grad_scale: float,
                out: torch.Tensor) -> None: ...
     def master(self, unit: Unit) -> torch.Tensor: ...
@@ -91,10 +126,8 @@ class ResidentOptimizerState:
             g = grad_shard.to(self.device, non_blocking=True)
             acc.copy_(g) if first else acc.add_(g)
 
-    def grad_stats(self, unit: Unit) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of squares of the accumulated gradient, whether any element is inf/nan)."""
-        acc = self._grads[unit.index]
-        return acc.square().sum(dtype=torch.float32), ~torch.isfinite(acc).all()
+    def grad_sq(self, unit: Unit) -> torch.Tensor:
+        return row_norms_sq(self._grads[unit.index]).sum()
 
     def update(self, unit: Unit, hypers: list[AdamHyper], step: int, grad_scale: float,
                out: torch.Tensor) -> None:
@@ -115,7 +148,7 @@ class ResidentOptimizerState:
             if half is None:
                 out.copy_(s["master"], non_blocking=True)
 
-    def begin_backward(self, last: bool) -> None:
+    def begin_pass(self, last: bool) -> None:
         pass
 
     def step_order(self, units: list[Unit]) -> list[Unit]:

@@ -151,15 +151,23 @@ class Unit:
         self.full = None
         self.state = UnitState.RELEASED
 
-    def take_grad(self) -> torch.Tensor:
-        """The flat gradient of the full unit (zeros where a parameter got none); clears .grad."""
-        flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+    def take_grad(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The flat gradient of the full unit (zeros where a parameter got none); clears .grad.
+
+        `out`: a buffer of padded_numel elements to reuse, whose padding is already zero (a
+        fresh one per call would be page-faulted in every time: 25 ms per 100 MB here)."""
+        if out is None:
+            out = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        assert out.numel() == self.padded_numel and out.dtype == self.dtype
         for s in self.slots:
             g = s.param.grad
+            region = out[s.offset:s.offset + s.numel]
             if g is not None:
-                flat[s.offset:s.offset + s.numel].copy_(g.reshape(-1))
+                region.copy_(g.reshape(-1))
                 s.param.grad = None
-        return flat
+            else:
+                region.zero_()
+        return out
 
     def params_requiring_grad(self) -> int:
         return sum(1 for s in self.slots if s.param.requires_grad)
