@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 import torch
@@ -372,3 +373,20 @@ def test_handle_survives_fork(tmp_path):
     back = torch.empty(4096, dtype=torch.uint8)
     handle.read(back, tmp_path / "f")
     assert bool((back == 1).all())
+
+
+def test_done_polls_without_blocking_and_wait_timed_reports_completion(tmp_path):
+    handle = AsyncIOHandle()
+    buf = aligned_empty(4 << 20)
+    buf.fill_(3)
+    before = time.monotonic()
+    rid = handle.submit_write(buf, str(tmp_path / "f"))
+    deadline = time.monotonic() + 30
+    while not handle.done(rid):  # polling never blocks, and the request finishes on its own
+        assert time.monotonic() < deadline, "the write never completed"
+        time.sleep(0.001)
+    seen_done = time.monotonic()
+    finished = handle.wait_timed(rid)
+    assert before <= finished <= seen_done  # when it completed, not when it was waited for
+    with pytest.raises(ValueError, match="not outstanding"):
+        handle.done(rid)

@@ -345,3 +345,43 @@ def test_threads_hammering_shared_and_own_shards(tmp_path):
         for k in data:
             assert torch.equal(read(swapper, k), data[k]), k
         assert swapper.cache.peak_bytes <= 9000 and swapper.pool.stats.peak_in_use <= 4 * 8192
+
+
+def test_a_write_handle_takes_every_write_and_only_writes(store):
+    """With a second handle, reads never queue behind writes: each goes to its own handle, and
+    each request is waited for on the handle that issued it."""
+    reads, writes = RecordingHandle(), RecordingHandle()
+    swapper = make(store, handle=reads, write_handle=writes)
+    data = fill(swapper)
+    h = swapper.fetch("param", 1)
+    buf = swapper.wait(h)
+    assert torch.equal(buf[:SIZES[1]], data[1])
+    buf.add_(1)
+    swapper.release("param", 1, dirty=True)
+    swapper.flush()
+    assert torch.equal(read(swapper, 1), data[1] + 1)
+    assert {op for op, _ in reads.log} == {"read", "wait"} and {op for op, _ in writes.log} == {"write", "wait"}
+    for log in (reads.log, writes.log):  # every request waited for once, on its own handle
+        issued = [rid for op, rid in log if op != "wait"]
+        assert sorted(rid for op, rid in log if op == "wait") == sorted(issued)
+
+
+def test_reap_gives_finished_writes_buffers_back_without_waiting(store):
+    swapper = make(store, buffer_count=3, handle=AsyncIOHandle(), write_handle=AsyncIOHandle())
+    data = fill(swapper)
+    for k in (0, 1):
+        swapper.wait(swapper.fetch("param", k)).add_(1)
+        swapper.release("param", k, dirty=True)  # write-back starts; the buffers stay its until completed
+    deadline = time.monotonic() + 30
+    reaped = 0
+    while swapper.pool.num_free < 3:
+        reaped += swapper.reap()
+        assert time.monotonic() < deadline, "finished writes were never reaped"
+        time.sleep(0.001)
+    assert reaped == 2
+    assert torch.equal(read(swapper, 0), data[0] + 1) and torch.equal(read(swapper, 1), data[1] + 1)
+    stats = swapper.stats
+    # Busy time is wall time with transfers in flight: never more than the sum of their durations.
+    assert 0 < stats.host_to_nvme.busy_seconds <= stats.host_to_nvme.seconds + 1e-9
+    assert stats.busy_seconds > 0
+    assert stats.host_to_nvme.submitted_bytes == stats.host_to_nvme.bytes

@@ -63,9 +63,13 @@ PYBIND11_MODULE(_aio, m) {
               found = e.wait(id, &status);
             }
             if (!found) throw py::key_error("unknown or already completed request " + std::to_string(id));
-            return py::make_tuple(status.error, status.error_offset);
+            return py::make_tuple(status.error, status.error_offset, status.finished_s);
           },
-          py::arg("id"), "Blocks until the request completes; returns (errno or 0, failing offset).")
+          py::arg("id"),
+          "Blocks until the request completes; returns (errno or 0, failing offset, time.monotonic()\n"
+          "seconds at completion).")
+      .def("done", &Engine::done, py::arg("id"),
+           "Whether the request has completed, so that wait() returns at once (never blocks).")
       .def("pending", &Engine::pending);
 
   py::class_<AlignedBuffer>(m, "AlignedBuffer", py::buffer_protocol())

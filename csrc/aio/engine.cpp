@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -54,8 +55,11 @@ void Request::fail(int err, int64_t offset) {
 
 void Request::finish_chunk() {
   if (chunks_left.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  struct timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);  // Python's time.monotonic() reads the same clock
   {
     std::lock_guard<std::mutex> lock(mu);
+    status.finished_s = static_cast<double>(now.tv_sec) + 1e-9 * static_cast<double>(now.tv_nsec);
     done = true;
   }
   done_cv.notify_all();
@@ -377,6 +381,18 @@ bool Engine::wait(uint64_t id, Status* status) {
   std::lock_guard<std::mutex> lock(mu_);
   requests_.erase(id);
   return true;
+}
+
+bool Engine::done(uint64_t id) const {
+  std::shared_ptr<Request> req;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = requests_.find(id);
+    if (it == requests_.end()) return false;
+    req = it->second;
+  }
+  std::lock_guard<std::mutex> lock(req->mu);
+  return req->done;
 }
 
 std::vector<uint64_t> Engine::pending() const {

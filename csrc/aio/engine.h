@@ -58,6 +58,7 @@ struct Status {
   int error = 0;           // errno of the first failure, 0 on success
   int64_t error_offset = 0;  // file offset of the piece that failed
   bool direct = true;       // whether O_DIRECT served the aligned body
+  double finished_s = 0;    // CLOCK_MONOTONIC seconds when the last piece completed
 };
 
 struct Request;
@@ -145,6 +146,8 @@ class Engine {
                  bool* direct);
   // Blocks until request `id` completes; false if `id` is unknown (already waited for).
   bool wait(uint64_t id, Status* status);
+  // Whether request `id` has completed (wait() would not block); false if `id` is unknown.
+  bool done(uint64_t id) const;
   // Ids of requests not yet waited for, oldest first.
   std::vector<uint64_t> pending() const;
 

@@ -165,6 +165,14 @@ class AsyncIOHandle:
             raise first_error
         return len(ids)
 
+    def done(self, request: int) -> bool:
+        """Whether `request` has completed, so that `wait(request)` returns at once; never blocks.
+        Its outcome (and any error) is still reported by `wait`."""
+        with self._lock:
+            if request not in self._inflight:
+                raise ValueError(f"request: {request} is not outstanding on this handle (already waited for?)")
+        return self._engine.done(request)
+
     def read(self, buffer: Any, path: str | os.PathLike, offset: int = 0) -> int:
         """Synchronous read; returns bytes read. Reading past the end of the file raises."""
         self.wait(self.submit_read(buffer, path, offset))
@@ -207,12 +215,17 @@ class AsyncIOHandle:
             self._inflight[rid] = _InFlight(keep, path, offset, write)
         return rid
 
-    def _wait_one(self, rid: int) -> None:
+    def wait_timed(self, request: int) -> float:
+        """`wait(request)`, returning the `time.monotonic()` at which the request completed (for
+        busy-time accounting: it may be well before this call)."""
+        return self._wait_one(request)
+
+    def _wait_one(self, rid: int) -> float:
         with self._lock:
             entry = self._inflight.get(rid)
         if entry is None:
             raise ValueError(f"request: {rid} is not outstanding on this handle (already waited for?)")
-        err, err_offset = self._engine.wait(rid)
+        err, err_offset, finished = self._engine.wait(rid)
         with self._lock:
             del self._inflight[rid]
         if err:
@@ -222,6 +235,7 @@ class AsyncIOHandle:
                 err, f"{what}: {kind} of {entry.path} failed at offset {err_offset} (request at offset {entry.offset})",
                 entry.path,
             )
+        return finished
 
     # ---- DeepSpeed's names -------------------------------------------------------------------
 

@@ -80,7 +80,7 @@ class Transfer(NamedTuple):
     buffer: torch.Tensor  # 1-D uint8: the bytes moved (whole pages of a pool buffer, or the caller's tensor)
     request: int  # the I/O handle's request id
     write: bool
-    started: float  # time.perf_counter() at submission
+    started: float  # time.monotonic() at submission
 
 
 class FetchHandle(NamedTuple):
@@ -102,10 +102,12 @@ class WriteHandle(NamedTuple):
 class DirectionStats(NamedTuple):
     """Traffic in one direction between host memory and NVMe."""
 
-    bytes: int
+    bytes: int  # of completed transfers
     count: int
-    seconds: float  # submission to completion seen, summed: an upper bound of the I/O time
+    seconds: float  # submission to completion, summed over transfers (they overlap)
     wait_seconds: float  # callers blocked waiting for these transfers: the I/O not hidden
+    busy_seconds: float  # wall time with a transfer of this direction in flight (see `_busy`)
+    submitted_bytes: int  # of transfers issued, complete or not
 
 
 class SwapStats(NamedTuple):
@@ -113,9 +115,10 @@ class SwapStats(NamedTuple):
     host_to_nvme: DirectionStats
     hits: int  # fetches served without a read (in host memory, or a read already in flight)
     misses: int  # fetches that issued a read
+    busy_seconds: float = 0.0  # wall time with any transfer in flight
 
 
-_NO_STATS = DirectionStats(0, 0, 0.0, 0.0)
+_NO_STATS = DirectionStats(0, 0, 0.0, 0.0, 0.0, 0)
 
 
 @dataclass(slots=True, eq=False)
@@ -198,6 +201,9 @@ class Swapper:
         cache: keeps idle shards in host memory ([Note: eviction policy] in cache.py); its keys
             are `(kind, key)` pairs. None keeps nothing.
         handle: the I/O handle; default: the store's.
+        write_handle: a second handle for writes; default: `handle`. Each handle serves its
+            requests in order, so with one handle a read the compute thread waits for can sit
+            behind writes nobody waits for; with two, reads never queue behind writes.
         read_delay_s: test hook: every read completes no sooner than this many seconds after it
             was issued (a slow disk, without blocking the caller that issued it).
         timeout: seconds to wait for a pool buffer before giving up ([Note: buffers under pressure]).
@@ -217,6 +223,7 @@ class Swapper:
         pool: BufferPool,
         cache: HostCache | None = None,
         handle: IOHandle | None = None,
+        write_handle: IOHandle | None = None,
         *,
         read_delay_s: float = 0.0,
         timeout: float | None = 60.0,
@@ -237,12 +244,15 @@ class Swapper:
         self.pool = pool
         self.cache = cache
         self.handle: IOHandle = handle if handle is not None else store.handle
+        self.write_handle: IOHandle = write_handle if write_handle is not None else self.handle
         self.read_delay_s = float(read_delay_s)
         self.timeout = timeout
         self._shards = {}
         self._writes = {}
         self._unreported = []
         self._stats = {False: _NO_STATS, True: _NO_STATS}  # write? -> traffic
+        self._busy_until: dict[bool | None, float] = {False: 0.0, True: 0.0, None: 0.0}  # None: either
+        self._busy_any = 0.0
         self._hits = 0
         self._misses = 0
         self._cond = threading.Condition(threading.Lock())  # guards every _Shard and the fields above
@@ -264,7 +274,7 @@ class Swapper:
     @property
     def stats(self) -> SwapStats:
         with self._cond:
-            return SwapStats(self._stats[False], self._stats[True], self._hits, self._misses)
+            return SwapStats(self._stats[False], self._stats[True], self._hits, self._misses, self._busy_any)
 
     # ---- NVMe -> host ------------------------------------------------------------------------
 
@@ -417,6 +427,23 @@ class Swapper:
                     raise OSError(first.errno, f"{first.strerror} (and {count - 1} more failed writes)", first.filename)
                 raise first
 
+    def reap(self) -> int:
+        """Completes the writes that have finished in the kernel, so that their buffers go back
+        to the pool now rather than when somebody next waits; never blocks. Returns how many.
+        (A handle without `done` reaps nothing: its writes complete when waited for.)"""
+        done = getattr(self.write_handle, "done", None)
+        if done is None:
+            return 0
+        count = 0
+        with self._cond:
+            for shard in list(self._writes.values()):
+                transfer = shard.transfer
+                if shard.completing or transfer is None or not transfer.write or not done(transfer.request):
+                    continue
+                self._complete(shard)  # finished already: returns at once
+                count += 1
+        return count
+
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A pool buffer of `nbytes`, dropping cached shards if none is free ([Note: buffers under
         pressure]); give it to `evict`, or back with `pool.release`."""
@@ -477,9 +504,11 @@ class Swapper:
 
     def _submit(self, write: bool, buffer: torch.Tensor, extent: Extent) -> Transfer:
         with record_function("infinity::nvme_write" if write else "infinity::nvme_read"):
-            started = time.perf_counter()
-            submit = self.handle.submit_write if write else self.handle.submit_read
+            started = time.monotonic()
+            submit = self.write_handle.submit_write if write else self.handle.submit_read
             request = submit(buffer, extent.path, extent.offset)
+        old = self._stats[write]
+        self._stats[write] = old._replace(submitted_bytes=old.submitted_bytes + buffer.numel())
         return Transfer(buffer, request, write, started)
 
     def _complete(self, shard: _Shard) -> None:
@@ -495,14 +524,21 @@ class Swapper:
         assert transfer is not None, f"{shard.name}: nothing in flight ({shard.state.name})"
         shard.completing = True
         error: OSError | None = None
-        began = time.perf_counter()
+        began = time.monotonic()
+        finished = began
         self._cond.release()
         try:
             with record_function("infinity::nvme_wait"):
                 if not transfer.write and self.read_delay_s > 0:
-                    time.sleep(max(0.0, transfer.started + self.read_delay_s - time.perf_counter()))
+                    time.sleep(max(0.0, transfer.started + self.read_delay_s - time.monotonic()))
+                handle = self.write_handle if transfer.write else self.handle
                 try:
-                    self.handle.wait(transfer.request)
+                    timed = getattr(handle, "wait_timed", None)
+                    if timed is not None:
+                        finished = timed(transfer.request)
+                    else:
+                        handle.wait(transfer.request)
+                        finished = time.monotonic()
                 except OSError as e:
                     error = e
         finally:
@@ -510,16 +546,32 @@ class Swapper:
             shard.completing = False
             self._cond.notify_all()
         if error is None:
-            now = time.perf_counter()
+            now = time.monotonic()
+            if not transfer.write and self.read_delay_s > 0:
+                finished = max(finished, transfer.started + self.read_delay_s)
+            finished = min(max(finished, transfer.started), now)
             old = self._stats[transfer.write]
-            self._stats[transfer.write] = DirectionStats(
-                old.bytes + transfer.buffer.numel(), old.count + 1,
-                old.seconds + now - transfer.started, old.wait_seconds + now - began,
+            self._stats[transfer.write] = old._replace(
+                bytes=old.bytes + transfer.buffer.numel(), count=old.count + 1,
+                seconds=old.seconds + finished - transfer.started, wait_seconds=old.wait_seconds + now - began,
+                busy_seconds=old.busy_seconds + self._busy(transfer.write, transfer.started, finished),
             )
+            self._busy_any += self._busy(None, transfer.started, finished)
         if transfer.write:
             self._finish_write(shard, transfer, error)
         else:
             self._finish_read(shard, transfer, error)
+
+    def _busy(self, direction: bool | None, start: float, end: float) -> float:
+        """New wall time that the interval [start, end] adds to `direction`'s busy time.
+
+        Transfers are counted as they complete, roughly in the order they were issued (each
+        handle serves its queue in order), so the union of their intervals is kept as one
+        running end: an interval adds only what lies beyond it. A transfer seen after a later
+        one adds less than it might: the figure errs low, never double-counts."""
+        until = self._busy_until[direction]
+        self._busy_until[direction] = max(until, end)
+        return max(0.0, end - max(start, until))
 
     def _finish_read(self, shard: _Shard, transfer: Transfer, error: OSError | None) -> None:
         if error is None:

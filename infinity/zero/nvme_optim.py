@@ -86,7 +86,8 @@ class NvmeOptimizerState:
         # A buffer for each kind of: the piece being read, the piece being updated, the piece being written.
         self.pool = BufferPool(_plan_count(offload.buffer_count, 3 * self._per_piece, "offload_optimizer"),
                                largest * 4, name="offload_optimizer")
-        self.swapper = Swapper(self.store, self.pool, None, self.handle)
+        # A second handle for writes, so that reads never queue behind them.
+        self.swapper = Swapper(self.store, self.pool, None, self.handle, make_handle(aio))
         self._fresh: dict[int, torch.Tensor] = {}  # unit -> its gradient, no accumulator: used by its update
         self._sq: dict[int, torch.Tensor] = {}  # unit -> squared norm of its final gradient
         self._early: dict[tuple[int, int], list] = {}  # (unit, piece) -> fetch handles issued before the update
@@ -188,7 +189,8 @@ class NvmeOptimizerState:
                  and (kind != GRAD or index in self._final)]
         if not kinds:
             return True
-        if self.pool.num_free < 3 * self._per_piece + len(kinds):
+        needed = 3 * self._per_piece + len(kinds)
+        if self.pool.num_free < needed and (self.swapper.reap() == 0 or self.pool.num_free < needed):
             if not early:
                 del self._early[(index, k)]
             return False

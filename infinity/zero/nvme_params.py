@@ -64,7 +64,8 @@ class NvmeParams:
         self.pool = BufferPool(_plan_count(offload.buffer_count) + cached, min(offload.buffer_size * elsize, largest),
                                shard_sizes=sizes.values(), name="offload_param")
         self.cache = HostCache(max_in_cpu, name="offload_param")
-        self.swapper = Swapper(self.store, self.pool, self.cache, self.handle)
+        # A second handle for writes, so that reads never queue behind them.
+        self.swapper = Swapper(self.store, self.pool, self.cache, self.handle, make_handle(aio))
         self._prefetched: dict[int, object] = {}  # unit index -> FetchHandle
         self._held: dict[int, object] = {}  # unit index fetched -> its host-to-device copy's event (None on CPU)
         self._targets: dict[int, torch.Tensor] = {}  # unit index -> pool buffer for the new values
@@ -79,7 +80,8 @@ class NvmeParams:
     def prefetch(self, unit: Unit) -> bool:
         if unit.index in self._prefetched or unit.index in self._held:
             return False  # one read per pending use: the next use is served by the one in flight
-        if self.swapper.buffers_available < 2:  # leave one for an update (the computing unit holds its own)
+        # Leave one for an update (the computing unit holds its own); finished writes give theirs back.
+        if self.swapper.buffers_available < 2 and (self.swapper.reap() == 0 or self.swapper.buffers_available < 2):
             return False
         self._prefetched[unit.index] = self.swapper.fetch(KIND, unit.index)
         return True
@@ -166,17 +168,22 @@ class IOTally:
 
 
 def io_delta(prefix: str, now, before) -> dict[str, float]:
-    read_b = now.nvme_to_host.bytes - before.nvme_to_host.bytes
-    write_b = now.host_to_nvme.bytes - before.host_to_nvme.bytes
-    read_s = now.nvme_to_host.seconds - before.nvme_to_host.seconds
-    write_s = now.host_to_nvme.seconds - before.host_to_nvme.seconds
+    """The report's figures for one tier between two `Swapper.stats` snapshots: bytes issued in
+    each direction, GB/s over the wall time that direction had transfers in flight, seconds the
+    compute thread waited, and the overlap fraction: 1 - waited / wall time with any I/O in flight."""
+    read_b = now.nvme_to_host.submitted_bytes - before.nvme_to_host.submitted_bytes
+    write_b = now.host_to_nvme.submitted_bytes - before.host_to_nvme.submitted_bytes
+    done_r = now.nvme_to_host.bytes - before.nvme_to_host.bytes
+    done_w = now.host_to_nvme.bytes - before.host_to_nvme.bytes
+    busy_r = now.nvme_to_host.busy_seconds - before.nvme_to_host.busy_seconds
+    busy_w = now.host_to_nvme.busy_seconds - before.host_to_nvme.busy_seconds
+    busy = now.busy_seconds - before.busy_seconds
     waited = (now.nvme_to_host.wait_seconds - before.nvme_to_host.wait_seconds
               + now.host_to_nvme.wait_seconds - before.host_to_nvme.wait_seconds)
-    io_s = read_s + write_s
     return {
         f"{prefix}_read_bytes": read_b, f"{prefix}_write_bytes": write_b,
-        f"{prefix}_read_gbps": read_b / read_s / 1e9 if read_s else 0.0,
-        f"{prefix}_write_gbps": write_b / write_s / 1e9 if write_s else 0.0,
-        f"{prefix}_io_seconds": io_s, f"{prefix}_wait_seconds": waited,
-        "overlap_fraction": max(0.0, 1.0 - waited / io_s) if io_s else 1.0,
+        f"{prefix}_read_gbps": done_r / busy_r / 1e9 if busy_r else 0.0,
+        f"{prefix}_write_gbps": done_w / busy_w / 1e9 if busy_w else 0.0,
+        f"{prefix}_io_seconds": busy, f"{prefix}_wait_seconds": waited,
+        "overlap_fraction": max(0.0, 1.0 - waited / busy) if busy else 1.0,
     }
