@@ -22,7 +22,6 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from infinity.io import aligned_empty
 from infinity.zero import dist as zdist
 
 SHARD_ALIGN_BYTES = 4096
@@ -138,10 +137,7 @@ class Unit:
         if self.world == 1:
             self.full = shard  # a view: nothing to gather
         else:
-            if self.device.type == "cpu":  # huge-page-backed: fresh small pages fault slower than the gather
-                self.full = aligned_empty(self.padded_numel, self.dtype, pin=False)
-            else:
-                self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+            self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
             zdist.all_gather(self.full, shard)
         for s in self.slots:
             s.param.data = self.full[s.offset:s.offset + s.numel].view(s.shape)
