@@ -58,12 +58,14 @@ def _two_rank_worker(rank: int, port: int, model, cases, results, nvme_path: str
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        for key, (stage, param, optim, gas) in cases.items():
+        for key, (stage, param, optim, gas, clip, spill) in cases.items():
             data = batches(STEPS * gas, 4)
-            cfg = config(stage, param, optim, gas, micro=2)
+            cfg = config(stage, param, optim, gas, micro=2, clip=clip)
             for section, device in (("offload_param", param), ("offload_optimizer", optim)):
                 if device == "nvme":
-                    cfg["zero_optimization"][section].update(nvme_path=nvme_path, buffer_count=9)
+                    cfg["zero_optimization"][section].update(nvme_path=nvme_path, buffer_count=12 if spill else 9)
+            if spill:
+                cfg["zero_optimization"]["offload_optimizer"]["max_grad_in_cpu"] = 0
             engine, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
             losses = engine_run(engine, data, gas=gas, rank=rank, world=2)
             state = engine.consolidated_state_dict()
@@ -78,14 +80,17 @@ def _two_rank_worker(rank: int, port: int, model, cases, results, nvme_path: str
 
 @pytest.mark.slow
 def test_two_ranks_match_one_rank_pytorch(model, tmp_path):
-    cases = {"s3-cpu-gas1": (3, "cpu", "cpu", 1), "s3-none-gas4": (3, "none", "none", 4),
-             "s2-cpu-gas1": (2, "none", "cpu", 1), "s3-nvme-gas2": (3, "nvme", "nvme", 2)}
+    # (stage, offload_param, offload_optimizer, gas, gradient_clipping, gradients spilled to NVMe)
+    cases = {"s3-cpu-gas1": (3, "cpu", "cpu", 1, 1.0, False), "s3-none-gas4": (3, "none", "none", 4, 1.0, False),
+             "s2-cpu-gas1": (2, "none", "cpu", 1, 1.0, False), "s3-nvme-gas2": (3, "nvme", "nvme", 2, 1.0, False),
+             "s3-nvme-update-in-backward": (3, "nvme", "nvme", 1, 0.0, False),
+             "s3-nvme-spilled-grads-gas2": (3, "nvme", "nvme", 2, 1.0, True)}
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(_two_rank_worker, args=(_free_port(), model, cases, results, str(tmp_path)), nprocs=2)
         results = dict(results)
-    for key, (stage, param, optim, gas) in cases.items():
-        ref_losses, ref_model = reference_run(model, batches(STEPS * gas, 4), gas=gas)
+    for key, (stage, param, optim, gas, clip, spill) in cases.items():
+        ref_losses, ref_model = reference_run(model, batches(STEPS * gas, 4), gas=gas, clip=clip)
         losses, state = results[key]
         _close(losses, ref_losses)
         for name, value in ref_model.state_dict().items():
