@@ -365,14 +365,15 @@ int64_t Engine::submit(Op op, char* buf, size_t nbytes, const std::string& path,
   return static_cast<int64_t>(req->id);
 }
 
+std::shared_ptr<Request> Engine::find(uint64_t id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = requests_.find(id);
+  return it == requests_.end() ? nullptr : it->second;
+}
+
 bool Engine::wait(uint64_t id, Status* status) {
-  std::shared_ptr<Request> req;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = requests_.find(id);
-    if (it == requests_.end()) return false;
-    req = it->second;
-  }
+  std::shared_ptr<Request> req = find(id);
+  if (!req) return false;
   {
     std::unique_lock<std::mutex> lock(req->mu);
     req->done_cv.wait(lock, [&] { return req->done; });
@@ -384,13 +385,8 @@ bool Engine::wait(uint64_t id, Status* status) {
 }
 
 bool Engine::done(uint64_t id) const {
-  std::shared_ptr<Request> req;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = requests_.find(id);
-    if (it == requests_.end()) return false;
-    req = it->second;
-  }
+  std::shared_ptr<Request> req = find(id);
+  if (!req) return false;
   std::lock_guard<std::mutex> lock(req->mu);
   return req->done;
 }

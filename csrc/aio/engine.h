@@ -154,6 +154,8 @@ class Engine {
   const Config& config() const { return config_; }
 
  private:
+  std::shared_ptr<Request> find(uint64_t id) const;  // null when unknown
+
   Config config_;
   std::vector<std::unique_ptr<Worker>> workers_;
   mutable std::mutex mu_;
