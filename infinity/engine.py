@@ -99,6 +99,9 @@ class Engine:
 
         zero = config.zero
         self.units, modules = self._build_units(model, groups, units)
+        # Units updated in the hook that finalizes their gradient (the others wait for step()).
+        self._update_in_hook = {u.index for u in self.units if self.update_in_backward and not u.persistent
+                                and any(s.group >= 0 for s in u.slots)}
         self.params = self._param_tier()
         self.optim_state = self._optimizer_tier()
         for u in self.units:
@@ -158,10 +161,10 @@ class Engine:
         offload = self.config.zero.offload_optimizer
         if offload.device == "nvme":
             from infinity.zero.nvme_optim import NvmeOptimizerState
-            # Gradients outlive their backward unless each one feeds its update at once.
-            keep = not self.update_in_backward or self.config.batch.gradient_accumulation_steps > 1
+            # A gradient outlives its backward unless it feeds its unit's update at once.
+            at_once = self._update_in_hook if self.config.batch.gradient_accumulation_steps == 1 else set()
             return NvmeOptimizerState(offload, self.config.aio, self.config.zero.sub_group_size, rank=self.rank,
-                                      units=self.units, keep_grads=keep)
+                                      units=self.units, no_accumulator=at_once)
         return ResidentOptimizerState(torch.device("cpu") if offload.device == "cpu" else self.device)
 
     # ---- the training loop ----------------------------------------------------------------
@@ -215,7 +218,8 @@ class Engine:
             return
         t0 = time.perf_counter()
         # The previous step's optimizer-state writes drained behind this step's forward and
-        # backward; a failed one is raised now, before anything is updated on top of it.
+        # backward; a failed one is raised now if nothing met it yet (a read of its shard, such
+        # as an update in backward, raises at once: its bytes are never taken for good ones).
         self.optim_state.flush()
         units = [u for u in self.units if any(s.group >= 0 for s in u.slots)]
         sq = torch.zeros((), dtype=torch.float32)
@@ -246,7 +250,6 @@ class Engine:
                 self._update_unit(u, grad_scale)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-        self._refresh_persistent()
         in_backward = self._updated_in_backward
         self._hypers, self._updated, self._updated_in_backward = None, set(), 0
         self.optim_state.finish_step()
@@ -261,16 +264,23 @@ class Engine:
             self.optimizer.step_count += 1
             self.optimizer.mark_stepped()
             self._hypers = self.optimizer.hypers()
-        self.optim_state.update(unit, self._hypers, self.optimizer.step_count, grad_scale,
-                                self.params.update_target(unit))
-        self.params.commit(unit)
+        self.write_params(unit, lambda target: self.optim_state.update(
+            unit, self._hypers, self.optimizer.step_count, grad_scale, target))
         self._updated.add(unit.index)
 
-    def _refresh_persistent(self) -> None:
-        for u in self.units:  # persistent units hold gathered copies: refresh them
-            if u.persistent and u.state is UnitState.GATHERED and u.index in self._updated:
-                u.to_released()
-                u.to_gathered(self.params.fetch(u))
+    def write_params(self, unit: Unit, fill) -> None:
+        """Gives `unit` a new compute-dtype shard: `fill(target)` writes the values into the
+        parameter tier's target buffer, which is then committed to the tier. A gathered unit (a
+        persistent one, or one gathered by GatheredParameters) is released first, since its tier
+        may hold the shard's buffer while it is gathered, and gathered again with the new values."""
+        regather = unit.state is UnitState.GATHERED
+        if regather:
+            unit.to_released()
+            self.params.done(unit)
+        fill(self.params.update_target(unit))
+        self.params.commit(unit)
+        if regather:
+            unit.to_gathered(self.params.fetch(unit))
 
     def _on_unit_grads(self, unit: Unit) -> None:
         with torch.profiler.record_function("infinity::reduce_scatter"):
@@ -282,8 +292,11 @@ class Engine:
             shard = zdist.reduce_scatter_mean(unit.take_grad(self._grad_buffers[key]))
         last = self._last_micro()
         self.optim_state.accumulate(unit, shard, first=self._first_micro, last=last)
-        if last and self.update_in_backward and not unit.persistent and any(s.group >= 0 for s in unit.slots):
-            self._update_unit(unit, 1.0)  # [Note: update during backward]
+        if last and unit.index in self._update_in_hook:  # [Note: update during backward]
+            # Its backward is over: release it first, so that no gathered copy holds the
+            # shard's buffer in the parameter tier while the update writes the new values.
+            self.fetcher.release(unit, keep_if_reused=False, force=True)
+            self._update_unit(unit, 1.0)
             self._updated_in_backward += 1
 
     # ---- DeepSpeed's engine surface -------------------------------------------------------

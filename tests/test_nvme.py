@@ -282,3 +282,22 @@ def test_host_memory_stays_within_budgets(tmp_path):
     bound = runs["memory"]["peak"] - 12 * m["params"] + m["pools"] + m["cache_max"]
     assert m["peak"] <= bound, runs
     assert 12 * m["params"] > 4 * (m["pools"] + m["cache_max"]), "the model is too small for the bound to mean anything"
+
+
+@pytest.mark.parametrize("param", ["nvme", "cpu"])
+def test_units_left_for_step_keep_their_own_gradients(tmp_path, model, param):
+    """Without clipping, the persistent unit (the small parameters) is updated in step(), after
+    other units' gradients went through the same reused buffer: it must have kept its own."""
+    data = batches(3, 4)
+    ref_losses, ref_model = reference_run(model, data, gas=1, clip=0.0)
+    cfg = nvme_config(tmp_path, param, "nvme", stage3_param_persistence_threshold=10 ** 4)
+    cfg["gradient_clipping"] = 0.0
+    engine, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
+    assert any(u.persistent for u in engine.units)
+    losses = engine_run(engine, data, gas=1)
+    for x, y in zip(losses, ref_losses, strict=True):
+        assert abs(x - y) <= 1e-5 * abs(y)
+    state = engine.consolidated_state_dict()
+    for name, value in ref_model.state_dict().items():
+        torch.testing.assert_close(state[name], value, atol=1e-5, rtol=1e-5, msg=name)
+    engine.close()

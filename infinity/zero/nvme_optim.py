@@ -55,25 +55,30 @@ assert PIECE_ALIGN % NORM_ROW == 0  # pieces start on norm rows ([Note: gradient
 class NvmeOptimizerState:
     """The NVMe optimizer tier (same methods as `ResidentOptimizerState`).
 
-    keep_grads: whether gradients must outlive the backward that made them (the update waits
-    for the step, or micro-steps accumulate); then they get accumulators, in host memory or
-    spilled ([Note: gradient spill]).
+    no_accumulator: units whose gradient feeds their update the moment it is final (update in
+    backward, one micro-step); every other unit's gradient outlives its backward in an
+    accumulator, in host memory or spilled ([Note: gradient spill]).
     """
 
-    def __init__(self, offload, aio, sub_group_size: int, *, rank: int, units: list[Unit], keep_grads: bool = True):
+    def __init__(self, offload, aio, sub_group_size: int, *, rank: int, units: list[Unit],
+                 no_accumulator: set[int] = frozenset()):
         piece = max(PIECE_ALIGN, int(sub_group_size) // PIECE_ALIGN * PIECE_ALIGN)
         self._pieces: dict[int, list[tuple[int, int]]] = {
             u.index: [(s, min(piece, u.shard_numel - s)) for s in range(0, u.shard_numel, piece)] for u in units}
         self._grads: dict[int, torch.Tensor] = {}  # host accumulators
         self._spilled: set[int] = set()  # units whose accumulators live in the store
-        if keep_grads:
-            room = offload.max_grad_in_cpu
-            for u in reversed(units):  # backward order: the units the step updates first stay in memory
-                if u.shard_numel <= room:
-                    room -= u.shard_numel
-                    self._grads[u.index] = torch.zeros(u.shard_numel, dtype=torch.float32)
-                else:
-                    self._spilled.add(u.index)
+        self._no_accumulator = set(no_accumulator)
+        # Units with something to update; the others' state is never read for an update.
+        self._updatable = {u.index for u in units if any(seg.group >= 0 for seg in u.segments)}
+        room = offload.max_grad_in_cpu
+        for u in reversed(units):  # backward order: the units the step updates first stay in memory
+            if u.index in self._no_accumulator:
+                continue
+            if u.shard_numel <= room:
+                room -= u.shard_numel
+                self._grads[u.index] = torch.zeros(u.shard_numel, dtype=torch.float32)
+            else:
+                self._spilled.add(u.index)
         layout = {kind: {(i, k): n * 4 for i, ps in self._pieces.items() for k, (_, n) in enumerate(ps)}
                   for kind in KINDS}
         if self._spilled:
@@ -133,10 +138,11 @@ class NvmeOptimizerState:
             elif index in self._spilled:
                 self._spill(index, g, first, last)
             else:
+                # Used by the update that follows at once, before the buffer behind `g` is reused.
                 assert first and last, "gradients without an accumulator must be used by the update they feed"
                 self._fresh[index] = g
                 self._sq[index] = row_norms_sq(g).sum()
-        if last:
+        if last and index in self._updatable:
             self._final.add(index)
             self._ready.append(index)
             self._order.append(index)

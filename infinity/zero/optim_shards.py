@@ -123,7 +123,8 @@ class ResidentOptimizerState:
     def accumulate(self, unit: Unit, grad_shard: torch.Tensor, first: bool, last: bool = False) -> None:
         acc = self._grads[unit.index]
         with torch.profiler.record_function("infinity::grad_accumulate"):
-            g = grad_shard.to(self.device, non_blocking=True)
+            # Blocking into host memory: a non-blocking copy from the GPU would be read before it landed.
+            g = grad_shard.to(self.device, non_blocking=self.device.type != "cpu")
             acc.copy_(g) if first else acc.add_(g)
 
     def grad_sq(self, unit: Unit) -> torch.Tensor:

@@ -53,24 +53,24 @@ def GatheredParameters(params: torch.nn.Parameter | Iterable[torch.nn.Parameter]
     try:
         yield
     finally:
+        modified = []
         if enabled and modifier_rank is not None:
-            for engine, unit in owners.values():
-                _write_back(engine, unit, modifier_rank)
+            modified = [(engine, unit, _modified_shard(engine, unit, modifier_rank)) for engine, unit in owners.values()]
         for engine, unit in gathered:
             unit.to_released()
             engine.params.done(unit)
+        for engine, unit, shard in modified:
+            engine.write_params(unit, lambda target, shard=shard: target.copy_(shard))
 
 
-def _write_back(engine: "Engine", unit: "Unit", src: int) -> None:
+def _modified_shard(engine: "Engine", unit: "Unit", src: int) -> torch.Tensor:
+    """This rank's shard of the modifier's values (a copy), also set as the fp32 master."""
     full = unit.full
     if zdist.world_size() > 1:
         torch.distributed.broadcast(full, src)
-    shard = full[unit.rank * unit.shard_numel:(unit.rank + 1) * unit.shard_numel]
+    shard = full[unit.rank * unit.shard_numel:(unit.rank + 1) * unit.shard_numel].clone()
     master = torch.zeros(unit.shard_numel, dtype=torch.float32)
     master.copy_(shard)
     # The modifier wrote compute-dtype values; fp32 parameters keep full precision.
     engine.optim_state.set_master(unit, master)
-    target = engine.params.update_target(unit)
-    if target.data_ptr() != shard.data_ptr():
-        target.copy_(shard)
-    engine.params.commit(unit)
+    return shard
