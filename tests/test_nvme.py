@@ -25,6 +25,15 @@ def nvme_config(path, param: str, optim: str, *, gas: int = 1, param_buffers: in
     return cfg
 
 
+def assert_matches_pytorch(engine, losses, ref_losses, ref_model) -> None:
+    """Per-step losses and final parameters within 1e-5 of plain PyTorch."""
+    for x, y in zip(losses, ref_losses, strict=True):
+        assert abs(x - y) <= 1e-5 * abs(y)
+    state = engine.consolidated_state_dict()
+    for name, value in ref_model.state_dict().items():
+        torch.testing.assert_close(state[name], value, atol=1e-5, rtol=1e-5, msg=name)
+
+
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
@@ -117,11 +126,7 @@ def test_update_during_backward_matches_pytorch(tmp_path, model, param, optim, g
     updatable = [u for u in engine.units if not u.persistent and any(s.group >= 0 for s in u.slots)]
     assert engine.report.last["units_updated_in_backward"] == len(updatable) > 0
     losses = [first] + engine_run(engine, data[gas:], gas=gas)
-    for x, y in zip(losses, ref_losses, strict=True):
-        assert abs(x - y) <= 1e-5 * abs(y)
-    state = engine.consolidated_state_dict()
-    for name, value in ref_model.state_dict().items():
-        torch.testing.assert_close(state[name], value, atol=1e-5, rtol=1e-5, msg=name)
+    assert_matches_pytorch(engine, losses, ref_losses, ref_model)
     engine.close()
 
 
@@ -295,9 +300,5 @@ def test_units_left_for_step_keep_their_own_gradients(tmp_path, model, param):
     engine, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
     assert any(u.persistent for u in engine.units)
     losses = engine_run(engine, data, gas=1)
-    for x, y in zip(losses, ref_losses, strict=True):
-        assert abs(x - y) <= 1e-5 * abs(y)
-    state = engine.consolidated_state_dict()
-    for name, value in ref_model.state_dict().items():
-        torch.testing.assert_close(state[name], value, atol=1e-5, rtol=1e-5, msg=name)
+    assert_matches_pytorch(engine, losses, ref_losses, ref_model)
     engine.close()
