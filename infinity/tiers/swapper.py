@@ -271,6 +271,11 @@ class Swapper:
         with self._cond:
             return self.pool.num_free + (len(self.cache) if self.cache is not None else 0)
 
+    def can_spare(self, count: int) -> bool:
+        """Whether `count` buffers are available without waiting (`buffers_available`),
+        counting those of writes the kernel has finished (`reap`)."""
+        return self.buffers_available >= count or (self.reap() > 0 and self.buffers_available >= count)
+
     @property
     def stats(self) -> SwapStats:
         with self._cond:

@@ -195,8 +195,7 @@ class NvmeOptimizerState:
                  and (kind != GRAD or index in self._final)]
         if not kinds:
             return True
-        needed = 3 * self._per_piece + len(kinds)
-        if self.pool.num_free < needed and (self.swapper.reap() == 0 or self.pool.num_free < needed):
+        if not self.swapper.can_spare(3 * self._per_piece + len(kinds)):
             if not early:
                 del self._early[(index, k)]
             return False

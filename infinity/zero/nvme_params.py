@@ -80,8 +80,7 @@ class NvmeParams:
     def prefetch(self, unit: Unit) -> bool:
         if unit.index in self._prefetched or unit.index in self._held:
             return False  # one read per pending use: the next use is served by the one in flight
-        # Leave one for an update (the computing unit holds its own); finished writes give theirs back.
-        if self.swapper.buffers_available < 2 and (self.swapper.reap() == 0 or self.swapper.buffers_available < 2):
+        if not self.swapper.can_spare(2):  # leave one for an update (the computing unit holds its own)
             return False
         self._prefetched[unit.index] = self.swapper.fetch(KIND, unit.index)
         return True
