@@ -83,6 +83,9 @@ class Engine:
         self._updated_in_backward = 0
         self._grad_buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
+        self._grad_norm: float | None = None
+        self._grads_final = False  # accumulated gradients are complete (boundary backward done, step not yet)
+        self._values_cache: tuple[int, dict[int, torch.Tensor]] | None = None  # state_dict: one unit's values
         groups = _param_groups(model, model_parameters)
         self.optimizer = ZeroOptimizer(groups, config.optimizer, optimizer)
         self.lr_scheduler = lr_scheduler
@@ -101,15 +104,17 @@ class Engine:
         self.units, modules = self._build_units(model, groups, units)
         # Units updated in the hook that finalizes their gradient (the others wait for step()).
         self._update_in_hook = {u.index for u in self.units if self.update_in_backward and not u.persistent
-                                and any(s.group >= 0 for s in u.slots)}
+                                and u.trainable}
         self.params = self._param_tier()
         self.optim_state = self._optimizer_tier()
         for u in self.units:
-            master = u.initial_shard()
-            self.optim_state.add(u, master)
-            self.params.add(u, master)
-            u.detach_params()
-        self._all_params = {id(s.param) for u in self.units for s in u.slots}
+            shard = u.initial_shard()
+            if u.trainable:  # [Note: frozen parameters] in unit.py: no optimizer state
+                self.optim_state.add(u, shard[:u.train_shard_numel])
+            self.params.add(u, shard)
+            u.bind_params()
+        self.trainable_numel = sum(s.numel for u in self.units for s in u.slots if s.group >= 0)
+        self.frozen_numel = sum(s.numel for u in self.units for s in u.slots if s.group < 0)
         self.fetcher = Fetcher(self.units, self.params, max_live_numel=zero.stage3_max_live_parameters,
                                max_reuse_distance=zero.stage3_max_reuse_distance,
                                prefetch_numel=zero.stage3_prefetch_bucket_size)
@@ -120,34 +125,45 @@ class Engine:
             if u.persistent:
                 self.fetcher.acquire(u)
         self.fetcher.begin_step()
-        model.to(self.device)  # buffers; parameters are empty until gathered
+        for module in model.modules():  # buffers; parameters are empty until gathered
+            for name, buf in module.named_buffers(recurse=False):
+                module._buffers[name] = buf.to(self.device)  # noqa: SLF001 (what Module.to does)
         register_units(self)
+        self._owner = {id(s.param): (u, s) for u in self.units for s in u.slots}
+        def fill_values(module, state_dict, prefix, local_metadata):  # torch marks the hook: no bound method
+            self._state_dict_values(module, state_dict, prefix)
+
+        self._state_dict_hooks = [m.register_state_dict_post_hook(fill_values)
+                                  for m in {id(m): m for mods in modules for m in mods}.values()]
+        log.info("infinity: %d units, %d trainable and %d frozen parameters", len(self.units),
+                 self.trainable_numel, self.frozen_numel)
 
     # ---- construction ---------------------------------------------------------------------
 
     def _build_units(self, model: nn.Module, groups: list[dict], policy: UnitPolicy):
         zero = self.config.zero
-        group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+        # [Note: frozen parameters] in unit.py: outside every group, or not requiring grad.
+        group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"] if p.requires_grad}
         threshold = zero.stage3_param_persistence_threshold if zero.stage == 3 else 0
         plans, persistent = plan_units(model, policy, threshold)
         for name, p in model.named_parameters():
             if not p.is_floating_point():
                 raise TypeError(f"parameter {name}: only floating-point parameters can be partitioned, got {p.dtype}")
         units: list[Unit] = []
-        modules: list[nn.Module | None] = []
+        modules: list[list[nn.Module]] = []
         every_unit_persists = zero.stage < 3  # stages 1/2: parameters stay whole on the device
 
-        def add(name, params, module, persists):
+        def add(name, params, unit_modules, persists):
             entries = [(n, p, group_of.get(id(p), -1)) for n, p in params]
             units.append(Unit(len(units), name, entries, self.dtype, self.device, self.rank, self.world_size,
                               persistent=persists))
-            modules.append(None if persists else module)
+            modules.append([] if persists else unit_modules)
 
         for plan in plans:
             if plan.params:
-                add(plan.name, plan.params, plan.module, every_unit_persists)
+                add(plan.name, plan.params, plan.modules, every_unit_persists)
         if persistent:
-            add("<persistent>", persistent, None, True)
+            add("<persistent>", persistent, [], True)
         return units, modules
 
     def _param_tier(self):
@@ -164,7 +180,7 @@ class Engine:
             # A gradient outlives its backward unless it feeds its unit's update at once.
             at_once = self._update_in_hook if self.config.batch.gradient_accumulation_steps == 1 else set()
             return NvmeOptimizerState(offload, self.config.aio, self.config.zero.sub_group_size, rank=self.rank,
-                                      units=self.units, no_accumulator=at_once)
+                                      units=[u for u in self.units if u.trainable], no_accumulator=at_once)
         return ResidentOptimizerState(torch.device("cpu") if offload.device == "cpu" else self.device)
 
     # ---- the training loop ----------------------------------------------------------------
@@ -174,10 +190,12 @@ class Engine:
 
     def forward(self, *args, **kwargs):
         t0 = time.perf_counter()
+        self._values_cache = None
         if not self._in_pass:
             self.fetcher.begin_step()
             self._in_pass = True
             if torch.is_grad_enabled():  # a training pass: its backward will follow
+                self.hooks.reset_backward()
                 self.optim_state.begin_pass(last=self._last_micro())
         out = self.module(*args, **kwargs)
         if not torch.is_grad_enabled():  # evaluation: no backward will end this pass
@@ -202,6 +220,7 @@ class Engine:
             self._in_pass = False
         self._first_micro = False
         self.micro_steps += 1
+        self._grads_final = self.is_gradient_accumulation_boundary()
         self.report.add_time("backward", time.perf_counter() - t0)
         return loss
 
@@ -221,7 +240,8 @@ class Engine:
         # backward; a failed one is raised now if nothing met it yet (a read of its shard, such
         # as an update in backward, raises at once: its bytes are never taken for good ones).
         self.optim_state.flush()
-        units = [u for u in self.units if any(s.group >= 0 for s in u.slots)]
+        self._values_cache = None
+        units = [u for u in self.units if u.trainable]
         sq = torch.zeros((), dtype=torch.float32)
         for u in units:
             sq += self.optim_state.grad_sq(u).cpu()
@@ -251,6 +271,8 @@ class Engine:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         in_backward = self._updated_in_backward
+        self._grad_norm = grad_norm
+        self._grads_final = False
         self._hypers, self._updated, self._updated_in_backward = None, set(), 0
         self.optim_state.finish_step()
         self.params.flush()  # parameter writes are few (2 bytes a parameter): finish them here
@@ -268,27 +290,31 @@ class Engine:
             unit, self._hypers, self.optimizer.step_count, grad_scale, target))
         self._updated.add(unit.index)
 
-    def write_params(self, unit: Unit, fill) -> None:
-        """Gives `unit` a new compute-dtype shard: `fill(target)` writes the values into the
-        parameter tier's target buffer, which is then committed to the tier. A gathered unit (a
-        persistent one, or one gathered by GatheredParameters) is released first, since its tier
-        may hold the shard's buffer while it is gathered, and gathered again with the new values."""
+    def write_params(self, unit: Unit, fill=None, new_shard: torch.Tensor | None = None) -> None:
+        """Gives `unit` new compute-dtype values: `fill(target)` writes the trainable part into the
+        parameter tier's target buffer, which is then committed to the tier, or `new_shard` (host,
+        both parts) replaces the whole shard. A gathered unit (a persistent one, or one gathered
+        by GatheredParameters) is released first and gathered again with the new values."""
+        self._values_cache = None
         regather = unit.state is UnitState.GATHERED
         if regather:
             unit.to_released()
-            self.params.done(unit)
-        fill(self.params.update_target(unit))
-        self.params.commit(unit)
+        if fill is None:
+            self.params.replace(unit, new_shard)
+        else:
+            fill(self.params.update_target(unit))
+            self.params.commit(unit)
         if regather:
             unit.to_gathered(self.params.fetch(unit))
+            self.params.done(unit)
 
     def _on_unit_grads(self, unit: Unit) -> None:
         with torch.profiler.record_function("infinity::reduce_scatter"):
             # One flat buffer per unit size, reused: every consumer below copies the shard or
             # is done with it before the next unit's gradient comes.
-            key = (unit.padded_numel, unit.dtype)
+            key = (unit.train_padded_numel, unit.dtype)
             if key not in self._grad_buffers:
-                self._grad_buffers[key] = torch.zeros(unit.padded_numel, dtype=unit.dtype, device=self.device)
+                self._grad_buffers[key] = torch.zeros(unit.train_padded_numel, dtype=unit.dtype, device=self.device)
             shard = zdist.reduce_scatter_mean(unit.take_grad(self._grad_buffers[key]))
         last = self._last_micro()
         self.optim_state.accumulate(unit, shard, first=self._first_micro, last=last)
@@ -321,27 +347,118 @@ class Engine:
     def parameters(self) -> Iterable[nn.Parameter]:
         return self.module.parameters()
 
+    @property
+    def training(self) -> bool:
+        return self.module.training
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step (before clipping; None before the first)."""
+        return self._grad_norm
+
+    # ---- full values of partitioned parameters --------------------------------------------
+
+    def _local_fp32(self, unit: Unit) -> torch.Tensor:
+        """This rank's shard in fp32: the masters of the trainable part, the compute-dtype values
+        of the frozen part (frozen parameters have no master)."""
+        shard = torch.empty(unit.shard_numel, dtype=torch.float32)
+        parts = unit.split(shard)
+        if unit.trainable:
+            parts.train.copy_(self.optim_state.master(unit))
+        if unit.frozen_shard_numel:
+            parts.frozen.copy_(unit.split(self.params.host_copy(unit)).frozen)
+        return shard
+
+    def _gather_full(self, unit: Unit, shard: torch.Tensor) -> torch.Tensor:
+        """Every rank's `shard` of the unit, as a full flat buffer on the CPU (all ranks call it)."""
+        shard = shard.to(self.device)
+        full = torch.empty(unit.padded_numel, dtype=shard.dtype, device=self.device)
+        return unit.gather_into(full, unit.split(shard)).cpu()
+
+    def full_fp32_values(self, unit: Unit) -> torch.Tensor:
+        """The unit's full flat buffer in fp32 on the CPU (masters where trainable); all ranks call it."""
+        return self._gather_full(unit, self._local_fp32(unit))
+
+    def full_optimizer_values(self, unit: Unit, kind: str) -> torch.Tensor | None:
+        """The unit's full flat buffer (fp32, CPU, the trainable region filled) of one kind of
+        optimizer state: "master", "exp_avg", "exp_avg_sq", or "grad" (the accumulated gradient,
+        between the backward that ends an accumulation and `step()`). None for a unit without
+        trainable parameters, or a gradient no longer kept. All ranks call it."""
+        if not unit.trainable:
+            return None
+        if kind == "grad":
+            if self.update_in_backward:
+                raise RuntimeError(
+                    "safe_get_full_grad: the gradients were used by the update during backward and are not "
+                    "kept (gradient_clipping is 0 and fp16 is off); set gradient_clipping > 0 to keep them "
+                    "until step()")
+            local = self.optim_state.grad(unit) if self._grads_final else None
+            if local is None:
+                return None
+            local = local / self.get_loss_scale()
+        elif kind == "master":
+            local = self.optim_state.master(unit)
+        else:
+            local = self.optim_state.state(unit)[kind]
+        shard = torch.zeros(unit.shard_numel, dtype=torch.float32)
+        unit.split(shard).train.copy_(local)
+        return self._gather_full(unit, shard)
+
+    def set_fp32_values(self, unit: Unit, full: torch.Tensor) -> None:
+        """Makes `full` (the unit's full flat buffer in fp32, identical on every rank) the unit's
+        values: fp32 masters of the trainable part, compute-dtype shard of both parts."""
+        shard = unit.local_shard(full.to(torch.float32).cpu())
+        if unit.trainable:
+            self.optim_state.set_master(unit, unit.split(shard).train.clone())
+        self.write_params(unit, new_shard=shard.to(unit.dtype))
+
+    def _state_dict_values(self, module: nn.Module, state_dict: dict, prefix: str) -> None:
+        """`module.state_dict()` holds the real values (compute dtype, on the CPU), gathered one unit
+        at a time: a released parameter would otherwise show as an empty tensor. Every rank must
+        call `state_dict()`, as with any sharded model."""
+        for name, param in module.named_parameters(remove_duplicate=False):
+            key = prefix + name
+            owner = self._owner.get(id(param))
+            value = state_dict.get(key)
+            if owner is None or value is None or isinstance(value, nn.Parameter) or value.data_ptr() != param.data_ptr():
+                continue  # not ours, asked for with keep_vars=True, or filled in by a submodule's hook
+            unit, slot = owner
+            if self._values_cache is None or self._values_cache[0] != unit.index:
+                if unit.state is UnitState.GATHERED:
+                    full = unit.full.cpu()
+                else:
+                    full = self._gather_full(unit, self.params.host_copy(unit))
+                self._values_cache = (unit.index, {id(s.param): unit.param_values(full, s).clone()
+                                                   for s in unit.slots})
+            state_dict[key] = self._values_cache[1][id(param)]
+        if module is not self.module:
+            return
+        self._values_cache = None  # the whole model was asked for: free the last unit's copy
+
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The full fp32 state dict on CPU, gathered unit by unit, on rank 0 (empty elsewhere)."""
-        out: dict[str, torch.Tensor] = {}
         full_values: dict[int, torch.Tensor] = {}
         for u in self.units:
-            master = self.optim_state.master(u).to(self.device, torch.float32)
-            full = torch.empty(u.padded_numel, dtype=torch.float32, device=self.device)
-            zdist.all_gather(full, master)
+            full = self.full_fp32_values(u)
             if self.rank == 0:
-                full = full.cpu()
                 for s in u.slots:
-                    full_values[id(s.param)] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
+                    full_values[id(s.param)] = u.param_values(full, s).clone()
         if self.rank != 0:
-            return out
-        for name, t in self.module.state_dict(keep_vars=True).items():
-            out[name] = full_values[id(t)] if id(t) in full_values else t.detach().cpu().clone()
+            return {}
+        out: dict[str, torch.Tensor] = {}
+        for module_name, module in self.module.named_modules():
+            prefix = f"{module_name}." if module_name else ""
+            for name, p in module.named_parameters(recurse=False):
+                out.setdefault(prefix + name, full_values[id(p)] if id(p) in full_values else p.detach().cpu())
+            for name, b in module.named_buffers(recurse=False):
+                if name not in module._non_persistent_buffers_set:  # noqa: SLF001 (what state_dict skips)
+                    out[prefix + name] = b.detach().cpu().clone()
         return out
 
     def close(self) -> None:
         """Releases the tiers (removes NVMe files unless asked to keep them)."""
         self.hooks.remove()
+        for h in self._state_dict_hooks:
+            h.remove()
         self.params.close()
         self.optim_state.close()
 

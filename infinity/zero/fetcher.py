@@ -15,6 +15,11 @@ gathered, kept units are released (the one used furthest in the future first) un
 unit fits in `max_live_numel`; the unit being gathered is always gathered, so the peak is at
 most the budget plus one unit. Units in use (their forward or backward running) are never
 released early.
+
+[Note: uses outside a step]
+A module can be called outside the engine's forward (`model.get_input_embeddings()(ids)`,
+generation loops that call the model itself): such a use gathers and releases as usual, but it
+is not traced and prefetches nothing, so it cannot disturb the recorded schedule.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class Fetcher:
         self.schedule: list[int] | None = None
         self.trace: list[int] = []
         self.on_schedule = False
+        self.in_step = False
         self.in_use: dict[int, int] = {}  # unit index -> nesting count of current uses
         self.live_numel = 0
         self.peak_live_numel = 0
@@ -49,6 +55,7 @@ class Fetcher:
     def begin_step(self) -> None:
         self.trace = []
         self.on_schedule = self.schedule is not None
+        self.in_step = True
         self._prefetched = set()
 
     def end_step(self) -> None:
@@ -58,16 +65,19 @@ class Fetcher:
                 self._release(u)
         self.in_use.clear()
         self.params.drop_prefetched()  # a shard may change before its next use (optimizer step)
-        if self.trace and self.trace != self.schedule:
+        if self.in_step and self.trace and self.trace != self.schedule:
             self.schedule = list(self.trace)
             self.params.set_schedule(self.schedule)
+        self.in_step = False
+        self.on_schedule = False
 
     # ---- per use --------------------------------------------------------------------------
 
     def acquire(self, unit: Unit) -> None:
         """The unit is about to run: gathered on return, and marked in use."""
         pos = len(self.trace)
-        self.trace.append(unit.index)
+        if self.in_step:  # [Note: uses outside a step]
+            self.trace.append(unit.index)
         if self.on_schedule and (pos >= len(self.schedule) or self.schedule[pos] != unit.index):
             self.on_schedule = False
         self.in_use[unit.index] = self.in_use.get(unit.index, 0) + 1
@@ -99,6 +109,7 @@ class Fetcher:
         t0 = time.perf_counter()
         with torch.profiler.record_function("infinity::all_gather"):
             unit.to_gathered(self.params.fetch(unit))
+            self.params.done(unit)  # the unit has its own copy now
         self.gather_seconds += time.perf_counter() - t0
         if not unit.persistent:
             self.live_numel += unit.padded_numel
@@ -106,7 +117,6 @@ class Fetcher:
 
     def _release(self, unit: Unit) -> None:
         unit.to_released()
-        self.params.done(unit)
         if not unit.persistent:
             self.live_numel -= unit.padded_numel
 

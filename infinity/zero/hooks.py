@@ -1,15 +1,23 @@
 """Module and autograd hooks that gather units before they run and reduce their gradients after.
 
-Forward: a unit's module gets a pre-hook (gather) and a post-hook (release, or keep; see
-[Note: recorded order] in fetcher.py). The post-hook also threads the outputs that require grad
-through `_PreBackward`, an identity whose backward gathers the unit again before autograd runs
-the unit's backward (autograd saved the parameters by reference; see [Note: parameter storage
-swap] in unit.py).
+Forward: each module that gathers a unit (see [Note: choosing units] in partitioner.py) gets a
+pre-hook (gather) and a post-hook (release, or keep; see [Note: recorded order] in fetcher.py).
+The post-hook also threads the outputs that require grad through `_PreBackward`, an identity
+whose backward gathers the unit again before autograd runs the unit's backward (autograd saved
+views of the parameters; see [Note: releasing frees the memory] in unit.py).
 
-Backward: each parameter has a post-accumulate-grad hook; when every parameter of a unit that
-requires grad has its gradient, the unit's gradient is reduce-scattered and handed to the
-optimizer tier, and the unit is released. `finish_backward` does the same for units some of
-whose parameters got no gradient, in unit order, so that every rank runs the same collectives.
+[Note: when a unit's backward ends]
+A unit's backward is over when autograd is done with it: every parameter of it that requires
+grad has its gradient, and the gradients of the inputs of each of its calls that required grad
+are computed (a frozen weight is still needed for the input gradient after the trainable
+parameters next to it got theirs: a LoRA adapter beside a frozen projection). The pre-hook
+counts each call whose inputs require grad and registers a hook on those inputs' gradients; the
+parameters' post-accumulate-grad hooks count down the rest. When both counts reach zero the
+unit's gradients are handed on (reduce-scatter, optimizer tier) and the unit is released. A unit
+without trainable parameters whose inputs need gradients is gathered for backward all the same
+(its outputs require grad through its inputs) and released the same way. `finish_backward`
+finishes the units some of whose parameters got no gradient, in unit order, so that every rank
+runs the same collectives.
 
 During backward, forward hooks fire again for activation-checkpointing recomputation: the
 pre-hook gathers as usual and the post-hook keeps the unit, whose backward is about to run.
@@ -40,24 +48,31 @@ class _PreBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
+def _tensors_requiring_grad(tree) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
 class UnitHooks:
-    def __init__(self, units: list[Unit], modules: list[torch.nn.Module], fetcher: Fetcher,
+    def __init__(self, units: list[Unit], modules: list[list[torch.nn.Module]], fetcher: Fetcher,
                  on_unit_grads: Callable[[Unit], None]):
         self.units = units
         self.fetcher = fetcher
         self.on_unit_grads = on_unit_grads
         self.in_backward = False
         self.reduce_seconds = 0.0
-        self._pending: dict[int, int] = {}
-        self._reduced: set[int] = set()
+        self._pending: dict[int, int] = {}  # unit -> parameters requiring grad still without one
+        self._open_calls: dict[int, int] = {}  # unit -> calls whose input gradients are not computed yet
+        self._finished: set[int] = set()
+        self._generation = 0  # counts backward passes: a hook of an older graph changes nothing
         self._handles: list[RemovableHandle] = []
-        for unit, module in zip(units, modules):
-            if module is not None:
-                self._handles.append(module.register_forward_pre_hook(self._pre_forward(unit)))
+        for unit, unit_modules in zip(units, modules):
+            for module in unit_modules:
+                self._handles.append(module.register_forward_pre_hook(self._pre_forward(unit), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._post_forward(unit)))
             for slot in unit.slots:
                 if slot.param.requires_grad:
-                    self._handles.append(slot.param.register_post_accumulate_grad_hook(self._grad_ready(unit)))
+                    self._handles.append(
+                        slot.param.register_post_accumulate_grad_hook(self._grad_ready(unit, slot.group >= 0)))
         self.reset_backward()
 
     def remove(self) -> None:
@@ -68,8 +83,14 @@ class UnitHooks:
     # ---- forward --------------------------------------------------------------------------
 
     def _pre_forward(self, unit: Unit):
-        def hook(module, args):
+        def hook(module, args, kwargs):
             self.fetcher.acquire(unit)
+            if torch.is_grad_enabled():
+                inputs = _tensors_requiring_grad((args, kwargs))
+                if inputs:  # [Note: when a unit's backward ends]
+                    self._open_calls[unit.index] += 1
+                    torch.autograd.graph.register_multi_grad_hook(
+                        inputs, self._inputs_done(unit, self._generation), mode="all")
         return hook
 
     def _post_forward(self, unit: Unit):
@@ -91,29 +112,47 @@ class UnitHooks:
     # ---- backward -------------------------------------------------------------------------
 
     def reset_backward(self) -> None:
+        """Forgets the counts of the last pass; called before each training pass and after its backward."""
+        self._generation += 1
         self._pending = {u.index: u.params_requiring_grad() for u in self.units}
-        self._reduced = set()
+        self._open_calls = {u.index: 0 for u in self.units}
+        self._finished = set()
 
     def pre_backward(self, unit: Unit) -> None:
         self.fetcher.acquire(unit)
 
-    def _grad_ready(self, unit: Unit):
-        def hook(param):
-            self._pending[unit.index] -= 1
-            if self._pending[unit.index] == 0:
-                self._reduce(unit)
+    def _inputs_done(self, unit: Unit, generation: int):
+        def hook(grads):
+            if generation == self._generation:
+                self._open_calls[unit.index] -= 1
+                self._maybe_finish(unit)
         return hook
 
-    def _reduce(self, unit: Unit) -> None:
-        t0 = time.perf_counter()
-        self.on_unit_grads(unit)
-        self.reduce_seconds += time.perf_counter() - t0
-        self._reduced.add(unit.index)
+    def _grad_ready(self, unit: Unit, trainable: bool):
+        def hook(param):
+            if not trainable:
+                param.grad = None  # requires grad but is in no param group: frozen, nothing keeps it
+            self._pending[unit.index] -= 1
+            self._maybe_finish(unit)
+        return hook
+
+    def _maybe_finish(self, unit: Unit) -> None:
+        if self._pending[unit.index] == 0 and self._open_calls[unit.index] == 0:
+            self._finish(unit)
+
+    def _finish(self, unit: Unit) -> None:
+        if unit.index in self._finished:
+            return
+        self._finished.add(unit.index)
+        if unit.trainable:
+            t0 = time.perf_counter()
+            self.on_unit_grads(unit)
+            self.reduce_seconds += time.perf_counter() - t0
         self.fetcher.release(unit, keep_if_reused=False, force=True)
 
     def finish_backward(self) -> None:
-        """Reduces what the hooks did not (parameters without a gradient this pass)."""
+        """Finishes what the hooks did not (parameters without a gradient this pass)."""
         for unit in self.units:
-            if unit.index not in self._reduced and unit.params_requiring_grad() > 0:
-                self._reduce(unit)
+            if unit.trainable:
+                self._finish(unit)
         self.reset_backward()

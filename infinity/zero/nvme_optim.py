@@ -53,7 +53,8 @@ assert PIECE_ALIGN % NORM_ROW == 0  # pieces start on norm rows ([Note: gradient
 
 
 class NvmeOptimizerState:
-    """The NVMe optimizer tier (same methods as `ResidentOptimizerState`).
+    """The NVMe optimizer tier (same methods as `ResidentOptimizerState`), over the trainable
+    part of each unit's shard (`units`: those with one).
 
     no_accumulator: units whose gradient feeds their update the moment it is final (update in
     backward, one micro-step); every other unit's gradient outlives its backward in an
@@ -64,19 +65,20 @@ class NvmeOptimizerState:
                  no_accumulator: set[int] = frozenset()):
         piece = max(PIECE_ALIGN, int(sub_group_size) // PIECE_ALIGN * PIECE_ALIGN)
         self._pieces: dict[int, list[tuple[int, int]]] = {
-            u.index: [(s, min(piece, u.shard_numel - s)) for s in range(0, u.shard_numel, piece)] for u in units}
+            u.index: [(s, min(piece, u.train_shard_numel - s)) for s in range(0, u.train_shard_numel, piece)]
+            for u in units}
         self._grads: dict[int, torch.Tensor] = {}  # host accumulators
         self._spilled: set[int] = set()  # units whose accumulators live in the store
         self._no_accumulator = set(no_accumulator)
         # Units with something to update; the others' state is never read for an update.
-        self._updatable = {u.index for u in units if any(seg.group >= 0 for seg in u.segments)}
+        self._updatable = {u.index for u in units if u.segments}
         room = offload.max_grad_in_cpu
         for u in reversed(units):  # backward order: the units the step updates first stay in memory
             if u.index in self._no_accumulator:
                 continue
-            if u.shard_numel <= room:
-                room -= u.shard_numel
-                self._grads[u.index] = torch.zeros(u.shard_numel, dtype=torch.float32)
+            if u.train_shard_numel <= room:
+                room -= u.train_shard_numel
+                self._grads[u.index] = torch.zeros(u.train_shard_numel, dtype=torch.float32)
             else:
                 self._spilled.add(u.index)
         layout = {kind: {(i, k): n * 4 for i, ps in self._pieces.items() for k, (_, n) in enumerate(ps)}
@@ -224,7 +226,7 @@ class NvmeOptimizerState:
         if grad is None:
             grad = self._fresh.pop(index, None)
         if grad is None and index not in self._spilled:
-            grad = torch.zeros(unit.shard_numel, dtype=torch.float32)  # no gradient reached this unit
+            grad = torch.zeros(unit.train_shard_numel, dtype=torch.float32)  # no gradient reached this unit
         half = out if out.dtype in (torch.bfloat16, torch.float16) else None
         pending = self._fetch(index, 0)
         for k, (start, n) in enumerate(pieces):
@@ -303,6 +305,16 @@ class NvmeOptimizerState:
 
     def state(self, unit: Unit) -> dict[str, torch.Tensor]:
         return {kind: self._read_all(unit.index, kind) for kind in KINDS}
+
+    def grad(self, unit: Unit) -> torch.Tensor | None:
+        """A host copy of the unit's accumulated gradient, or None where none is kept (one
+        that fed its update at once)."""
+        index = unit.index
+        if index in self._grads:
+            return self._grads[index].clone()
+        if index in self._spilled:
+            return self._read_all(index, GRAD)
+        return None
 
     def load_state(self, unit: Unit, state: dict[str, torch.Tensor]) -> None:
         for kind in KINDS:

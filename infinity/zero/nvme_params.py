@@ -3,12 +3,14 @@
 [Note: parameter shards on NVMe]
 The fetcher asks for shards ahead of use in the recorded order (`prefetch`): each is a read
 from the store into a pool buffer, issued at once and completed by the I/O threads while the
-current unit computes. `fetch` waits for the read and copies the shard to the device (on the
-CPU, into a fresh tensor), so that units kept gathered never hold pool buffers; with a GPU the
-pool buffer goes back once the host-to-device copy has read it (`done`), never under it. The host cache keeps released shards within
-`max_in_cpu` bytes, evicting by next use in the recorded order, so the backward pass can
-find the last forward units still in memory. New values from the optimizer go into a pool
-buffer (`update_target`) and are written back without another pass (`commit` -> evict).
+current unit computes. `fetch` waits for the read and hands out the pool buffer (on a GPU, its
+host-to-device copy); the unit copies it into its own gathered buffer and `done` gives the pool
+buffer back, so that units kept gathered never hold pool buffers. The host cache keeps released
+shards within `max_in_cpu` bytes, evicting by next use in the recorded order, so the backward
+pass can find the last forward units still in memory. A shard is two extents, kind "param" for
+its trainable part and "frozen" for the rest ([Note: flat layout] in unit.py): new values from
+the optimizer go into a pool buffer (`update_target`) and only the trainable extent is written
+back (`commit` -> evict); the frozen one is written once, at start.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import torch
 from infinity.io import AsyncIOHandle
 from infinity.tiers import BufferPool, HostCache, NvmeStore, Swapper
 from infinity.tiers.store import default_job_id
-from infinity.zero.unit import Unit
+from infinity.zero.unit import ShardParts, Unit
 
-KIND = "param"
+KIND = "param"  # the trainable part of a shard
+FROZEN = "frozen"  # the frozen part, never written after start
 MIN_BUFFERS = 3  # the unit computing, the next one being read, and one for an update
 
 
@@ -44,29 +47,42 @@ def make_handle(aio) -> AsyncIOHandle:
                          single_submit=aio.single_submit, overlap_events=aio.overlap_events, engine=aio.engine)
 
 
+def _parts(unit: Unit) -> list[tuple[str, int]]:
+    """(store kind, elements) of each non-empty part of the unit's shard, in shard order."""
+    return [(kind, n) for kind, n in ((KIND, unit.train_shard_numel), (FROZEN, unit.frozen_shard_numel)) if n]
+
+
 class NvmeParams:
     """The NVMe parameter tier (same methods as `ResidentParams`)."""
 
     def __init__(self, device: torch.device, offload, aio, *, rank: int, units: list[Unit]):
         self.device = device
         self._units = {u.index: u for u in units}
-        sizes = {u.index: u.shard_numel * _elsize(u.dtype) for u in units}
+        layout: dict[str, dict[int, int]] = {KIND: {}, FROZEN: {}}
+        for u in units:
+            for kind, n in _parts(u):
+                layout[kind][u.index] = n * _elsize(u.dtype)
+        layout = {kind: sizes for kind, sizes in layout.items() if sizes}
+        sizes = [n for kind_sizes in layout.values() for n in kind_sizes.values()]
         self.handle = make_handle(aio)
-        self.store = NvmeStore(offload.nvme_path, {KIND: sizes}, job_id=f"{default_job_id()}-param", rank=rank,
+        self.store = NvmeStore(offload.nvme_path, layout, job_id=f"{default_job_id()}-param", rank=rank,
                                handle=self.handle, name="offload_param")
         # buffer_size counts elements in DeepSpeed's config; the pool counts bytes.
         elsize = _elsize(units[0].dtype) if units else 2
         max_in_cpu = offload.max_in_cpu * elsize
         # Cached shards stay in pool buffers: add room for max_in_cpu worth of the largest shard.
-        largest = max(sizes.values(), default=1)
+        largest = max(sizes, default=1)
         cached = min(len(sizes), max_in_cpu // largest)
+        # A fetch of a unit with frozen and trainable parts holds a buffer for each.
+        parts = max((len(_parts(u)) for u in units), default=1)
+        self._spare = parts + 1  # what a prefetch must leave: one for an update
         # A buffer larger than the largest shard would only hold unused pinned memory.
-        self.pool = BufferPool(_plan_count(offload.buffer_count) + cached, min(offload.buffer_size * elsize, largest),
-                               shard_sizes=sizes.values(), name="offload_param")
+        self.pool = BufferPool(_plan_count(offload.buffer_count, parts + 2) + cached,
+                               min(offload.buffer_size * elsize, largest), shard_sizes=sizes, name="offload_param")
         self.cache = HostCache(max_in_cpu, name="offload_param")
         # A second handle for writes, so that reads never queue behind them.
         self.swapper = Swapper(self.store, self.pool, self.cache, self.handle, make_handle(aio))
-        self._prefetched: dict[int, object] = {}  # unit index -> FetchHandle
+        self._prefetched: dict[int, list] = {}  # unit index -> FetchHandles, one per part
         self._held: dict[int, object] = {}  # unit index fetched -> its host-to-device copy's event (None on CPU)
         self._targets: dict[int, torch.Tensor] = {}  # unit index -> pool buffer for the new values
         self._tally = IOTally(self.swapper)
@@ -74,33 +90,39 @@ class NvmeParams:
     # ---- ParamTier --------------------------------------------------------------------------
 
     def add(self, unit: Unit, values: torch.Tensor) -> None:
-        shard = values.to(unit.dtype)
-        self.swapper.wait(self.swapper.write(KIND, unit.index, shard))
+        self._write(unit, values.to(unit.dtype))
+
+    def _write(self, unit: Unit, shard: torch.Tensor) -> None:
+        parts = unit.split(shard)
+        for kind, part in ((KIND, parts.train), (FROZEN, parts.frozen)):
+            if part.numel():
+                self.swapper.wait(self.swapper.write(kind, unit.index, part.contiguous()))
+
+    def _fetch_parts(self, unit: Unit) -> list:
+        return [self.swapper.fetch(kind, unit.index) for kind, _ in _parts(unit)]
 
     def prefetch(self, unit: Unit) -> bool:
         if unit.index in self._prefetched or unit.index in self._held:
             return False  # one read per pending use: the next use is served by the one in flight
-        if not self.swapper.can_spare(2):  # leave one for an update (the computing unit holds its own)
+        if not self.swapper.can_spare(self._spare):
             return False
-        self._prefetched[unit.index] = self.swapper.fetch(KIND, unit.index)
+        self._prefetched[unit.index] = self._fetch_parts(unit)
         return True
 
-    def fetch(self, unit: Unit) -> torch.Tensor:
+    def fetch(self, unit: Unit) -> ShardParts:
         assert unit.index not in self._held, unit
-        handle = self._prefetched.pop(unit.index, None) or self.swapper.fetch(KIND, unit.index)
-        if self.cache is not None:
-            self.cache.advance((KIND, unit.index))
+        handles = self._prefetched.pop(unit.index, None) or self._fetch_parts(unit)
+        data = {kind: torch.empty(0, dtype=unit.dtype) for kind in (KIND, FROZEN)}
         with torch.profiler.record_function("infinity::nvme_wait"):
-            data = self.swapper.wait(handle).view(unit.dtype)[:unit.shard_numel]
+            for (kind, n), handle in zip(_parts(unit), handles):
+                self.cache.advance((kind, unit.index))
+                data[kind] = self.swapper.wait(handle).view(unit.dtype)[:n]
+        parts = ShardParts(data[KIND], data[FROZEN])
         if self.device.type == "cpu":
-            # A copy, not a view: a unit kept gathered (reuse distance, live budget) must not
-            # hold a pool buffer, or a pool smaller than the model would run dry.
-            with torch.profiler.record_function("infinity::h2d"):
-                on_device = data.clone()
-            self.swapper.release(KIND, unit.index)
-            return on_device
+            self._held[unit.index] = None
+            return parts
         with torch.profiler.record_function("infinity::h2d"):
-            on_device = data.to(self.device, non_blocking=True)
+            on_device = ShardParts(*(t.to(self.device, non_blocking=True) for t in parts))
             copied = torch.cuda.Event()
             copied.record()
         self._held[unit.index] = copied
@@ -111,31 +133,40 @@ class NvmeParams:
             copied = self._held.pop(unit.index)
             if copied is not None:
                 copied.synchronize()  # the pool buffer goes back only once the copy has read it
-            self.swapper.release(KIND, unit.index)
+            for kind, _ in _parts(unit):
+                self.swapper.release(kind, unit.index)
 
     def drop_prefetched(self) -> None:
         for index in list(self._prefetched):
-            self.swapper.release(KIND, index)
+            for kind, _ in _parts(self._units[index]):
+                self.swapper.release(kind, index)
         self._prefetched.clear()
 
     def set_schedule(self, order: list[int]) -> None:
-        self.cache.set_schedule([(KIND, i) for i in order])
+        self.cache.set_schedule([(kind, i) for i in order for kind, _ in _parts(self._units[i])])
 
     def update_target(self, unit: Unit) -> torch.Tensor:
-        nbytes = unit.shard_numel * torch.empty((), dtype=unit.dtype).element_size()
-        buf = self.swapper.acquire(nbytes)
+        buf = self.swapper.acquire(unit.train_shard_numel * _elsize(unit.dtype))
         self._targets[unit.index] = buf
         return buf.view(unit.dtype)
 
     def commit(self, unit: Unit) -> None:
         self.swapper.evict(KIND, unit.index, self._targets.pop(unit.index))
 
+    def replace(self, unit: Unit, shard: torch.Tensor) -> None:
+        self._write(unit, shard)
+
     def host_copy(self, unit: Unit) -> torch.Tensor:
-        handle = self.swapper.fetch(KIND, unit.index)
-        try:
-            return self.swapper.wait(handle).view(unit.dtype)[:unit.shard_numel].clone()
-        finally:
-            self.swapper.release(KIND, unit.index)
+        out = torch.empty(unit.shard_numel, dtype=unit.dtype)
+        start = 0
+        for kind, n in _parts(unit):
+            handle = self.swapper.fetch(kind, unit.index)
+            try:
+                out[start:start + n].copy_(self.swapper.wait(handle).view(unit.dtype)[:n])
+            finally:
+                self.swapper.release(kind, unit.index)
+            start += n
+        return out
 
     def flush(self) -> None:
         self.swapper.flush()
@@ -147,7 +178,8 @@ class NvmeParams:
     def close(self) -> None:
         self.drop_prefetched()
         for index in list(self._held):
-            self.swapper.release(KIND, index)
+            for kind, _ in _parts(self._units[index]):
+                self.swapper.release(kind, index)
         self._held.clear()
         self.swapper.close()
         self.store.close()

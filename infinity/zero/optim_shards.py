@@ -84,6 +84,8 @@ class OptimizerTier(Protocol):
     def master(self, unit: Unit) -> torch.Tensor: ...
     def set_master(self, unit: Unit, values: torch.Tensor) -> None: ...
     def state(self, unit: Unit) -> dict[str, torch.Tensor]: ...
+    def grad(self, unit: Unit) -> torch.Tensor | None:
+        """A host copy of the unit's accumulated (fp32, unscaled by nothing) gradient, if kept."""
     def load_state(self, unit: Unit, state: dict[str, torch.Tensor]) -> None: ...
     def close(self) -> None: ...
 
@@ -169,6 +171,9 @@ class ResidentOptimizerState:
 
     def state(self, unit: Unit) -> dict[str, torch.Tensor]:
         return {k: t.to("cpu", copy=True) for k, t in self._state[unit.index].items()}
+
+    def grad(self, unit: Unit) -> torch.Tensor | None:
+        return self._grads[unit.index].to("cpu", copy=True)
 
     def load_state(self, unit: Unit, state: dict[str, torch.Tensor]) -> None:
         for k in self.KINDS:

@@ -16,7 +16,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from infinity.io import aligned_empty
-from infinity.zero.unit import Unit
+from infinity.zero.unit import ShardParts, Unit
 
 
 class ParamTier(Protocol):
@@ -29,11 +29,11 @@ class ParamTier(Protocol):
         """Starts moving the shard toward the device and returns at once: True if a transfer
         was issued for the next `fetch`, False if none could be (one pending, or no buffer)."""
 
-    def fetch(self, unit: Unit) -> torch.Tensor:
-        """The shard on the compute device (waits for a prefetch in flight)."""
+    def fetch(self, unit: Unit) -> ShardParts:
+        """The shard on the compute device (waits for a prefetch in flight), valid until `done`."""
 
     def done(self, unit: Unit) -> None:
-        """The device copy handed out by `fetch` is no longer needed."""
+        """What `fetch` handed out has been copied into the gathered unit: its buffers may go."""
 
     def drop_prefetched(self) -> None:
         """Forgets prefetches not fetched (the schedule changed, or the step ended)."""
@@ -45,10 +45,14 @@ class ParamTier(Protocol):
         """Waits for writes of new values in flight; raises if one failed."""
 
     def update_target(self, unit: Unit) -> torch.Tensor:
-        """A host tensor (compute dtype) the optimizer writes the new shard into."""
+        """A host tensor (compute dtype, `train_shard_numel` elements) the optimizer writes the
+        new trainable part of the shard into; the frozen part never changes."""
 
     def commit(self, unit: Unit) -> None:
-        """The new values in `update_target(unit)` are final: make them the shard."""
+        """The new values in `update_target(unit)` are final: make them the shard's trainable part."""
+
+    def replace(self, unit: Unit, shard: torch.Tensor) -> None:
+        """Makes `shard` (host, compute dtype, both parts) the unit's shard, at once."""
 
     def host_copy(self, unit: Unit) -> torch.Tensor:
         """A host tensor with the shard's current values (for checkpoints)."""
@@ -96,30 +100,33 @@ class ResidentParams:
         self._inflight[unit.index] = _DeviceCopy(t, event)
         return True
 
-    def fetch(self, unit: Unit) -> torch.Tensor:
+    def fetch(self, unit: Unit) -> ShardParts:
         if not self.offload:
-            return self._shards[unit.index]
+            return unit.split(self._shards[unit.index])
         self.prefetch(unit)
         copy = self._inflight.pop(unit.index)
         torch.cuda.current_stream(self.device).wait_event(copy.event)
         copy.tensor.record_stream(torch.cuda.current_stream(self.device))
-        return copy.tensor
+        return unit.split(copy.tensor)
 
     def done(self, unit: Unit) -> None:
-        pass  # the device copy dies with the gathered buffer
+        pass  # the device copy dies with its last reference
 
     def update_target(self, unit: Unit) -> torch.Tensor:
         shard = self._shards[unit.index]
         if shard.device.type == "cpu":
-            return shard
+            return unit.split(shard).train
         if unit.index not in self._staging:
-            self._staging[unit.index] = aligned_empty(unit.shard_numel, unit.dtype, pin=self.pin)
+            self._staging[unit.index] = aligned_empty(unit.train_shard_numel, unit.dtype, pin=self.pin)
         return self._staging[unit.index]
 
     def commit(self, unit: Unit) -> None:
         shard = self._shards[unit.index]
         if shard.device.type != "cpu":
-            shard.copy_(self._staging[unit.index], non_blocking=True)
+            unit.split(shard).train.copy_(self._staging[unit.index], non_blocking=True)
+
+    def replace(self, unit: Unit, shard: torch.Tensor) -> None:
+        self._shards[unit.index].copy_(shard)
 
     def host_copy(self, unit: Unit) -> torch.Tensor:
         return self._shards[unit.index].to("cpu", copy=True)

@@ -1,14 +1,17 @@
 """Which modules become units.
 
 [Note: choosing units]
-By default a unit is each child of the largest nn.ModuleList / nn.Sequential whose children are
-all of one class (the transformer blocks of nearly every model); if a model has none, each
-direct child holding parameters is a unit. The user can name module classes or pass a callable
-`(qualified_name, module) -> bool` instead. Whatever no unit claims (embeddings, final norm,
-LM head) forms the root unit, gathered for the root module's whole forward; a parameter shared
-by modules of two units (tied embeddings) goes to the root unit too, because it is used at two
-different times. Parameters of at most `persistence_threshold` elements form one persistent
-unit that is never released (as DeepSpeed's stage3_param_persistence_threshold).
+By default the units are the modules of the class that fills the largest nn.ModuleList /
+nn.Sequential whose children are all of one class (the transformer block of nearly every
+model), wherever that class occurs outside another unit (so an encoder-decoder's encoder and
+decoder blocks both are units); if a model has none, each direct child holding parameters is a
+unit. The user can name module classes or pass a callable `(qualified_name, module) -> bool`
+instead. Whatever no unit claims (embeddings, final norm, LM head) forms the root unit; it is
+gathered by the forward of every module that holds one of its parameters directly, so calling
+any submodule on its own (`model.get_input_embeddings()(ids)`) gathers what it needs. A
+parameter shared by modules of two units (tied embeddings) goes to the root unit too, because it
+is used at two different times. Parameters of at most `persistence_threshold` elements form one
+persistent unit that is never released (as DeepSpeed's stage3_param_persistence_threshold).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ class UnitPlan(NamedTuple):
     """Modules whose forward gathers each unit, and the named parameters of each unit."""
 
     name: str
-    module: nn.Module  # its forward pre-hook gathers the unit
+    modules: list[nn.Module]  # the forward pre-hook of each gathers the unit
     params: list[tuple[str, nn.Parameter]]
 
 
@@ -43,7 +46,8 @@ def _auto_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
             best = [(f"{name}.{k}" if name else k, child) for k, child in kids]
             best_numel = numel
     if best:
-        return best
+        block = type(best[0][1])
+        return _select(model, lambda _name, module: type(module) is block)
     return [(n, c) for n, c in model.named_children() if any(True for _ in c.parameters())]
 
 
@@ -87,6 +91,8 @@ def plan_units(model: nn.Module, policy: UnitPolicy = None, persistence_threshol
             per_block[owner[id(p)]].append((name, p))
         else:
             root.append((name, p))
-    plans = [UnitPlan(n, m, ps) for (n, m), ps in zip(blocks, per_block) if ps]
-    plans.append(UnitPlan("<root>", model, root))
+    plans = [UnitPlan(n, [m], ps) for (n, m), ps in zip(blocks, per_block) if ps]
+    in_root = {id(p) for _, p in root}
+    owners = [m for m in model.modules() if any(id(p) in in_root for p in m.parameters(recurse=False))]
+    plans.append(UnitPlan("<root>", owners, root))
     return plans, persistent

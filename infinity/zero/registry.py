@@ -17,7 +17,7 @@ from infinity.zero.unit import UnitState
 
 if TYPE_CHECKING:
     from infinity.engine import Engine
-    from infinity.zero.unit import Unit
+    from infinity.zero.unit import ParamSlot, Unit
 
 _owners: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
@@ -25,7 +25,12 @@ _owners: WeakIdKeyDictionary = WeakIdKeyDictionary()
 def register_units(engine: "Engine") -> None:
     for u in engine.units:
         for s in u.slots:
-            _owners[s.param] = (engine, u)
+            _owners[s.param] = (engine, u, s)
+
+
+def owner_of(param: torch.Tensor) -> tuple["Engine", "Unit", "ParamSlot"] | None:
+    """The engine, unit and slot of a partitioned parameter; None for any other tensor."""
+    return _owners.get(param) if isinstance(param, torch.Tensor) else None
 
 
 @contextmanager
@@ -42,13 +47,14 @@ def GatheredParameters(params: torch.nn.Parameter | Iterable[torch.nn.Parameter]
     owners: dict[int, tuple["Engine", "Unit"]] = {}
     for p in params:
         if p in _owners:
-            engine, unit = _owners[p]
+            engine, unit, _ = _owners[p]
             owners[id(unit)] = (engine, unit)
     gathered = []
     if enabled:
         for engine, unit in owners.values():
             if unit.state is UnitState.RELEASED:
                 unit.to_gathered(engine.params.fetch(unit))
+                engine.params.done(unit)
                 gathered.append((engine, unit))
     try:
         yield
@@ -58,19 +64,18 @@ def GatheredParameters(params: torch.nn.Parameter | Iterable[torch.nn.Parameter]
             modified = [(engine, unit, _modified_shard(engine, unit, modifier_rank)) for engine, unit in owners.values()]
         for engine, unit in gathered:
             unit.to_released()
-            engine.params.done(unit)
         for engine, unit, shard in modified:
-            engine.write_params(unit, lambda target, shard=shard: target.copy_(shard))
+            engine.write_params(unit, new_shard=shard)
 
 
 def _modified_shard(engine: "Engine", unit: "Unit", src: int) -> torch.Tensor:
-    """This rank's shard of the modifier's values (a copy), also set as the fp32 master."""
+    """This rank's shard of the modifier's values (a host copy); its trainable part also becomes
+    the fp32 master."""
     full = unit.full
     if zdist.world_size() > 1:
         torch.distributed.broadcast(full, src)
-    shard = full[unit.rank * unit.shard_numel:(unit.rank + 1) * unit.shard_numel].clone()
-    master = torch.zeros(unit.shard_numel, dtype=torch.float32)
-    master.copy_(shard)
-    # The modifier wrote compute-dtype values; fp32 parameters keep full precision.
-    engine.optim_state.set_master(unit, master)
+    shard = unit.local_shard(full).cpu()
+    if unit.trainable:
+        # The modifier wrote compute-dtype values; fp32 parameters keep full precision.
+        engine.optim_state.set_master(unit, unit.split(shard).train.to(torch.float32))
     return shard

@@ -36,6 +36,7 @@ class StepReport:
             "loss_scale": engine.get_loss_scale(), "lr": engine.get_lr(),
             "peak_live_numel": engine.fetcher.peak_live_numel,
             "units_updated_in_backward": updated_in_backward,
+            "trainable_params": engine.trainable_numel, "frozen_params": engine.frozen_numel,
         }
         io = getattr(engine.params, "io_stats", None)
         if io is not None:
