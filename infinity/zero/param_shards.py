@@ -6,7 +6,8 @@ ahead). The NVMe tier (`infinity.zero.nvme_params`) has the same methods.
 
 [Note: CPU as the device]
 Without a GPU the compute device is the CPU: a host shard *is* on the device, so `fetch` hands
-out the stored tensor itself (a view, no copy). Budgets are still enforced on gathered units.
+out views of the stored tensor, which the unit copies into its own gathered buffer (freed on
+release, so the live budget holds on the CPU as on a GPU).
 """
 
 from __future__ import annotations
