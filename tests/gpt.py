@@ -4,6 +4,10 @@ and the plain-PyTorch reference loop the engine must match."""
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -113,3 +117,15 @@ def engine_run(engine, data, *, gas: int, rank: int = 0, world: int = 1):
             total /= world
         losses.append(total.item())
     return losses
+
+
+def run_placements(script: str, tmp_path, timeout: int = 600) -> dict[str, dict]:
+    """Runs `script` in a fresh process for each placement ("memory", "nvme"): argv is
+    (nvme directory, this folder, placement); returns the JSON each printed last."""
+    runs = {}
+    for placement in ("memory", "nvme"):
+        out = subprocess.run([sys.executable, "-c", script, str(tmp_path), os.path.dirname(__file__), placement],
+                             capture_output=True, text=True, cwd=tmp_path, timeout=timeout)
+        assert out.returncode == 0, out.stderr
+        runs[placement] = json.loads(out.stdout.strip().splitlines()[-1])
+    return runs

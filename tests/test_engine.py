@@ -85,6 +85,12 @@ def test_two_ranks_match_one_rank_pytorch(model, tmp_path):
              "s2-cpu-gas1": (2, "none", "cpu", 1, 1.0, False), "s3-nvme-gas2": (3, "nvme", "nvme", 2, 1.0, False),
              "s3-nvme-update-in-backward": (3, "nvme", "nvme", 1, 0.0, False),
              "s3-nvme-spilled-grads-gas2": (3, "nvme", "nvme", 2, 1.0, True)}
+    _two_ranks_match_pytorch(model, cases, tmp_path)
+
+
+def _two_ranks_match_pytorch(model, cases, tmp_path) -> dict:
+    """Runs `cases` on two gloo ranks and checks each against one-process PyTorch; returns the
+    final fp32 states."""
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(_two_rank_worker, args=(_free_port(), model, cases, results, str(tmp_path)), nprocs=2)
@@ -95,6 +101,20 @@ def test_two_ranks_match_one_rank_pytorch(model, tmp_path):
         _close(losses, ref_losses)
         for name, value in ref_model.state_dict().items():
             torch.testing.assert_close(state[name], value, atol=1e-5, rtol=1e-5, msg=f"{key}: {name}")
+    return {key: state for key, (_, state) in results.items()}
+
+
+@pytest.mark.slow
+def test_two_ranks_with_frozen_parameters_match_pytorch(model, tmp_path):
+    """Frozen regions are sharded like trainable ones: two ranks with a frozen embedding (tied
+    head: the root unit is mixed) and a frozen block train as plain PyTorch does."""
+    frozen = copy.deepcopy(model)
+    frozen.emb.weight.requires_grad_(False)
+    frozen.blocks[1].requires_grad_(False)
+    cases = {"s3-nvme": (3, "nvme", "nvme", 1, 1.0, False), "s3-cpu-update-in-backward": (3, "cpu", "cpu", 1, 0.0, False)}
+    for state in _two_ranks_match_pytorch(frozen, cases, tmp_path).values():
+        assert torch.equal(state["emb.weight"], frozen.emb.weight)
+        assert torch.equal(state["blocks.1.fc1.weight"], frozen.blocks[1].fc1.weight)
 
 
 def test_live_parameters_stay_within_budget(model):

@@ -4,10 +4,6 @@ and in the process's resident memory, never in the engine's own counters."""
 from __future__ import annotations
 
 import copy
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import infinity
-from gpt import config
+from gpt import config, run_placements
 
 VOCAB, TOKENS = 64, 8
 
@@ -154,12 +150,7 @@ def test_resident_memory_of_a_step_is_the_live_budget_not_the_model(tmp_path):
     """Peak RSS over a step of an all-NVMe run whose bf16 weights are 12x the live budget grows by
     at most what the budget allows (live budget + one unit being gathered + one unit's gradient
     buffer + activations); the in-memory run, measured the same way, holds the model's state."""
-    runs = {}
-    for placement in ("memory", "nvme"):
-        out = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(tmp_path), os.path.dirname(__file__), placement],
-                             capture_output=True, text=True, cwd=tmp_path, timeout=600)
-        assert out.returncode == 0, out.stderr
-        runs[placement] = json.loads(out.stdout.strip().splitlines()[-1])
+    runs = run_placements(MEMORY_SCRIPT, tmp_path)
     m = runs["nvme"]
     weights = 2 * m["numel"]  # bf16
     assert weights >= 12 * 2 * m["budget"]  # the model is far larger than the budget

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import infinity
-from gpt import TinyGPT, batches, config, engine_run, reference_run
+from gpt import TinyGPT, batches, config, engine_run, reference_run, run_placements
 
 STEPS = 10
 
@@ -261,17 +261,7 @@ engine.close()
 def test_host_memory_stays_within_budgets(tmp_path):
     """The all-NVMe run holds no per-parameter state in host memory: its peak RSS is the
     in-memory run's minus what that one keeps per parameter, plus the configured pools."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    runs = {}
-    for placement in ("memory", "nvme"):
-        out = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(tmp_path), os.path.dirname(__file__), placement],
-                             capture_output=True, text=True, cwd=tmp_path, timeout=300)
-        assert out.returncode == 0, out.stderr
-        runs[placement] = json.loads(out.stdout.strip().splitlines()[-1])
+    runs = run_placements(MEMORY_SCRIPT, tmp_path)
     m = runs["nvme"]
     # Engine accounting: the pools and the cache never held more than configured.
     assert m["param_pool_peak"] <= m["param_pool_total"]
