@@ -85,7 +85,7 @@ class Engine:
 
         self._grad_norm: float | None = None
         self._grads_final = False  # accumulated gradients are complete (boundary backward done, step not yet)
-        self._values_cache: tuple[int, dict[int, torch.Tensor]] | None = None  # state_dict: one unit's values
+        self._values_cache: dict[int, torch.Tensor] | None = None  # [Note: state dict values]
         groups = _param_groups(model, model_parameters)
         self.optimizer = ZeroOptimizer(groups, config.optimizer, optimizer)
         self.lr_scheduler = lr_scheduler
@@ -130,11 +130,7 @@ class Engine:
                 module._buffers[name] = buf.to(self.device)  # noqa: SLF001 (what Module.to does)
         register_units(self)
         self._owner = {id(s.param): (u, s) for u in self.units for s in u.slots}
-        def fill_values(module, state_dict, prefix, local_metadata):  # torch marks the hook: no bound method
-            self._state_dict_values(module, state_dict, prefix)
-
-        self._state_dict_hooks = [m.register_state_dict_post_hook(fill_values)
-                                  for m in {id(m): m for mods in modules for m in mods}.values()]
+        self._state_dict_hooks = self._hook_state_dict(model)
         log.info("infinity: %d units, %d trainable and %d frozen parameters", len(self.units),
                  self.trainable_numel, self.frozen_numel)
 
@@ -190,7 +186,6 @@ class Engine:
 
     def forward(self, *args, **kwargs):
         t0 = time.perf_counter()
-        self._values_cache = None
         if not self._in_pass:
             self.fetcher.begin_step()
             self._in_pass = True
@@ -240,7 +235,6 @@ class Engine:
         # backward; a failed one is raised now if nothing met it yet (a read of its shard, such
         # as an update in backward, raises at once: its bytes are never taken for good ones).
         self.optim_state.flush()
-        self._values_cache = None
         units = [u for u in self.units if u.trainable]
         sq = torch.zeros((), dtype=torch.float32)
         for u in units:
@@ -295,7 +289,6 @@ class Engine:
         parameter tier's target buffer, which is then committed to the tier, or `new_shard` (host,
         both parts) replaces the whole shard. A gathered unit (a persistent one, or one gathered
         by GatheredParameters) is released first and gathered again with the new values."""
-        self._values_cache = None
         regather = unit.state is UnitState.GATHERED
         if regather:
             unit.to_released()
@@ -411,28 +404,51 @@ class Engine:
             self.optim_state.set_master(unit, unit.split(shard).train.clone())
         self.write_params(unit, new_shard=shard.to(unit.dtype))
 
-    def _state_dict_values(self, module: nn.Module, state_dict: dict, prefix: str) -> None:
-        """`module.state_dict()` holds the real values (compute dtype, on the CPU), gathered one unit
-        at a time: a released parameter would otherwise show as an empty tensor. Every rank must
-        call `state_dict()`, as with any sharded model."""
-        for name, param in module.named_parameters(remove_duplicate=False):
-            key = prefix + name
-            owner = self._owner.get(id(param))
-            value = state_dict.get(key)
-            if owner is None or value is None or isinstance(value, nn.Parameter) or value.data_ptr() != param.data_ptr():
-                continue  # not ours, asked for with keep_vars=True, or filled in by a submodule's hook
-            unit, slot = owner
-            if self._values_cache is None or self._values_cache[0] != unit.index:
-                if unit.state is UnitState.GATHERED:
-                    full = unit.full.cpu()
-                else:
-                    full = self._gather_full(unit, self.params.host_copy(unit))
-                self._values_cache = (unit.index, {id(s.param): unit.param_values(full, s).clone()
-                                                   for s in unit.slots})
-            state_dict[key] = self._values_cache[1][id(param)]
-        if module is not self.module:
-            return
-        self._values_cache = None  # the whole model was asked for: free the last unit's copy
+    def _hook_state_dict(self, model: nn.Module) -> list:
+        """`state_dict()` of the module or any submodule holds the real values ([Note: state dict
+        values]); the hooks go on every module that holds parameters below it."""
+        keep_vars: list[bool] = []  # one entry per module whose state_dict() is running
+
+        def before(module, prefix, keep):
+            if self.world_size > 1 and not keep:
+                raise RuntimeError(
+                    f"state_dict(): the model's parameters are partitioned over {self.world_size} ranks and "
+                    "no rank holds them whole; call engine.consolidated_state_dict() on every rank (rank 0 "
+                    "gets the full fp32 state dict), or gather them with infinity.GatheredParameters")
+            keep_vars.append(keep)
+
+        def after(module, state_dict, prefix, local_metadata):
+            if not keep_vars.pop():
+                for name, param in module.named_parameters(recurse=False):
+                    if id(param) in self._owner and prefix + name in state_dict:
+                        state_dict[prefix + name] = self._param_value(param)
+            if not keep_vars:
+                self._values_cache = None  # the outermost call is done: drop the copies
+
+        handles = []
+        for m in model.modules():
+            if any(True for _ in m.parameters()):
+                handles += [m.register_state_dict_pre_hook(before), m.register_state_dict_post_hook(after)]
+        return handles
+
+    def _param_value(self, param: nn.Parameter) -> torch.Tensor:
+        """[Note: state dict values]
+        A released parameter is an empty tensor, so `state_dict()` would hold 0-element tensors.
+        Its hooks put in each parameter's real value instead: a CPU copy in the compute dtype,
+        gathered one unit at a time; the copies are kept until the outermost call returns, so a
+        tied parameter comes out as one tensor under both names. With several ranks no rank holds
+        the values whole and `state_dict()` raises, naming what works."""
+        if self._values_cache is None:
+            self._values_cache = {}
+        if id(param) not in self._values_cache:
+            unit, _ = self._owner[id(param)]
+            if unit.state is UnitState.GATHERED:
+                full = unit.full.cpu()
+            else:
+                full = unit.gather_into(torch.empty(unit.padded_numel, dtype=unit.dtype),
+                                        unit.split(self.params.host_copy(unit)))
+            self._values_cache.update({id(s.param): unit.param_values(full, s).clone() for s in unit.slots})
+        return self._values_cache[id(param)]
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The full fp32 state dict on CPU, gathered unit by unit, on rank 0 (empty elsewhere)."""

@@ -216,6 +216,126 @@ def test_the_graph_keeps_no_gathered_unit_of_a_frozen_base(tmp_path):
     engine.close()
 
 
+class MixedBlock(nn.Module):
+    """A frozen layer beside a trainable one: the unit has both regions."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.base = nn.Linear(d, d).requires_grad_(False)
+        self.adapter = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.base(x) + self.adapter(x))
+
+
+class Mixed(nn.Module):
+    def __init__(self, d: int = 64, blocks: int = 6):
+        super().__init__()
+        self.blocks = nn.ModuleList(MixedBlock(d) for _ in range(blocks))
+        self.skip: set[int] = set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, b in enumerate(self.blocks):
+            if i not in self.skip:  # LayerDrop: a step that leaves the recorded order
+                x = b(x)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("buffer_count", [4, 5])
+def test_units_with_frozen_and_trainable_parts_never_run_the_pool_dry(tmp_path, buffer_count):
+    """Each fetch of such a unit takes two pool buffers; prefetching must leave room for an
+    on-demand fetch (DeepSpeed's default buffer_count is 5)."""
+    torch.manual_seed(0)
+    model = Mixed()
+    plain = copy.deepcopy(model)
+    cfg = config(3, "nvme", "cpu", clip=1.0)
+    cfg["zero_optimization"].update(stage3_max_reuse_distance=0)
+    cfg["zero_optimization"]["offload_param"].update(nvme_path=str(tmp_path), buffer_count=buffer_count, max_in_cpu=0)
+    engine, *_ = infinity.initialize(model, config=cfg)
+    engine.params.swapper.timeout = 10  # a dry pool fails here rather than after a minute
+    opt = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.01)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
+    for step in range(2):
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        ref = plain(x)
+        ref.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in plain.parameters() if p.requires_grad], 1.0)
+        opt.step()
+        opt.zero_grad()
+        assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
+    # A step off the recorded order fetches on demand beside the prefetches in flight. (Its
+    # skipped blocks get a zero gradient, as in DeepSpeed, where PyTorch would skip them.)
+    model.skip = {1, 2}
+    for _ in range(2):
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        assert torch.isfinite(loss)
+    engine.close()
+
+
+def test_a_forward_without_backward_leaves_backward_as_it_was(tmp_path):
+    """A loss only logged (no backward) must not keep the next backward from releasing units."""
+    torch.manual_seed(0)
+    model = TinyGPT(layers=4)
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    engine, *_ = infinity.initialize(model, config=config(3, "cpu", "cpu", stage3_max_live_parameters=3 * block,
+                                                          stage3_max_reuse_distance=0))
+    idx, tgt = batches(1, 4)[0]
+    peaks = []
+    for extra in (False, True, False):
+        if extra:
+            engine(idx, tgt)
+        loss = engine(idx, tgt)
+        engine.fetcher.peak_live_numel = 0
+        engine.backward(loss)
+        engine.step()
+        peaks.append(engine.fetcher.peak_live_numel)
+    assert peaks[1] == peaks[0] == peaks[2] < sum(u.padded_numel for u in engine.units)
+    engine.close()
+
+
+class FunctionalHead(nn.Module):
+    """A tied head written as `h @ emb.weight.t()`: the root module itself uses the embedding."""
+
+    def __init__(self, vocab: int = 50, d: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(3))
+
+    def forward(self, ids: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for b in self.blocks:
+            h = h + torch.tanh(b(h))
+        logits = h @ self.emb.weight.t()
+        return nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten())
+
+
+def test_root_parameters_used_outside_their_module(tmp_path):
+    torch.manual_seed(0)
+    model = FunctionalHead()
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, 50, (2, 5), generator=g), torch.randint(0, 50, (2, 5), generator=g)) for _ in range(3)]
+    ref_losses, ref_model = reference_run(model, data, gas=1, clip=0.0)
+    engine, *_ = infinity.initialize(model, config=offload_config(tmp_path, "nvme", "cpu", clip=0.0))
+    assert_losses_close(engine_run(engine, data, gas=1), ref_losses)
+    engine.close()
+
+
+def test_views_taken_under_gathered_parameters_stay_valid(tmp_path):
+    torch.manual_seed(0)
+    model = TinyGPT()
+    expected = model.blocks[1].fc1.weight.detach().clone()
+    engine, *_ = infinity.initialize(model, config=offload_config(tmp_path, "nvme", "cpu"))
+    with infinity.GatheredParameters(model.blocks[1].fc1.weight):
+        kept = model.blocks[1].fc1.weight.detach()
+    assert model.blocks[1].fc1.weight.numel() == 0  # released again
+    assert torch.equal(kept, expected)
+    engine.close()
+
+
 # ---- any module call --------------------------------------------------------------------------
 
 
@@ -280,9 +400,13 @@ def test_state_dict_and_save_pretrained_hold_the_real_values(tmp_path):
     assert state.keys() == fp32.keys()
     for name, value in fp32.items():
         assert torch.equal(state[name], value), name  # fp32 training: the masters themselves
-    # Submodules too, and asking twice gives the same.
+    # Submodules too, inside a unit or above one, and the tied or shared values once per call.
     layer = engine.module.model.layers[1].state_dict()
     assert torch.equal(layer["mlp.up_proj.weight"], fp32["model.layers.1.mlp.up_proj.weight"])
+    attn = engine.module.model.layers[0].self_attn.state_dict()
+    assert torch.equal(attn["q_proj.weight"], fp32["model.layers.0.self_attn.q_proj.weight"])
+    assert engine.module.state_dict(keep_vars=True)["lm_head.weight"] is engine.module.lm_head.weight
+    assert engine._values_cache is None  # nothing kept once the call returned
     engine.module.save_pretrained(tmp_path / "out")
     loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out")
     ids = token_batches(1, seed=7)[0]

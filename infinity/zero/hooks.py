@@ -11,13 +11,15 @@ A unit's backward is over when autograd is done with it: every parameter of it t
 grad has its gradient, and the gradients of the inputs of each of its calls that required grad
 are computed (a frozen weight is still needed for the input gradient after the trainable
 parameters next to it got theirs: a LoRA adapter beside a frozen projection). The pre-hook
-counts each call whose inputs require grad and registers a hook on those inputs' gradients; the
-parameters' post-accumulate-grad hooks count down the rest. When both counts reach zero the
-unit's gradients are handed on (reduce-scatter, optimizer tier) and the unit is released. A unit
-without trainable parameters whose inputs need gradients is gathered for backward all the same
-(its outputs require grad through its inputs) and released the same way. `finish_backward`
-finishes the units some of whose parameters got no gradient, in unit order, so that every rank
-runs the same collectives.
+registers a hook on the gradients of a call's inputs that require grad; the call counts as open
+from the moment its backward starts (its `_PreBackward`, so a forward whose loss is never
+backpropagated leaves nothing open) until that hook fires. The parameters' post-accumulate-grad
+hooks count down the rest. When the unit has no open call and every parameter its gradient, its
+gradients are handed on once (reduce-scatter, optimizer tier) and it is released; a later call's
+backward gathers it again. A unit without trainable parameters whose inputs need gradients is
+gathered for backward all the same (its outputs require grad through its inputs) and released
+the same way. `finish_backward` finishes the units some of whose parameters got no gradient, in
+unit order, so that every rank runs the same collectives.
 
 During backward, forward hooks fire again for activation-checkpointing recomputation: the
 pre-hook gathers as usual and the post-hook keeps the unit, whose backward is about to run.
@@ -36,16 +38,27 @@ from infinity.zero.fetcher import Fetcher
 from infinity.zero.unit import Unit
 
 
+class _Call:
+    """One call of a unit's module whose inputs require grad ([Note: when a unit's backward ends])."""
+
+    __slots__ = ("unit", "generation", "open", "handle")
+
+    def __init__(self, unit: Unit, generation: int):
+        self.unit, self.generation = unit, generation
+        self.open = False  # its backward started and its inputs' gradients are not computed yet
+        self.handle: RemovableHandle | None = None
+
+
 class _PreBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hooks: "UnitHooks", unit: Unit, *tensors: torch.Tensor):
-        ctx.hooks, ctx.unit = hooks, unit
+    def forward(ctx, hooks: "UnitHooks", unit: Unit, call: _Call | None, *tensors: torch.Tensor):
+        ctx.hooks, ctx.unit, ctx.call = hooks, unit, call
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        ctx.hooks.pre_backward(ctx.unit)
-        return (None, None, *grads)
+        ctx.hooks.pre_backward(ctx.unit, ctx.call)
+        return (None, None, None, *grads)
 
 
 def _tensors_requiring_grad(tree) -> list[torch.Tensor]:
@@ -60,17 +73,21 @@ class UnitHooks:
         self.on_unit_grads = on_unit_grads
         self.in_backward = False
         self.reduce_seconds = 0.0
-        self._pending: dict[int, int] = {}  # unit -> parameters requiring grad still without one
-        self._open_calls: dict[int, int] = {}  # unit -> calls whose input gradients are not computed yet
-        self._finished: set[int] = set()
+        self._pending: dict[int, int] = {}  # unit -> hooked parameters still without a gradient
+        self._open_calls: dict[int, int] = {}  # unit -> calls whose backward runs (input gradients pending)
+        self._reduced: set[int] = set()
+        self._calls: list[_Call] = []  # this pass's calls with an input-gradient hook
+        self._current: dict[int, list[_Call | None]] = {}  # unit -> calls between pre- and post-hook
         self._generation = 0  # counts backward passes: a hook of an older graph changes nothing
         self._handles: list[RemovableHandle] = []
+        self._hooked: dict[int, int] = {u.index: 0 for u in units}  # parameters with a gradient hook
         for unit, unit_modules in zip(units, modules):
             for module in unit_modules:
                 self._handles.append(module.register_forward_pre_hook(self._pre_forward(unit), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._post_forward(unit)))
             for slot in unit.slots:
                 if slot.param.requires_grad:
+                    self._hooked[unit.index] += 1
                     self._handles.append(
                         slot.param.register_post_accumulate_grad_hook(self._grad_ready(unit, slot.group >= 0)))
         self.reset_backward()
@@ -85,16 +102,21 @@ class UnitHooks:
     def _pre_forward(self, unit: Unit):
         def hook(module, args, kwargs):
             self.fetcher.acquire(unit)
+            call = None
             if torch.is_grad_enabled():
                 inputs = _tensors_requiring_grad((args, kwargs))
                 if inputs:  # [Note: when a unit's backward ends]
-                    self._open_calls[unit.index] += 1
-                    torch.autograd.graph.register_multi_grad_hook(
-                        inputs, self._inputs_done(unit, self._generation), mode="all")
+                    call = _Call(unit, self._generation)
+                    call.handle = torch.autograd.graph.register_multi_grad_hook(
+                        inputs, self._inputs_done(call), mode="all")
+                    self._calls.append(call)
+            self._current.setdefault(unit.index, []).append(call)
         return hook
 
     def _post_forward(self, unit: Unit):
         def hook(module, args, output):
+            stack = self._current.get(unit.index)
+            call = stack.pop() if stack else None
             if not self.in_backward:
                 self.fetcher.release(unit)
             if not torch.is_grad_enabled():
@@ -103,7 +125,7 @@ class UnitHooks:
             idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
             if not idx:
                 return output
-            wrapped = _PreBackward.apply(self, unit, *(flat[i] for i in idx))
+            wrapped = _PreBackward.apply(self, unit, call, *(flat[i] for i in idx))
             for i, t in zip(idx, wrapped):
                 flat[i] = t
             return pytree.tree_unflatten(flat, spec)
@@ -112,20 +134,30 @@ class UnitHooks:
     # ---- backward -------------------------------------------------------------------------
 
     def reset_backward(self) -> None:
-        """Forgets the counts of the last pass; called before each training pass and after its backward."""
+        """Forgets the counts and hooks of the last pass; called before each training pass and
+        after its backward."""
         self._generation += 1
-        self._pending = {u.index: u.params_requiring_grad() for u in self.units}
+        for call in self._calls:
+            call.handle.remove()
+        self._calls = []
+        self._current = {}
+        self._pending = dict(self._hooked)
         self._open_calls = {u.index: 0 for u in self.units}
-        self._finished = set()
+        self._reduced = set()
 
-    def pre_backward(self, unit: Unit) -> None:
+    def pre_backward(self, unit: Unit, call: _Call | None) -> None:
+        if call is not None and call.generation == self._generation and not call.open:
+            call.open = True
+            self._open_calls[unit.index] += 1
         self.fetcher.acquire(unit)
 
-    def _inputs_done(self, unit: Unit, generation: int):
+    def _inputs_done(self, call: _Call):
         def hook(grads):
-            if generation == self._generation:
-                self._open_calls[unit.index] -= 1
-                self._maybe_finish(unit)
+            call.handle.remove()
+            if call.generation == self._generation and call.open:
+                call.open = False
+                self._open_calls[call.unit.index] -= 1
+                self._maybe_finish(call.unit)
         return hook
 
     def _grad_ready(self, unit: Unit, trainable: bool):
@@ -137,22 +169,23 @@ class UnitHooks:
         return hook
 
     def _maybe_finish(self, unit: Unit) -> None:
-        if self._pending[unit.index] == 0 and self._open_calls[unit.index] == 0:
+        if self._pending[unit.index] <= 0 and self._open_calls[unit.index] == 0:
             self._finish(unit)
 
     def _finish(self, unit: Unit) -> None:
-        if unit.index in self._finished:
-            return
-        self._finished.add(unit.index)
-        if unit.trainable:
+        if unit.trainable and unit.index not in self._reduced:
+            self._reduced.add(unit.index)
             t0 = time.perf_counter()
             self.on_unit_grads(unit)
             self.reduce_seconds += time.perf_counter() - t0
+        elif not unit.trainable:
+            for slot in unit.slots:
+                slot.param.grad = None  # made trainable after initialize: frozen all the same
         self.fetcher.release(unit, keep_if_reused=False, force=True)
 
     def finish_backward(self) -> None:
         """Finishes what the hooks did not (parameters without a gradient this pass)."""
         for unit in self.units:
-            if unit.trainable:
+            if unit.trainable and unit.index not in self._reduced:
                 self._finish(unit)
         self.reset_backward()

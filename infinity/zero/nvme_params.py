@@ -26,7 +26,7 @@ from infinity.zero.unit import ShardParts, Unit
 
 KIND = "param"  # the trainable part of a shard
 FROZEN = "frozen"  # the frozen part, never written after start
-MIN_BUFFERS = 3  # the unit computing, the next one being read, and one for an update
+MIN_BUFFERS = 3  # the next unit being read, one read on demand, and one for an update
 
 
 def _elsize(dtype: torch.dtype) -> int:
@@ -73,11 +73,13 @@ class NvmeParams:
         # Cached shards stay in pool buffers: add room for max_in_cpu worth of the largest shard.
         largest = max(sizes, default=1)
         cached = min(len(sizes), max_in_cpu // largest)
-        # A fetch of a unit with frozen and trainable parts holds a buffer for each.
+        # A fetch of a unit with frozen and trainable parts holds a buffer for each. A prefetch
+        # leaves enough for a fetch that was not prefetched (or for an update's target: a unit
+        # holds no buffer once gathered, and an update fetches nothing meanwhile).
         parts = max((len(_parts(u)) for u in units), default=1)
-        self._spare = parts + 1  # what a prefetch must leave: one for an update
+        self._spare = parts
         # A buffer larger than the largest shard would only hold unused pinned memory.
-        self.pool = BufferPool(_plan_count(offload.buffer_count, parts + 2) + cached,
+        self.pool = BufferPool(_plan_count(offload.buffer_count, max(MIN_BUFFERS, 2 * parts)) + cached,
                                min(offload.buffer_size * elsize, largest), shard_sizes=sizes, name="offload_param")
         self.cache = HostCache(max_in_cpu, name="offload_param")
         # A second handle for writes, so that reads never queue behind them.
@@ -104,7 +106,7 @@ class NvmeParams:
     def prefetch(self, unit: Unit) -> bool:
         if unit.index in self._prefetched or unit.index in self._held:
             return False  # one read per pending use: the next use is served by the one in flight
-        if not self.swapper.can_spare(self._spare):
+        if not self.swapper.can_spare(len(_parts(unit)) + self._spare):
             return False
         self._prefetched[unit.index] = self._fetch_parts(unit)
         return True

@@ -7,8 +7,10 @@ model), wherever that class occurs outside another unit (so an encoder-decoder's
 decoder blocks both are units); if a model has none, each direct child holding parameters is a
 unit. The user can name module classes or pass a callable `(qualified_name, module) -> bool`
 instead. Whatever no unit claims (embeddings, final norm, LM head) forms the root unit; it is
-gathered by the forward of every module that holds one of its parameters directly, so calling
-any submodule on its own (`model.get_input_embeddings()(ids)`) gathers what it needs. A
+gathered for the root module's whole forward (which may use any of its parameters, also outside
+the module that holds it: `h @ self.emb.weight.t()`) and by the forward of every module that
+holds one of its parameters directly, so calling any submodule on its own
+(`model.get_input_embeddings()(ids)`) gathers what it needs. A
 parameter shared by modules of two units (tied embeddings) goes to the root unit too, because it
 is used at two different times. Parameters of at most `persistence_threshold` elements form one
 persistent unit that is never released (as DeepSpeed's stage3_param_persistence_threshold).
@@ -39,15 +41,18 @@ def _auto_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if not isinstance(m, (nn.ModuleList, nn.Sequential)) or len(m) < 2:
             continue
         kids = list(m.named_children())
-        if len({type(k) for _, k in kids}) != 1:
-            continue
+        if len({type(k) for _, k in kids}) != 1 or isinstance(kids[0][1], (nn.ModuleList, nn.ModuleDict)):
+            continue  # mixed, or containers that are never called themselves
         numel = sum(p.numel() for p in m.parameters())
         if numel > best_numel:
             best = [(f"{name}.{k}" if name else k, child) for k, child in kids]
             best_numel = numel
-    if best:
+    if best:  # every list of that class: an encoder's blocks and a decoder's
         block = type(best[0][1])
-        return _select(model, lambda _name, module: type(module) is block)
+        lists = {id(m) for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 0
+                 and all(type(c) is block for c in m.children())}
+        children = {id(c) for name, m in model.named_modules() if id(m) in lists for c in m.children()}
+        return _select(model, lambda _name, module: id(module) in children)
     return [(n, c) for n, c in model.named_children() if any(True for _ in c.parameters())]
 
 
@@ -93,6 +98,6 @@ def plan_units(model: nn.Module, policy: UnitPolicy = None, persistence_threshol
             root.append((name, p))
     plans = [UnitPlan(n, [m], ps) for (n, m), ps in zip(blocks, per_block) if ps]
     in_root = {id(p) for _, p in root}
-    owners = [m for m in model.modules() if any(id(p) in in_root for p in m.parameters(recurse=False))]
+    owners = [m for m in model.modules() if m is model or any(id(p) in in_root for p in m.parameters(recurse=False))]
     plans.append(UnitPlan("<root>", owners, root))
     return plans, persistent

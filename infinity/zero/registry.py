@@ -53,7 +53,7 @@ def GatheredParameters(params: torch.nn.Parameter | Iterable[torch.nn.Parameter]
     if enabled:
         for engine, unit in owners.values():
             if unit.state is UnitState.RELEASED:
-                unit.to_gathered(engine.params.fetch(unit))
+                unit.to_gathered(engine.params.fetch(unit), fresh=True)  # views may outlive the `with`
                 engine.params.done(unit)
                 gathered.append((engine, unit))
     try:

@@ -27,7 +27,10 @@ gather, as FSDP2 does. Views that autograd saved keep pointing into that same st
 hold no memory while the unit is released and see the values again once it is gathered, which
 the pre-backward hook does before autograd reads them. While released, the parameters' `.data`
 is an empty tensor, so user code that reads a released parameter sees 0 elements rather than
-freed memory.
+freed memory. A view of a parameter taken while gathered (`w = layer.weight.detach()` in a
+forward hook) points into that storage too: it must not be used after the release. What users
+gather by hand (`GatheredParameters`) goes into a fresh buffer instead, which lives as long as
+any view of it.
 """
 
 from __future__ import annotations
@@ -102,6 +105,7 @@ class Unit:
     state: UnitState
     segments: list[Segment]  # the trainable part of this rank's shard, split by param group
     _flat: torch.Tensor  # 1-D, padded_numel, compute dtype, on device; storage 0 bytes when RELEASED
+    _gathered: torch.Tensor | None  # the buffer the parameters point into: _flat, or a fresh one; GATHERED only
 
     def __init__(self, index: int, name: str, params: list[tuple[str, nn.Parameter, int]],
                  dtype: torch.dtype, device: torch.device, rank: int, world: int, persistent: bool = False):
@@ -128,6 +132,7 @@ class Unit:
         self.segments = self._segments()
         self.state = UnitState.RELEASED
         self._flat = torch.empty(0, dtype=dtype, device=device)
+        self._gathered = None
 
     def __repr__(self) -> str:
         return f"Unit({self.index}, {self.name!r}, numel={self.numel}, {self.state.value})"
@@ -153,7 +158,7 @@ class Unit:
     def full(self) -> torch.Tensor:
         """The gathered flat buffer (every rank's shard, [Note: flat layout])."""
         assert self.state is UnitState.GATHERED, self
-        return self._flat
+        return self._gathered
 
     def _regions(self) -> list[tuple[int, int, int]]:
         """(start in the flat buffer, start in this rank's shard, elements) of this rank's chunks."""
@@ -203,17 +208,20 @@ class Unit:
 
     # ---- state changes --------------------------------------------------------------------
 
-    def to_gathered(self, parts: ShardParts) -> None:
+    def to_gathered(self, parts: ShardParts, fresh: bool = False) -> None:
         """Refills the flat buffer's storage with every rank's shard and points the parameters
-        into it ([Note: releasing frees the memory])."""
+        into it ([Note: releasing frees the memory]); `fresh`: into a new buffer instead, one
+        that views taken by the user may outlive the release."""
         assert self.state is UnitState.RELEASED, self
         assert parts.train.numel() == self.train_shard_numel and parts.frozen.numel() == self.frozen_shard_numel
-        flat = self._flat
-        if flat.numel() == 0:  # the first gather: views autograd saves must all share this tensor
+        if fresh:
+            flat = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+        elif self._flat.numel() == 0:  # the first gather: views autograd saves must all share this tensor
             flat = self._flat = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
         else:
+            flat = self._flat
             flat.untyped_storage().resize_(self.padded_numel * flat.element_size())
-        self.gather_into(flat, parts)
+        self._gathered = self.gather_into(flat, parts)
         self._set_param_data(flat)
         self.state = UnitState.GATHERED
 
@@ -234,7 +242,9 @@ class Unit:
     def to_released(self) -> None:
         assert self.state is UnitState.GATHERED, self
         self._set_param_data(None)
-        self._flat.untyped_storage().resize_(0)
+        if self._gathered is self._flat:
+            self._flat.untyped_storage().resize_(0)
+        self._gathered = None
         self.state = UnitState.RELEASED
 
     def take_grad(self, out: torch.Tensor) -> torch.Tensor:
