@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from infinity.config import InfinityConfig, load_config
+from infinity.device import Device, InFlight, make_device
 from infinity.lr_schedules import build_scheduler
 from infinity.zero import dist as zdist
 from infinity.zero.fetcher import Fetcher
@@ -48,12 +49,6 @@ from infinity.zero.zero_optimizer import ZeroOptimizer
 log = logging.getLogger("infinity")
 
 
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _param_groups(model: nn.Module, model_parameters: Any) -> list[dict]:
     if model_parameters is None:
         return [{"params": [p for p in model.parameters() if p.requires_grad]}]
@@ -68,10 +63,11 @@ class Engine:
 
     def __init__(self, model: nn.Module, config: InfinityConfig, *, model_parameters: Any = None,
                  optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None,
-                 units: UnitPolicy = None):
+                 units: UnitPolicy = None, accelerator: Device | None = None):
         self.config = config
-        self.rank, self.world_size = zdist.init_distributed()
-        self.device = _device()
+        self.accelerator = accelerator or make_device()  # every stream, event and copy ([Note: in-flight copies])
+        self.rank, self.world_size = zdist.init_distributed(nccl=self.accelerator.name == "cuda")
+        self.device = self.accelerator.compute
         self.module = model
         self.dtype = config.compute_dtype
         self.global_steps = 0
@@ -81,7 +77,8 @@ class Engine:
         self._hypers: list[AdamHyper] | None = None  # this step's, once its first unit was updated
         self._updated: set[int] = set()  # units updated this step
         self._updated_in_backward = 0
-        self._grad_buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        # One flat gradient buffer per unit size, and the copy that still reads it.
+        self._grad_buffers: dict[tuple[int, torch.dtype], tuple[torch.Tensor, InFlight | None]] = {}
 
         self._grad_norm: float | None = None
         self._grads_final = False  # accumulated gradients are complete (boundary backward done, step not yet)
@@ -127,7 +124,7 @@ class Engine:
         self.fetcher.begin_step()
         for module in model.modules():  # buffers; parameters are empty until gathered
             for name, buf in module.named_buffers(recurse=False):
-                module._buffers[name] = buf.to(self.device)  # noqa: SLF001 (what Module.to does)
+                module._buffers[name] = self.accelerator.move(buf)  # noqa: SLF001 (what Module.to does)
         register_units(self)
         self._owner = {id(s.param): (u, s) for u in self.units for s in u.slots}
         self._state_dict_hooks = self._hook_state_dict(model)
@@ -166,8 +163,8 @@ class Engine:
         offload = self.config.zero.offload_param
         if offload.device == "nvme":
             from infinity.zero.nvme_params import NvmeParams
-            return NvmeParams(self.device, offload, self.config.aio, rank=self.rank, units=self.units)
-        return ResidentParams(self.device, offload=offload.device == "cpu", pin=offload.pin_memory)
+            return NvmeParams(self.accelerator, offload, self.config.aio, rank=self.rank, units=self.units)
+        return ResidentParams(self.accelerator, offload=offload.device == "cpu")
 
     def _optimizer_tier(self):
         offload = self.config.zero.offload_optimizer
@@ -175,9 +172,11 @@ class Engine:
             from infinity.zero.nvme_optim import NvmeOptimizerState
             # A gradient outlives its backward unless it feeds its unit's update at once.
             at_once = self._update_in_hook if self.config.batch.gradient_accumulation_steps == 1 else set()
-            return NvmeOptimizerState(offload, self.config.aio, self.config.zero.sub_group_size, rank=self.rank,
+            return NvmeOptimizerState(self.accelerator, offload, self.config.aio, self.config.zero.sub_group_size,
+                                      rank=self.rank,
                                       units=[u for u in self.units if u.trainable], no_accumulator=at_once)
-        return ResidentOptimizerState(torch.device("cpu") if offload.device == "cpu" else self.device)
+        return ResidentOptimizerState(self.accelerator, on_device=offload.device == "none",
+                                      units=[u for u in self.units if u.trainable])
 
     # ---- the training loop ----------------------------------------------------------------
 
@@ -192,6 +191,7 @@ class Engine:
             if torch.is_grad_enabled():  # a training pass: its backward will follow
                 self.hooks.reset_backward()
                 self.optim_state.begin_pass(last=self._last_micro())
+        args, kwargs = self.accelerator.move((args, kwargs))  # inputs go where the model computes
         out = self.module(*args, **kwargs)
         if not torch.is_grad_enabled():  # evaluation: no backward will end this pass
             self.fetcher.end_step()
@@ -239,7 +239,7 @@ class Engine:
         sq = torch.zeros((), dtype=torch.float32)
         for u in units:
             sq += self.optim_state.grad_sq(u).cpu()
-        total = sq.to(self.device)
+        total = self.accelerator.move(sq)
         zdist.all_reduce_sum(total)
         sq = total.item()
         nonfinite = not math.isfinite(sq)  # a square sum is inf or nan iff some gradient was (or overflowed)
@@ -295,7 +295,7 @@ class Engine:
         if fill is None:
             self.params.replace(unit, new_shard)
         else:
-            fill(self.params.update_target(unit))
+            fill(self.params.update_target(unit, self.optim_state.on_device))
             self.params.commit(unit)
         if regather:
             unit.to_gathered(self.params.fetch(unit))
@@ -307,10 +307,15 @@ class Engine:
             # is done with it before the next unit's gradient comes.
             key = (unit.train_padded_numel, unit.dtype)
             if key not in self._grad_buffers:
-                self._grad_buffers[key] = torch.zeros(unit.train_padded_numel, dtype=unit.dtype, device=self.device)
-            shard = zdist.reduce_scatter_mean(unit.take_grad(self._grad_buffers[key]))
+                self._grad_buffers[key] = (torch.zeros(unit.train_padded_numel, dtype=unit.dtype, device=self.device),
+                                           None)
+            buffer, reading = self._grad_buffers[key]
+            if reading is not None:  # the last gradient's copy to the host must have read it
+                self.accelerator.wait_compute(reading)
+            shard = zdist.reduce_scatter_mean(unit.take_grad(buffer))
         last = self._last_micro()
-        self.optim_state.accumulate(unit, shard, first=self._first_micro, last=last)
+        reading = self.optim_state.accumulate(unit, shard, first=self._first_micro, last=last)
+        self._grad_buffers[key] = (buffer, reading)
         if last and unit.index in self._update_in_hook:  # [Note: update during backward]
             # Its backward is over: release it first, so that no gathered copy holds the
             # shard's buffer in the parameter tier while the update writes the new values.
@@ -363,9 +368,9 @@ class Engine:
 
     def _gather_full(self, unit: Unit, shard: torch.Tensor) -> torch.Tensor:
         """Every rank's `shard` of the unit, as a full flat buffer on the CPU (all ranks call it)."""
-        shard = shard.to(self.device)
+        shard = self.accelerator.move(shard)
         full = torch.empty(unit.padded_numel, dtype=shard.dtype, device=self.device)
-        return unit.gather_into(full, unit.split(shard)).cpu()
+        return self.accelerator.host(unit.gather_into(full, unit.split(shard)))
 
     def full_fp32_values(self, unit: Unit) -> torch.Tensor:
         """The unit's full flat buffer in fp32 on the CPU (masters where trainable); all ranks call it."""
@@ -443,7 +448,7 @@ class Engine:
         if id(param) not in self._values_cache:
             unit, _ = self._owner[id(param)]
             if unit.state is UnitState.GATHERED:
-                full = unit.full.cpu()
+                full = self.accelerator.host(unit.full)
             else:
                 full = unit.gather_into(torch.empty(unit.padded_numel, dtype=unit.dtype),
                                         unit.split(self.params.host_copy(unit)))
@@ -492,8 +497,9 @@ def initialize(model: nn.Module, model_parameters: Any = None, optimizer: torch.
         config = getattr(args, "deepspeed_config", None)
     if config is None:
         raise ValueError("config: expected a DeepSpeed JSON config (dict or path), got None")
-    _, world = zdist.init_distributed()  # the batch-size rule needs the world size
+    accelerator = make_device()
+    _, world = zdist.init_distributed(nccl=accelerator.name == "cuda")  # the batch-size rule needs the world size
     cfg = load_config(config, world_size=world)
     engine = Engine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
-                    lr_scheduler=lr_scheduler, units=units)
+                    lr_scheduler=lr_scheduler, units=units, accelerator=accelerator)
     return engine, engine.optimizer, None, engine.lr_scheduler

@@ -30,7 +30,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.ln1(x)
-        mask = torch.triu(torch.ones(x.size(1), x.size(1), dtype=torch.bool), 1)
+        mask = torch.triu(torch.ones(x.size(1), x.size(1), dtype=torch.bool, device=x.device), 1)
         x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
@@ -119,13 +119,14 @@ def engine_run(engine, data, *, gas: int, rank: int = 0, world: int = 1):
     return losses
 
 
-def run_placements(script: str, tmp_path, timeout: int = 600) -> dict[str, dict]:
+def run_placements(script: str, tmp_path, timeout: int = 600, env: dict[str, str] | None = None) -> dict[str, dict]:
     """Runs `script` in a fresh process for each placement ("memory", "nvme"): argv is
     (nvme directory, this folder, placement); returns the JSON each printed last."""
     runs = {}
     for placement in ("memory", "nvme"):
         out = subprocess.run([sys.executable, "-c", script, str(tmp_path), os.path.dirname(__file__), placement],
-                             capture_output=True, text=True, cwd=tmp_path, timeout=timeout)
+                             capture_output=True, text=True, cwd=tmp_path, timeout=timeout,
+                             env={**os.environ, **(env or {})})
         assert out.returncode == 0, out.stderr
         runs[placement] = json.loads(out.stdout.strip().splitlines()[-1])
     return runs

@@ -49,8 +49,7 @@ class HostCache:
             engine converts from elements); 0 keeps nothing.
         name: the config section, for messages.
 
-    Thread-safe: the engine advances the schedule on its main thread while the prefetch thread
-    admits and evicts.
+    Thread-safe: one lock guards it, so any thread may advance the schedule, admit and evict.
     """
 
     _entries: dict[Hashable, tuple[int, int]]  # key -> (nbytes, insertion number, for ties)

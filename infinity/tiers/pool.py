@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from numbers import Integral
 from typing import NamedTuple
 
@@ -59,8 +59,10 @@ class BufferPool:
         shard_sizes: the bytes of every shard that will pass through the pool.
         pin: pin through CUDA; None pins when a GPU is present (`pin_memory` in the config).
         name: the config section, for messages (e.g. "offload_param").
+        on_release: called with every buffer handed back (the asynchronous test device
+            scribbles over it, so that a copy still reading it fails loudly).
 
-    Thread-safe: the engine's prefetch thread acquires while the main thread releases.
+    Thread-safe: one lock guards it, so any thread may acquire and release.
     """
 
     _buffers: list[torch.Tensor]  # buffer_count x 1-D uint8, page-aligned, buffer_size bytes each
@@ -75,8 +77,10 @@ class BufferPool:
         shard_sizes: Iterable[int] = (),
         pin: bool | None = None,
         name: str = "offload_param",
+        on_release: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         self._name = name
+        self._on_release = on_release
         buffer_count = _check_count(config_key(name, "buffer_count"), buffer_count, 1)
         buffer_size = _check_count(config_key(name, "buffer_size"), buffer_size, 1)
         if pin is not None and not isinstance(pin, bool):
@@ -190,6 +194,8 @@ class BufferPool:
             index = self._in_use.pop(self._ptr(buf), None)
             if index is None:
                 raise ValueError(f"release: the tensor is not a buffer handed out by the {self._name} pool")
+            if self._on_release is not None:
+                self._on_release(self._buffers[index])
             self._free.append(index)
             self._cond.notify()
 

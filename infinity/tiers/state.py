@@ -1,8 +1,9 @@
 """`ShardState`: where a shard's bytes are, the one enum for every layer (DESIGN.md section 3).
 
 The swapper (this package) moves a shard between `EMPTY`, `NVME`, `NVME_TO_HOST`, `HOST`,
-`HOST_TO_NVME` and `INVALID`; the engine owns the device side (`HOST_TO_DEVICE`, `DEVICE`) and
-reuses this enum for its own shard objects rather than defining another.
+`HOST_TO_NVME` and `INVALID`. The device side is not a shard's: a unit is gathered on the device
+or released (`UnitState` in infinity.zero.unit), and a copy between host and device is an
+`InFlight` of the device layer until it is waited for.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ class ShardState(enum.Enum):
                     the NVMe copy is identical unless the shard was changed and not yet written.
     HOST_TO_NVME:   a write from a host buffer to NVMe is in flight; the buffer is held and must
                     not change, and the NVMe extent holds neither old nor new bytes for sure.
-    HOST_TO_DEVICE: (engine) a host-to-device copy is in flight; the host buffer is held.
-    DEVICE:         (engine) the bytes are in device memory.
     INVALID:        a write failed; the NVMe extent holds unknown bytes and no host memory is
                     held. Reading raises until a later write succeeds.
     """
@@ -33,6 +32,4 @@ class ShardState(enum.Enum):
     NVME_TO_HOST = "nvme_to_host"
     HOST = "host"
     HOST_TO_NVME = "host_to_nvme"
-    HOST_TO_DEVICE = "host_to_device"
-    DEVICE = "device"
     INVALID = "invalid"

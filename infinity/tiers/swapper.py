@@ -208,7 +208,8 @@ class Swapper:
             was issued (a slow disk, without blocking the caller that issued it).
         timeout: seconds to wait for a pool buffer before giving up ([Note: buffers under pressure]).
 
-    Thread-safe: the engine's prefetch thread fetches while the main thread waits and releases.
+    Thread-safe: one lock guards the shards ([Note: completing transfers]), so any thread may
+    fetch, wait and release.
     Typical use: `h = fetch(kind, key)` ahead of time; `buf = wait(h)` when needed; change
     `buf` in place if wanted; `release(kind, key, dirty=True)` writes it back.
     """

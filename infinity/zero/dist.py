@@ -12,15 +12,13 @@ import torch
 import torch.distributed as dist
 
 
-def init_distributed() -> tuple[int, int]:
+def init_distributed(nccl: bool) -> tuple[int, int]:
     """(rank, world size). Initialises the process group when a launcher's environment is
-    there (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR) and no group exists yet."""
+    there (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR) and no group exists yet: NCCL when
+    `nccl` (the device layer has put this process on its GPU already), else gloo."""
     if dist.is_available() and not dist.is_initialized() and "WORLD_SIZE" in os.environ:
         if int(os.environ["WORLD_SIZE"]) > 1:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            if backend == "nccl":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group(backend)
+            dist.init_process_group("nccl" if nccl else "gloo")
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1

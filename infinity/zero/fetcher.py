@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from infinity.zero.param_shards import ParamTier
+from infinity.zero.protocols import ParamTier
 from infinity.zero.unit import Unit, UnitState
 
 

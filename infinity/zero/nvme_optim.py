@@ -43,7 +43,8 @@ from infinity.optim.functional import adam_update
 from infinity.tiers import BufferPool, NvmeStore, Swapper
 from infinity.tiers.store import default_job_id
 from infinity.zero.nvme_params import IOTally, _plan_count, make_handle
-from infinity.zero.optim_shards import NORM_ROW, AdamHyper, row_norms_sq
+from infinity.device import Device, InFlight
+from infinity.zero.optim_shards import NORM_ROW, AdamHyper, GradientLanding, row_norms_sq
 from infinity.zero.unit import Unit
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -61,8 +62,12 @@ class NvmeOptimizerState:
     accumulator, in host memory or spilled ([Note: gradient spill]).
     """
 
-    def __init__(self, offload, aio, sub_group_size: int, *, rank: int, units: list[Unit],
+    on_device = False  # the state is updated by the CPU kernel, from host buffers
+
+    def __init__(self, device: Device, offload, aio, sub_group_size: int, *, rank: int, units: list[Unit],
                  no_accumulator: set[int] = frozenset()):
+        self.device = device
+        self._landing = GradientLanding(device, units, "offload_optimizer")
         piece = max(PIECE_ALIGN, int(sub_group_size) // PIECE_ALIGN * PIECE_ALIGN)
         self._pieces: dict[int, list[tuple[int, int]]] = {
             u.index: [(s, min(piece, u.train_shard_numel - s)) for s in range(0, u.train_shard_numel, piece)]
@@ -92,7 +97,8 @@ class NvmeOptimizerState:
         self._per_piece = len(KINDS) + (1 if self._spilled else 0)
         # A buffer for each kind of: the piece being read, the piece being updated, the piece being written.
         self.pool = BufferPool(_plan_count(offload.buffer_count, 3 * self._per_piece, "offload_optimizer"),
-                               largest * 4, name="offload_optimizer")
+                               largest * 4, name="offload_optimizer", pin=device.pin() or None,
+                               on_release=device.scribble)
         # A second handle for writes, so that reads never queue behind them.
         self.swapper = Swapper(self.store, self.pool, None, self.handle, make_handle(aio))
         self._fresh: dict[int, torch.Tensor] = {}  # unit -> its gradient, no accumulator: used by its update
@@ -128,10 +134,15 @@ class NvmeOptimizerState:
         if last:
             self._read_ahead()
 
-    def accumulate(self, unit: Unit, grad_shard: torch.Tensor, first: bool, last: bool = False) -> None:
-        index = unit.index
+    def accumulate(self, unit: Unit, grad_shard: torch.Tensor, first: bool, last: bool = False) -> InFlight:
+        # [Note: gradients to the host] in optim_shards.py: consumed one unit later, or at the update.
+        return self._landing.land(grad_shard, lambda g: self._consume(unit.index, g, first, last))
+
+    def _consume(self, index: int, g: torch.Tensor, first: bool, last: bool) -> bool:
+        """Adds a landed gradient (host, compute dtype) in; True when it keeps `g`'s buffer."""
+        keep = False
         with torch.profiler.record_function("infinity::grad_accumulate"):
-            g = grad_shard.to("cpu")  # any float dtype: copy_/add_ and the Adam kernel convert it in their pass
+            # Any float dtype: copy_/add_ and the Adam kernel convert it in their pass.
             if index in self._grads:
                 acc = self._grads[index]
                 acc.copy_(g) if first else acc.add_(g)
@@ -140,10 +151,11 @@ class NvmeOptimizerState:
             elif index in self._spilled:
                 self._spill(index, g, first, last)
             else:
-                # Used by the update that follows at once, before the buffer behind `g` is reused.
+                # Kept for the update that follows at once, which gives the buffer back.
                 assert first and last, "gradients without an accumulator must be used by the update they feed"
                 self._fresh[index] = g
                 self._sq[index] = row_norms_sq(g).sum()
+                keep = True
         if last and index in self._updatable:
             self._final.add(index)
             self._ready.append(index)
@@ -152,6 +164,7 @@ class NvmeOptimizerState:
                 if not self._read_early(index, k):
                     break  # the pool is as full as the step's own pipeline allows
             self._read_ahead()
+        return keep
 
     def _spill(self, index: int, g: torch.Tensor, first: bool, last: bool) -> None:
         rows = []
@@ -173,6 +186,7 @@ class NvmeOptimizerState:
 
     def grad_sq(self, unit: Unit) -> torch.Tensor:
         """Squared norm of the unit's final gradient, taken when it became final."""
+        self._landing.settle()
         return self._sq.get(unit.index, torch.zeros((), dtype=torch.float32))
 
     def step_order(self, units: list[Unit]) -> list[Unit]:
@@ -219,15 +233,16 @@ class NvmeOptimizerState:
 
     def update(self, unit: Unit, hypers: list[AdamHyper], step: int, grad_scale: float,
                out: torch.Tensor) -> None:
+        self._landing.settle()
         index = unit.index
         pieces = self._pieces[index]
-        kinds = self._kinds(index)
         grad = self._grads.get(index)
+        fresh = self._fresh.pop(index, None)
         if grad is None:
-            grad = self._fresh.pop(index, None)
+            grad = fresh
         if grad is None and index not in self._spilled:
             grad = torch.zeros(unit.train_shard_numel, dtype=torch.float32)  # no gradient reached this unit
-        half = out if out.dtype in (torch.bfloat16, torch.float16) else None
+        half = None if out.dtype == torch.float32 else out  # the kernel rounds into it in its pass
         pending = self._fetch(index, 0)
         for k, (start, n) in enumerate(pieces):
             current = pending
@@ -253,6 +268,8 @@ class NvmeOptimizerState:
                 self.swapper.release(kind, (index, k), dirty=True)  # the write starts now
             if spilled:
                 self.swapper.release(GRAD, (index, k))
+        if fresh is not None:
+            self._landing.release(fresh)
         if index in self._ready:
             self._ready.remove(index)
         self._updated.add(index)
@@ -268,6 +285,8 @@ class NvmeOptimizerState:
         self._drop_early()  # reads for an update that did not come (a skipped step)
         self._ready.clear()
         self._final.clear()
+        for g in self._fresh.values():  # a skipped step: never used
+            self._landing.release(g)
         self._fresh.clear()
         self._sq.clear()
         self._updated.clear()
@@ -281,6 +300,7 @@ class NvmeOptimizerState:
         The engine calls it at the start of the next step, so the last pieces' writes drain
         while the next forward and backward compute; a read of a shard still being written
         waits for that write (the swapper's ordering), never reading old bytes."""
+        self._landing.settle()
         self.swapper.flush()
 
     # ---- checkpoints and GatheredParameters -------------------------------------------------
@@ -309,6 +329,7 @@ class NvmeOptimizerState:
     def grad(self, unit: Unit) -> torch.Tensor | None:
         """A host copy of the unit's accumulated gradient, or None where none is kept (one
         that fed its update at once)."""
+        self._landing.settle()
         index = unit.index
         if index in self._grads:
             return self._grads[index].clone()
@@ -326,6 +347,7 @@ class NvmeOptimizerState:
         return self._tally.take()
 
     def close(self) -> None:
+        self._landing.settle()
         self._drop_early()
         self.swapper.close()
         self.store.close()

@@ -3,9 +3,10 @@
 [Note: parameter shards on NVMe]
 The fetcher asks for shards ahead of use in the recorded order (`prefetch`): each is a read
 from the store into a pool buffer, issued at once and completed by the I/O threads while the
-current unit computes. `fetch` waits for the read and hands out the pool buffer (on a GPU, its
-host-to-device copy); the unit copies it into its own gathered buffer and `done` gives the pool
-buffer back, so that units kept gathered never hold pool buffers. The host cache keeps released
+current unit computes. `fetch` waits for the read and hands out the shard as the device layer
+delivers it (host -> device on the copy-in stream; [Note: in-flight copies] in infinity.device);
+the unit copies it into its own gathered buffer and `done` gives the pool buffers back once that
+copy has read them (at once on the CPU), so that units kept gathered never hold pool buffers. The host cache keeps released
 shards within `max_in_cpu` bytes, evicting by next use in the recorded order, so the backward
 pass can find the last forward units still in memory. A shard is two extents, kind "param" for
 its trainable part and "frozen" for the rest ([Note: flat layout] in unit.py): new values from
@@ -19,6 +20,7 @@ import warnings
 
 import torch
 
+from infinity.device import Device, InFlight
 from infinity.io import AsyncIOHandle
 from infinity.tiers import BufferPool, HostCache, NvmeStore, Swapper
 from infinity.tiers.store import default_job_id
@@ -55,7 +57,7 @@ def _parts(unit: Unit) -> list[tuple[str, int]]:
 class NvmeParams:
     """The NVMe parameter tier (same methods as `ResidentParams`)."""
 
-    def __init__(self, device: torch.device, offload, aio, *, rank: int, units: list[Unit]):
+    def __init__(self, device: Device, offload, aio, *, rank: int, units: list[Unit]):
         self.device = device
         self._units = {u.index: u for u in units}
         layout: dict[str, dict[int, int]] = {KIND: {}, FROZEN: {}}
@@ -80,13 +82,15 @@ class NvmeParams:
         self._spare = parts
         # A buffer larger than the largest shard would only hold unused pinned memory.
         self.pool = BufferPool(_plan_count(offload.buffer_count, max(MIN_BUFFERS, 2 * parts)) + cached,
-                               min(offload.buffer_size * elsize, largest), shard_sizes=sizes, name="offload_param")
+                               min(offload.buffer_size * elsize, largest), shard_sizes=sizes, name="offload_param",
+                               pin=device.pin() or None, on_release=device.scribble)
         self.cache = HostCache(max_in_cpu, name="offload_param")
         # A second handle for writes, so that reads never queue behind them.
         self.swapper = Swapper(self.store, self.pool, self.cache, self.handle, make_handle(aio))
         self._prefetched: dict[int, list] = {}  # unit index -> FetchHandles, one per part
-        self._held: dict[int, object] = {}  # unit index fetched -> its host-to-device copy's event (None on CPU)
-        self._targets: dict[int, torch.Tensor] = {}  # unit index -> pool buffer for the new values
+        self._held: dict[int, list[InFlight]] = {}  # unit index fetched -> its parts' host -> device copies
+        self._returning: list[tuple[int, list[InFlight]]] = []  # done, pool buffers back once copied
+        self._targets: dict[int, tuple[torch.Tensor, bool]] = {}  # unit index -> (buffer for the new values, on device)
         self._tally = IOTally(self.swapper)
 
     # ---- ParamTier --------------------------------------------------------------------------
@@ -104,6 +108,7 @@ class NvmeParams:
         return [self.swapper.fetch(kind, unit.index) for kind, _ in _parts(unit)]
 
     def prefetch(self, unit: Unit) -> bool:
+        self._return(block=False)
         if unit.index in self._prefetched or unit.index in self._held:
             return False  # one read per pending use: the next use is served by the one in flight
         if not self.swapper.can_spare(len(_parts(unit)) + self._spare):
@@ -114,29 +119,35 @@ class NvmeParams:
     def fetch(self, unit: Unit) -> ShardParts:
         assert unit.index not in self._held, unit
         handles = self._prefetched.pop(unit.index, None) or self._fetch_parts(unit)
-        data = {kind: torch.empty(0, dtype=unit.dtype) for kind in (KIND, FROZEN)}
+        copies = []
         with torch.profiler.record_function("infinity::nvme_wait"):
             for (kind, n), handle in zip(_parts(unit), handles):
                 self.cache.advance((kind, unit.index))
-                data[kind] = self.swapper.wait(handle).view(unit.dtype)[:n]
-        parts = ShardParts(data[KIND], data[FROZEN])
-        if self.device.type == "cpu":
-            self._held[unit.index] = None
-            return parts
-        with torch.profiler.record_function("infinity::h2d"):
-            on_device = ShardParts(*(t.to(self.device, non_blocking=True) for t in parts))
-            copied = torch.cuda.Event()
-            copied.record()
-        self._held[unit.index] = copied
-        return on_device
+                copies.append(self.device.to_device(self.swapper.wait(handle).view(unit.dtype)[:n]))
+        self._held[unit.index] = copies
+        data = iter(self.device.wait_compute(c) for c in copies)
+        empty = self.device.empty(0, unit.dtype)
+        return ShardParts(next(data) if unit.train_shard_numel else empty,
+                          next(data) if unit.frozen_shard_numel else empty)
 
     def done(self, unit: Unit) -> None:
         if unit.index in self._held:
-            copied = self._held.pop(unit.index)
-            if copied is not None:
-                copied.synchronize()  # the pool buffer goes back only once the copy has read it
-            for kind, _ in _parts(unit):
-                self.swapper.release(kind, unit.index)
+            self._returning.append((unit.index, self._held.pop(unit.index)))
+            self._return(block=False)
+
+    def _return(self, block: bool) -> None:
+        """Gives back the pool buffers of fetched shards whose device copies have read them."""
+        waiting = []
+        for index, copies in self._returning:
+            if block:
+                for c in copies:
+                    self.device.wait_host(c)
+            elif not all(self.device.done(c) for c in copies):
+                waiting.append((index, copies))
+                continue
+            for kind, _ in _parts(self._units[index]):
+                self.swapper.release(kind, index)
+        self._returning = waiting
 
     def drop_prefetched(self) -> None:
         for index in list(self._prefetched):
@@ -147,13 +158,21 @@ class NvmeParams:
     def set_schedule(self, order: list[int]) -> None:
         self.cache.set_schedule([(kind, i) for i in order for kind, _ in _parts(self._units[i])])
 
-    def update_target(self, unit: Unit) -> torch.Tensor:
-        buf = self.swapper.acquire(unit.train_shard_numel * _elsize(unit.dtype))
-        self._targets[unit.index] = buf
-        return buf.view(unit.dtype)
+    def update_target(self, unit: Unit, on_device: bool) -> torch.Tensor:
+        if on_device:  # copied into a pool buffer at commit
+            target = self.device.empty(unit.train_shard_numel, unit.dtype)
+        else:
+            target = self.swapper.acquire(unit.train_shard_numel * _elsize(unit.dtype)).view(unit.dtype)
+        self._targets[unit.index] = (target, on_device)
+        return target
 
     def commit(self, unit: Unit) -> None:
-        self.swapper.evict(KIND, unit.index, self._targets.pop(unit.index))
+        target, on_device = self._targets.pop(unit.index)
+        if on_device:
+            buf = self.swapper.acquire(target.numel() * target.element_size())
+            self.device.wait_host(self.device.to_host(target, buf.view(unit.dtype)))
+            target = buf
+        self.swapper.evict(KIND, unit.index, target.view(torch.uint8))
 
     def replace(self, unit: Unit, shard: torch.Tensor) -> None:
         self._write(unit, shard)
@@ -171,6 +190,7 @@ class NvmeParams:
         return out
 
     def flush(self) -> None:
+        self._return(block=True)
         self.swapper.flush()
 
     def io_stats(self) -> dict[str, float]:
@@ -179,10 +199,9 @@ class NvmeParams:
 
     def close(self) -> None:
         self.drop_prefetched()
-        for index in list(self._held):
-            for kind, _ in _parts(self._units[index]):
-                self.swapper.release(kind, index)
+        self._returning.extend(self._held.items())
         self._held.clear()
+        self._return(block=True)
         self.swapper.close()
         self.store.close()
 

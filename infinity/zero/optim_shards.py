@@ -10,11 +10,14 @@ writes the new compute-dtype parameter into the parameter tier's target buffer i
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
+from infinity.device import Device, InFlight
 from infinity.optim.functional import adam_update
+from infinity.tiers import BufferPool
 from infinity.zero.unit import Unit
 
 
@@ -64,32 +67,6 @@ class AdamHyper(NamedTuple):
     bias_correction: bool
 
 
-class OptimizerTier(Protocol):
-    def add(self, unit: Unit, master: torch.Tensor) -> None: ...
-    def accumulate(self, unit: Unit, grad_shard: torch.Tensor, first: bool, last: bool = False) -> None:
-        """Adds a reduced gradient shard into the fp32 accumulator (`first`: replaces it);
-        `last`: the final micro-step's, so the unit's state may start moving for the step."""
-
-    def begin_pass(self, last: bool) -> None:
-        """A training forward starts; `last`: its micro-step ends an accumulation (its gradients are final)."""
-
-    def step_order(self, units: list[Unit]) -> list[Unit]: ...
-    def finish_step(self) -> None: ...
-    def flush(self) -> None:
-        """Completes the previous step's writes, raising a failed one."""
-    def grad_sq(self, unit: Unit) -> torch.Tensor:
-        """Squared 2-norm of the unit's final gradient ([Note: gradient norm by rows])."""
-    def update(self, unit: Unit, hypers: list[AdamHyper], step: int, grad_scale: float,
-               out: torch.Tensor) -> None: ...
-    def master(self, unit: Unit) -> torch.Tensor: ...
-    def set_master(self, unit: Unit, values: torch.Tensor) -> None: ...
-    def state(self, unit: Unit) -> dict[str, torch.Tensor]: ...
-    def grad(self, unit: Unit) -> torch.Tensor | None:
-        """A host copy of the unit's accumulated (fp32, unscaled by nothing) gradient, if kept."""
-    def load_state(self, unit: Unit, state: dict[str, torch.Tensor]) -> None: ...
-    def close(self) -> None: ...
-
-
 def adam_reference(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: AdamHyper,
                    step: int, grad_scale: float) -> None:
     """Adam/AdamW with torch ops, in torch's order of operations; for state on a GPU."""
@@ -106,40 +83,101 @@ def adam_reference(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.T
     p.addcdiv_(m, denom, value=-h.lr / bc1)
 
 
+class GradientLanding:
+    """Gradient shards on their way from the compute device into host memory.
+
+    [Note: gradients to the host]
+    A unit's reduced gradient shard is copied device -> host on the device's copy-out stream into
+    a page-locked pool buffer (`land`), and the host consumes it (accumulation, spill, norm) one
+    unit later (`settle`, called by the next `land` and before anything reads the gradients), so
+    the copy runs under the next unit's backward instead of stopping the compute for each unit.
+    The copy reads the engine's reused gradient buffer: the engine waits for it
+    (`Device.wait_compute`) before the next unit overwrites that buffer.
+    """
+
+    def __init__(self, device: Device, units: list[Unit], name: str):
+        self.device = device
+        largest = max((u.train_shard_numel * u.dtype.itemsize for u in units), default=1)
+        # One buffer for the copy in flight, one for the gradient a host consumer still holds.
+        self.pool = BufferPool(2, largest, pin=device.pin() or None, name=name, on_release=device.scribble)
+        self._pending: list[tuple[InFlight, torch.Tensor, Callable[[torch.Tensor], bool]]] = []
+
+    def land(self, grad_shard: torch.Tensor, consume: Callable[[torch.Tensor], bool]) -> InFlight:
+        """Starts the copy of `grad_shard`; `consume(host_copy)` runs at the next `settle` and
+        returns True when it keeps the buffer (then `release` gives it back later)."""
+        self.settle()
+        nbytes = grad_shard.numel() * grad_shard.element_size()
+        buffer = self.pool.acquire(nbytes)
+        copy = self.device.to_host(grad_shard, buffer.view(grad_shard.dtype))
+        self._pending.append((copy, buffer, consume))
+        return copy
+
+    def settle(self) -> None:
+        """Consumes every gradient in flight (waiting for its copy)."""
+        pending, self._pending = self._pending, []
+        for copy, buffer, consume in pending:
+            with torch.profiler.record_function("infinity::d2h_wait"):
+                self.device.wait_host(copy)
+            if not consume(copy.tensor):
+                self.pool.release(buffer)
+
+    def release(self, host_copy: torch.Tensor) -> None:
+        self.pool.release(host_copy)
+
+
 class ResidentOptimizerState:
-    """All state of every shard held in memory on `device` (the CPU when offloaded)."""
+    """All state of every shard held in memory: on the compute device (offload none) or in host
+    memory (cpu). In host memory the CPU Adam kernel updates it; on an accelerator torch ops do."""
 
     KINDS = ("master", "exp_avg", "exp_avg_sq")
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: Device, on_device: bool, units: list[Unit]):
         self.device = device
+        self.on_device = on_device
+        self._where = device.compute if on_device else torch.device("cpu")
+        self._cpu_kernel = self._where.type == "cpu"  # decided once: where the state lives
         self._state: dict[int, dict[str, torch.Tensor]] = {}
         self._grads: dict[int, torch.Tensor] = {}
+        self._landing = None if on_device else GradientLanding(device, units, "offload_optimizer")
 
     def add(self, unit: Unit, master: torch.Tensor) -> None:
-        master = master.to(self.device, torch.float32, copy=True)
+        master = master.to(torch.float32, copy=True)
+        if self.on_device:
+            master = self.device.move(master)
         self._state[unit.index] = {"master": master, "exp_avg": torch.zeros_like(master),
                                    "exp_avg_sq": torch.zeros_like(master)}
         self._grads[unit.index] = torch.zeros_like(master)
 
-    def accumulate(self, unit: Unit, grad_shard: torch.Tensor, first: bool, last: bool = False) -> None:
+    def accumulate(self, unit: Unit, grad_shard: torch.Tensor, first: bool, last: bool = False) -> InFlight | None:
         acc = self._grads[unit.index]
-        with torch.profiler.record_function("infinity::grad_accumulate"):
-            # Blocking into host memory: a non-blocking copy from the GPU would be read before it landed.
-            g = grad_shard.to(self.device, non_blocking=self.device.type != "cpu")
-            acc.copy_(g) if first else acc.add_(g)
+
+        def consume(g: torch.Tensor) -> bool:
+            with torch.profiler.record_function("infinity::grad_accumulate"):
+                acc.copy_(g) if first else acc.add_(g)
+            return False
+
+        if self._landing is None:
+            consume(grad_shard)
+            return None
+        return self._landing.land(grad_shard, consume)
+
+    def _settle(self) -> None:
+        if self._landing is not None:
+            self._landing.settle()
 
     def grad_sq(self, unit: Unit) -> torch.Tensor:
-        return row_norms_sq(self._grads[unit.index]).sum()
+        self._settle()
+        return self.device.host(row_norms_sq(self._grads[unit.index]).sum())
 
     def update(self, unit: Unit, hypers: list[AdamHyper], step: int, grad_scale: float,
                out: torch.Tensor) -> None:
+        self._settle()
         s, g = self._state[unit.index], self._grads[unit.index]
-        half = out if out.dtype in (torch.bfloat16, torch.float16) and out.device.type == "cpu" else None
+        half = None if out.dtype == torch.float32 else out  # the kernel rounds into it in its pass
         with torch.profiler.record_function("infinity::adam"):
             for seg in unit.segments:
                 h = hypers[seg.group]
-                if self.device.type == "cpu":
+                if self._cpu_kernel:
                     adam_update(s["master"], g, s["exp_avg"], s["exp_avg_sq"], step=step, lr=h.lr,
                                 beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
                                 adamw_mode=h.adamw_mode, bias_correction=h.bias_correction,
@@ -148,8 +186,8 @@ class ResidentOptimizerState:
                     sl = slice(seg.start, seg.start + seg.count)
                     adam_reference(s["master"][sl], g[sl], s["exp_avg"][sl], s["exp_avg_sq"][sl], h, step,
                                    grad_scale)
-            if half is None:
-                out.copy_(s["master"], non_blocking=True)
+            if half is None or not self._cpu_kernel:
+                out.copy_(s["master"])  # same memory side (update_target's contract): an ordinary copy
 
     def begin_pass(self, last: bool) -> None:
         pass
@@ -161,24 +199,26 @@ class ResidentOptimizerState:
         pass
 
     def flush(self) -> None:
-        pass
+        self._settle()
 
     def master(self, unit: Unit) -> torch.Tensor:
-        return self._state[unit.index]["master"]
+        return self.device.host(self._state[unit.index]["master"])
 
     def set_master(self, unit: Unit, values: torch.Tensor) -> None:
         self._state[unit.index]["master"].copy_(values)
 
     def state(self, unit: Unit) -> dict[str, torch.Tensor]:
-        return {k: t.to("cpu", copy=True) for k, t in self._state[unit.index].items()}
+        return {k: self.device.host(t) for k, t in self._state[unit.index].items()}
 
     def grad(self, unit: Unit) -> torch.Tensor | None:
-        return self._grads[unit.index].to("cpu", copy=True)
+        self._settle()
+        return self.device.host(self._grads[unit.index])
 
     def load_state(self, unit: Unit, state: dict[str, torch.Tensor]) -> None:
         for k in self.KINDS:
             self._state[unit.index][k].copy_(state[k])
 
     def close(self) -> None:
+        self._settle()
         self._state.clear()
         self._grads.clear()

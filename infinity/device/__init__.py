@@ -1,0 +1,47 @@
+"""Every stream, event and host <-> device copy of the engine, behind one small interface.
+
+[Note: in-flight copies]
+A copy between host and device memory returns an `InFlight`: the destination paired with what
+must be waited on. Nothing reads the destination, and nothing reuses or frees the source, before
+the matching wait:
+  * `wait_compute(x)`: the compute that is issued from now on may use `x.tensor` (on a GPU the
+    compute stream waits for the copy's event; the host does not block);
+  * `wait_host(x)`: the host may read `x.tensor` and reuse `x.source` (the host blocks).
+`done(x)` asks without blocking. Host memory on either side of a copy is page-locked and comes
+from a `BufferPool`, so that a GPU copy is asynchronous.
+
+Three implementations, chosen by `make_device` (`INFINITY_DEVICE` overrides the choice):
+  * `CudaDevice`: a copy-in stream (host -> device, overlaps compute) and a copy-out stream
+    (device -> host, overlaps compute), events between them and the compute stream.
+  * `CpuDevice`: host memory is device memory; copies are plain and complete at once.
+  * `AsyncTestDevice`: the CPU as a device that behaves like an asynchronous one: a copy lands
+    only later, on another thread, and is guaranteed only at its wait; a destination is filled
+    with garbage until then, and a pool buffer handed back is scribbled over. The CPU test suite
+    runs on it, so that a missing wait fails a parity test here instead of on the first GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from infinity.device.base import Device, InFlight
+from infinity.device.cpu import AsyncTestDevice, CpuDevice
+
+__all__ = ["AsyncTestDevice", "CpuDevice", "Device", "InFlight", "make_device"]
+
+KINDS = ("cuda", "cpu", "async-test")
+
+
+def make_device(kind: str | None = None) -> Device:
+    """The device the engine runs on: `kind`, else $INFINITY_DEVICE, else CUDA when present."""
+    kind = kind or os.environ.get("INFINITY_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda":
+        from infinity.device.cuda import CudaDevice
+        return CudaDevice()
+    if kind == "cpu":
+        return CpuDevice()
+    if kind == "async-test":
+        return AsyncTestDevice()
+    raise ValueError(f"INFINITY_DEVICE: expected one of {', '.join(KINDS)}, got {kind!r}")

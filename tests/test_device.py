@@ -1,0 +1,165 @@
+"""The device layer: one place for every stream, event and host <-> device copy, an asynchronous
+test device that makes a missing wait fail on the CPU, and the GPU bugs it removes, each checked
+here as far as a CPU can check it."""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+import re
+
+import pytest
+import torch
+
+import infinity
+from gpt import TinyGPT, batches, config, engine_run
+from infinity.device import AsyncTestDevice, CpuDevice, make_device
+from infinity.zero.optim_shards import AdamHyper, ResidentOptimizerState
+from infinity.zero.param_shards import ResidentParams
+from infinity.zero.unit import Unit
+
+SOURCE = pathlib.Path(infinity.__file__).parent
+
+# Page-locking through the CUDA runtime (cudaHostRegister) is no stream, event or copy: the
+# pinned-memory allocator and the pool that asks it whether CUDA is there may name torch.cuda.
+PINNING = {"io/memory.py": "torch.cuda.cudart()|torch.cuda.is_available()",
+           "tiers/pool.py": "torch.cuda.is_available()"}
+FORBIDDEN = re.compile(r"torch\.cuda\.[a-zA-Z_]+(\(\))?|non_blocking|\.cuda\(|\.to\((self\.)?device\b")
+
+
+def test_no_file_outside_the_device_layer_moves_data_between_devices():
+    offenders = []
+    for path in sorted(SOURCE.rglob("*.py")):
+        rel = path.relative_to(SOURCE).as_posix()
+        if rel.startswith("device/"):
+            continue
+        allowed = set(PINNING.get(rel, "").split("|")) - {""}
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            for match in FORBIDDEN.finditer(line):
+                if match.group(0) not in allowed:
+                    offenders.append(f"{rel}:{lineno}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_scan_finds_what_it_forbids(tmp_path):
+    for line in ("x = t.to(device)", "y.copy_(z, non_blocking=True)", "s = torch.cuda.Stream()", "t.cuda()"):
+        assert FORBIDDEN.search(line), line
+
+
+def test_async_device_copies_land_only_by_their_wait():
+    device = AsyncTestDevice(max_delay_s=10.0)  # nothing lands on its own during the test
+    src = torch.arange(8, dtype=torch.float32)
+    copy_ = device.to_device(src)
+    assert torch.isnan(copy_.tensor).all()  # read before its wait: garbage
+    src[0] = 42.0  # a source changed before the wait is what gets copied
+    assert torch.equal(device.wait_compute(copy_), src)
+    host = torch.zeros(8)
+    back = device.to_host(src, host)
+    assert not device.done(back) and torch.isnan(host).all()
+    device.wait_host(back)
+    assert device.done(back) and torch.equal(host, src)
+
+
+def test_async_device_copies_land_on_their_own():
+    device = AsyncTestDevice(max_delay_s=0.001)
+    copies = [device.to_device(torch.full((4,), float(i))) for i in range(20)]
+    for _ in range(200):
+        if all(device.done(c) for c in copies):
+            break
+        torch.cuda._sleep if False else __import__("time").sleep(0.01)
+    assert all(device.done(c) for c in copies)
+    assert all(torch.equal(c.tensor, torch.full((4,), float(i))) for i, c in enumerate(copies))
+
+
+def test_make_device_names_the_variable_on_a_typo(monkeypatch):
+    monkeypatch.setenv("INFINITY_DEVICE", "tpu")
+    with pytest.raises(ValueError, match="INFINITY_DEVICE"):
+        make_device()
+    assert isinstance(make_device("cpu"), CpuDevice)
+
+
+def test_the_suite_runs_on_the_async_device():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the suite on itself")
+    engine, *_ = infinity.initialize(TinyGPT(), config=config(3, "cpu", "cpu"))
+    assert isinstance(engine.accelerator, AsyncTestDevice)
+    engine.close()
+
+
+@pytest.mark.parametrize("param,optim", [("none", "none"), ("cpu", "cpu"), ("none", "cpu"), ("cpu", "none")])
+def test_plain_cpu_device_matches_the_async_device(monkeypatch, param, optim):
+    """The same run, bit for bit, on the plain CPU device and on the asynchronous one."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    runs = []
+    for kind in ("cpu", "async-test"):
+        monkeypatch.setenv("INFINITY_DEVICE", kind)
+        cfg = config(3, param, optim)
+        cfg["bf16"] = {"enabled": True}
+        engine, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
+        runs.append((engine_run(engine, batches(3, 4), gas=1), engine.consolidated_state_dict()))
+        engine.close()
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+
+
+# ---- the GPU bugs, as far as a CPU can show them -------------------------------------------------
+
+
+def _unit(dtype=torch.bfloat16) -> Unit:
+    lin = torch.nn.Linear(64, 64, bias=False)
+    return Unit(0, "u", [("w", lin.weight, 0)], dtype, torch.device("cpu"), 0, 1)
+
+
+def test_state_updated_with_torch_ops_writes_half_precision_values():
+    """Bug 1: with the optimizer state on an accelerator (torch ops, not the CPU kernel), a
+    bf16 target was never written, and the weights became zeros after step 1. The torch-ops
+    branch runs here on CPU tensors; the target must hold the new master, rounded."""
+    unit = _unit()
+    state = ResidentOptimizerState(CpuDevice(), on_device=True, units=[unit])
+    state._cpu_kernel = False  # what an accelerator-resident state takes
+    master = torch.randn(unit.train_shard_numel)
+    state.add(unit, master)
+    state.accumulate(unit, torch.randn(unit.train_shard_numel, dtype=torch.bfloat16), first=True, last=True)
+    out = torch.zeros(unit.train_shard_numel, dtype=torch.bfloat16)
+    state.update(unit, [AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.0, True, True)], 1, 1.0, out)
+    new = state.master(unit)
+    assert not torch.equal(new, master)
+    assert torch.equal(out, new.to(torch.bfloat16))
+
+
+def test_dropped_prefetches_are_waited_for_before_they_are_forgotten():
+    """Bug 7: prefetched copies were forgotten while still reading their host shards."""
+    device = AsyncTestDevice(max_delay_s=10.0)
+    unit = _unit()
+    tier = ResidentParams(device, offload=True)
+    tier.add(unit, torch.randn(unit.shard_numel))
+    issued = []
+    real = device.to_device
+    device.to_device = lambda *a, **k: issued.append(real(*a, **k)) or issued[-1]
+    assert tier.prefetch(unit)
+    assert not device.done(issued[0])
+    tier.drop_prefetched()
+    assert device.done(issued[0])
+
+
+def test_inputs_go_to_the_engine_device():
+    """Bug 3: inputs were never moved to the engine's device."""
+    engine, *_ = infinity.initialize(TinyGPT(), config=config(3, "cpu", "cpu"))
+    moved = []
+    real = engine.accelerator.move
+    engine.accelerator.move = lambda tree: moved.append(tree) or real(tree)
+    idx, tgt = batches(1, 4)[0]
+    engine.backward(engine(idx, tgt))
+    engine.step()
+    assert any(any(t is idx for t in torch.utils._pytree.tree_leaves(tree)) for tree in moved)
+    engine.close()
+
+
+def test_each_rank_takes_its_local_gpu(monkeypatch):
+    """Bug 6: a process group created by the caller left every rank on cuda:0; the device
+    layer takes LOCAL_RANK whoever created the group (checked without a GPU: the index)."""
+    from infinity.device.cuda import local_index
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert local_index() == 3
