@@ -1,7 +1,21 @@
-"""Reading a DeepSpeed JSON config into `infinity.config`'s dataclasses: the key tables
-([Note: which DeepSpeed keys are accepted] in config.py) and the section parsers behind
-`load_config`. Split from config.py so each file holds one concern: what a setting is
-(config.py) and how JSON becomes settings (here)."""
+"""Reading a DeepSpeed JSON config into the dataclasses of `sections`: the key tables and
+the section parsers behind `load_config`. What a setting is lives in sections.py; how JSON
+becomes settings, here.
+
+[Note: which DeepSpeed keys are accepted]
+Every key falls in exactly one class, and none is silently ignored:
+- implemented: a dataclass field of the same name, with DeepSpeed's default and meaning.
+- accepted without effect: knobs of DeepSpeed's own machinery that do not change what is
+  computed here (bucket sizes of collectives infinity does not issue, `torch_adam`, ...). The
+  value is type-checked, then dropped. Tables `_NO_EFFECT_*`.
+- accepted at DeepSpeed's default only: switches of features infinity lacks that configs often
+  spell out at their "off" value (`"amsgrad": false`, `"use_gds": false`). Any other value is
+  an error. Tables `_DEFAULT_ONLY_*`.
+- a DeepSpeed key infinity does not implement: an error "DeepSpeed key not implemented by
+  infinity", whatever its value. Tables `_NOT_IMPLEMENTED_*`.
+- anything else: an unknown key, an error naming the closest valid key.
+The value "auto" (Hugging Face's convention) is an error anywhere: the caller resolves it.
+"""
 
 from __future__ import annotations
 
@@ -14,28 +28,25 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
-from infinity.config import (
+from infinity.config._checks import _bool, _float, _int, _join, _show, _size
+from infinity.config.sections import (
     AIOConfig,
     AdamParams,
     BF16Config,
     BatchConfig,
     FP16Config,
     InfinityConfig,
-    NOT_IMPLEMENTED,
     OffloadOptimizerConfig,
     OffloadParamConfig,
     OptimizerConfig,
     SchedulerConfig,
     ZeroConfig,
     _SCHEDULER_PARAMS,
-    _bool,
-    _float,
-    _int,
-    _join,
     _scheduler_type,
-    _show,
-    _size,
 )
+
+NOT_IMPLEMENTED = "DeepSpeed key not implemented by infinity"
+
 
 # --------------------------------------------------------------------------------------------
 # Key tables (see [Note: which DeepSpeed keys are accepted])
