@@ -1,29 +1,14 @@
 """The training engine: DeepSpeed's `initialize` / forward / backward / step over ZeRO units.
 
-[Note: one step]
-forward: units are gathered by their pre-hooks (fetcher.py) and released after use.
-backward: the loss is multiplied by loss_scale / gradient_accumulation_steps; as each unit's
-  gradients are final they are reduce-scattered (mean over ranks) and accumulated in fp32 in the
-  optimizer tier (host memory when offloaded).
-step (at the accumulation boundary): the global gradient norm (all ranks) gives the clip
-  coefficient; fp16 overflow skips the step; otherwise each unit shard is updated by one Adam
-  pass that also writes the new compute-dtype shard into the parameter tier.
-
-[Note: update during backward]
-Without gradient clipping and without fp16 loss scaling nothing in a unit's update depends on
-other units: in the last micro-step's backward, the moment a unit's gradient shard is final it
-is updated (`_on_unit_grads`), so CPU Adam and the optimizer-state I/O run inside backward
-instead of after it, and `step()` only updates what was left (persistent units, whose gathered
-copies must not change while autograd runs) and moves the LR schedule. The update uses the
-param groups' values as they are when backward runs; the numbers are those of a step after
-backward, since every element's update is independent of the others'. Non-finite gradients
-are then applied as PyTorch applies them (with a warning); only fp16's loss scaling skips steps.
+The engine is the DeepSpeed surface (initialize, the getters, state dicts, DeepSpeed's helpers);
+what happens in a step is the step policy's ([Note: one step] in infinity/zero/step_policy.py),
+where each unit's bytes are is the tiers', and every copy between host and device is the device
+layer's ([Note: in-flight copies] in infinity/device).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -32,17 +17,18 @@ import torch
 from torch import nn
 
 from infinity.config import InfinityConfig, load_config
-from infinity.device import Device, InFlight, make_device
+from infinity.device import Device, make_device
 from infinity.lr_schedules import build_scheduler
 from infinity.zero import dist as zdist
 from infinity.zero.fetcher import Fetcher
 from infinity.zero.hooks import UnitHooks
 from infinity.zero.loss_scaler import LossScaler
-from infinity.zero.optim_shards import AdamHyper, ResidentOptimizerState
+from infinity.zero.optim_shards import ResidentOptimizerState
 from infinity.zero.param_shards import ResidentParams
 from infinity.zero.partitioner import UnitPolicy, plan_units
 from infinity.zero.registry import register_units
 from infinity.zero.report import StepReport
+from infinity.zero.step_policy import StepPolicy
 from infinity.zero.unit import Unit, UnitState
 from infinity.zero.zero_optimizer import ZeroOptimizer
 
@@ -74,12 +60,6 @@ class Engine:
         self.micro_steps = 0
         self.skipped_steps = 0
         self._in_pass = False
-        self._hypers: list[AdamHyper] | None = None  # this step's, once its first unit was updated
-        self._updated: set[int] = set()  # units updated this step
-        self._updated_in_backward = 0
-        # One flat gradient buffer per unit size, and the copy that still reads it.
-        self._grad_buffers: dict[tuple[int, torch.dtype], tuple[torch.Tensor, InFlight | None]] = {}
-
         self._grad_norm: float | None = None
         self._grads_final = False  # accumulated gradients are complete (boundary backward done, step not yet)
         self._values_cache: dict[int, torch.Tensor] | None = None  # [Note: state dict values]
@@ -88,20 +68,12 @@ class Engine:
         self.lr_scheduler = lr_scheduler
         if lr_scheduler is None and config.scheduler is not None:
             self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
-        fp16 = config.fp16
-        self.scaler = LossScaler(
-            loss_scale=fp16.loss_scale, initial_scale_power=fp16.initial_scale_power,
-            loss_scale_window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
-            consecutive_hysteresis=fp16.consecutive_hysteresis, min_loss_scale=fp16.min_loss_scale,
-        ) if fp16.enabled else None
-        # [Note: update during backward]
+        self.scaler = LossScaler(config.fp16) if config.fp16.enabled else None
+        # [Note: update during backward] in step_policy.py
         self.update_in_backward = config.gradient_clipping == 0 and self.scaler is None
 
         zero = config.zero
         self.units, modules = self._build_units(model, groups, units)
-        # Units updated in the hook that finalizes their gradient (the others wait for step()).
-        self._update_in_hook = {u.index for u in self.units if self.update_in_backward and not u.persistent
-                                and u.trainable}
         self.params = self._param_tier()
         self.optim_state = self._optimizer_tier()
         for u in self.units:
@@ -112,12 +84,12 @@ class Engine:
             u.bind_params()
         self.trainable_numel = sum(s.numel for u in self.units for s in u.slots if s.group >= 0)
         self.frozen_numel = sum(s.numel for u in self.units for s in u.slots if s.group < 0)
-        self.fetcher = Fetcher(self.units, self.params, max_live_numel=zero.stage3_max_live_parameters,
-                               max_reuse_distance=zero.stage3_max_reuse_distance,
-                               prefetch_numel=zero.stage3_prefetch_bucket_size)
-        self.hooks = UnitHooks(self.units, modules, self.fetcher, self._on_unit_grads)
-        self._first_micro = True
-        self.report = StepReport()
+        self.fetcher = Fetcher(self.units, self.params, zero)
+        self.policy = StepPolicy(self.units, self.params, self.optim_state, self.fetcher, self.optimizer,
+                                 self.accelerator, clip=config.gradient_clipping, scaler=self.scaler)
+        self.hooks = UnitHooks(self.units, modules, self.fetcher, self.policy.on_unit_grads)
+        self.report = StepReport(wall_clock_breakdown=config.wall_clock_breakdown,
+                                 steps_per_print=config.steps_per_print, rank=self.rank)
         for u in self.units:
             if u.persistent:
                 self.fetcher.acquire(u)
@@ -125,7 +97,7 @@ class Engine:
         for module in model.modules():  # buffers; parameters are empty until gathered
             for name, buf in module.named_buffers(recurse=False):
                 module._buffers[name] = self.accelerator.move(buf)  # noqa: SLF001 (what Module.to does)
-        register_units(self)
+        register_units(self, self.units)
         self._owner = {id(s.param): (u, s) for u in self.units for s in u.slots}
         self._state_dict_hooks = self._hook_state_dict(model)
         log.info("infinity: %d units, %d trainable and %d frozen parameters", len(self.units),
@@ -171,7 +143,9 @@ class Engine:
         if offload.device == "nvme":
             from infinity.zero.nvme_optim import NvmeOptimizerState
             # A gradient outlives its backward unless it feeds its unit's update at once.
-            at_once = self._update_in_hook if self.config.batch.gradient_accumulation_steps == 1 else set()
+            at_once = {u.index for u in self.units if self.update_in_backward and not u.persistent and u.trainable}
+            if self.config.batch.gradient_accumulation_steps > 1:
+                at_once = set()
             return NvmeOptimizerState(self.accelerator, offload, self.config.aio, self.config.zero.sub_group_size,
                                       rank=self.rank,
                                       units=[u for u in self.units if u.trainable], no_accumulator=at_once)
@@ -190,7 +164,8 @@ class Engine:
             self._in_pass = True
             if torch.is_grad_enabled():  # a training pass: its backward will follow
                 self.hooks.reset_backward()
-                self.optim_state.begin_pass(last=self._last_micro())
+                self.policy.last_micro = self._last_micro()
+                self.optim_state.begin_pass(last=self.policy.last_micro)
         args, kwargs = self.accelerator.move((args, kwargs))  # inputs go where the model computes
         out = self.module(*args, **kwargs)
         if not torch.is_grad_enabled():  # evaluation: no backward will end this pass
@@ -213,7 +188,7 @@ class Engine:
             self.hooks.in_backward = False
             self.fetcher.end_step()
             self._in_pass = False
-        self._first_micro = False
+        self.policy.first_micro = False
         self.micro_steps += 1
         self._grads_final = self.is_gradient_accumulation_boundary()
         self.report.add_time("backward", time.perf_counter() - t0)
@@ -231,97 +206,24 @@ class Engine:
         if not self.is_gradient_accumulation_boundary():
             return
         t0 = time.perf_counter()
-        # The previous step's optimizer-state writes drained behind this step's forward and
-        # backward; a failed one is raised now if nothing met it yet (a read of its shard, such
-        # as an update in backward, raises at once: its bytes are never taken for good ones).
-        self.optim_state.flush()
-        units = [u for u in self.units if u.trainable]
-        sq = torch.zeros((), dtype=torch.float32)
-        for u in units:
-            sq += self.optim_state.grad_sq(u).cpu()
-        total = self.accelerator.move(sq)
-        zdist.all_reduce_sum(total)
-        sq = total.item()
-        nonfinite = not math.isfinite(sq)  # a square sum is inf or nan iff some gradient was (or overflowed)
-        loss_scale = self.scaler.scale if self.scaler else 1.0
-        grad_norm = (sq ** 0.5) / loss_scale
-        grad_scale = 1.0 / loss_scale
-        overflow = nonfinite and self.scaler is not None
-        if nonfinite and self.scaler is None:
-            log.warning("step %d: the gradients hold inf or nan; applied as they are (only fp16 loss scaling "
-                        "skips steps)", self.global_steps)
-        clip = self.config.gradient_clipping
-        if clip > 0 and not nonfinite:
-            coef = torch.tensor(clip, dtype=torch.float32) / (torch.tensor(grad_norm, dtype=torch.float32) + 1e-6)
-            grad_scale *= float(torch.clamp(coef, max=1.0))
-        if self.scaler is not None:
-            self.scaler.update(overflow)
-        if overflow:
-            self.skipped_steps += 1
-            log.info("step %d: gradient overflow, skipped; loss scale now %g", self.global_steps, self.scaler.scale)
-        else:
-            for u in self.optim_state.step_order([u for u in units if u.index not in self._updated]):
-                self._update_unit(u, grad_scale)
+        outcome = self.policy.step(self.global_steps)
+        if outcome.applied:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-        in_backward = self._updated_in_backward
-        self._grad_norm = grad_norm
+        else:
+            self.skipped_steps += 1
+        self._grad_norm = outcome.grad_norm
         self._grads_final = False
-        self._hypers, self._updated, self._updated_in_backward = None, set(), 0
-        self.optim_state.finish_step()
-        self.params.flush()  # parameter writes are few (2 bytes a parameter): finish them here
-        self._first_micro = True
+        self.policy.first_micro = True
         self.global_steps += 1
         self.report.add_time("step", time.perf_counter() - t0)
-        self.report.finish_step(self, grad_norm, updated_in_backward=in_backward)
-
-    def _update_unit(self, unit: Unit, grad_scale: float) -> None:
-        if self._hypers is None:  # the step's first update
-            self.optimizer.step_count += 1
-            self.optimizer.mark_stepped()
-            self._hypers = self.optimizer.hypers()
-        self.write_params(unit, lambda target: self.optim_state.update(
-            unit, self._hypers, self.optimizer.step_count, grad_scale, target))
-        self._updated.add(unit.index)
-
-    def write_params(self, unit: Unit, fill=None, new_shard: torch.Tensor | None = None) -> None:
-        """Gives `unit` new compute-dtype values: `fill(target)` writes the trainable part into the
-        parameter tier's target buffer, which is then committed to the tier, or `new_shard` (host,
-        both parts) replaces the whole shard. A gathered unit (a persistent one, or one gathered
-        by GatheredParameters) is released first and gathered again with the new values."""
-        regather = unit.state is UnitState.GATHERED
-        if regather:
-            unit.to_released()
-        if fill is None:
-            self.params.replace(unit, new_shard)
-        else:
-            fill(self.params.update_target(unit, self.optim_state.on_device))
-            self.params.commit(unit)
-        if regather:
-            unit.to_gathered(self.params.fetch(unit))
-            self.params.done(unit)
-
-    def _on_unit_grads(self, unit: Unit) -> None:
-        with torch.profiler.record_function("infinity::reduce_scatter"):
-            # One flat buffer per unit size, reused: every consumer below copies the shard or
-            # is done with it before the next unit's gradient comes.
-            key = (unit.train_padded_numel, unit.dtype)
-            if key not in self._grad_buffers:
-                self._grad_buffers[key] = (torch.zeros(unit.train_padded_numel, dtype=unit.dtype, device=self.device),
-                                           None)
-            buffer, reading = self._grad_buffers[key]
-            if reading is not None:  # the last gradient's copy to the host must have read it
-                self.accelerator.wait_compute(reading)
-            shard = zdist.reduce_scatter_mean(unit.take_grad(buffer))
-        last = self._last_micro()
-        reading = self.optim_state.accumulate(unit, shard, first=self._first_micro, last=last)
-        self._grad_buffers[key] = (buffer, reading)
-        if last and unit.index in self._update_in_hook:  # [Note: update during backward]
-            # Its backward is over: release it first, so that no gathered copy holds the
-            # shard's buffer in the parameter tier while the update writes the new values.
-            self.fetcher.release(unit, keep_if_reused=False, force=True)
-            self._update_unit(unit, 1.0)
-            self._updated_in_backward += 1
+        facts = {"grad_norm": outcome.grad_norm, "loss_scale": self.get_loss_scale(), "lr": self.get_lr(),
+                 "peak_live_numel": self.fetcher.peak_live_numel,
+                 "units_updated_in_backward": outcome.updated_in_backward,
+                 "trainable_params": self.trainable_numel, "frozen_params": self.frozen_numel,
+                 **self.params.io_stats(), **{f"optimizer_{k}": v for k, v in self.optim_state.io_stats().items()}}
+        self.report.finish_step(self.global_steps, facts, {"gather": self.fetcher.gather_seconds,
+                                                           "reduce": self.hooks.reduce_seconds})
 
     # ---- DeepSpeed's engine surface -------------------------------------------------------
 
@@ -401,13 +303,26 @@ class Engine:
         unit.split(shard).train.copy_(local)
         return self._gather_full(unit, shard)
 
+    def gather_for_user(self, unit: Unit) -> None:
+        unit.to_gathered(self.params.fetch(unit), fresh=True)  # views may outlive the release
+        self.params.done(unit)
+
+    def release_for_user(self, unit: Unit) -> None:
+        unit.to_released()
+
+    def set_unit_values(self, unit: Unit, shard: torch.Tensor) -> None:
+        shard = self.accelerator.host(shard)
+        if unit.trainable:  # the values were written in the compute dtype; fp32 keeps them exactly
+            self.optim_state.set_master(unit, unit.split(shard).train.to(torch.float32))
+        self.policy.write_params(unit, new_shard=shard)
+
     def set_fp32_values(self, unit: Unit, full: torch.Tensor) -> None:
         """Makes `full` (the unit's full flat buffer in fp32, identical on every rank) the unit's
         values: fp32 masters of the trainable part, compute-dtype shard of both parts."""
         shard = unit.local_shard(full.to(torch.float32).cpu())
         if unit.trainable:
             self.optim_state.set_master(unit, unit.split(shard).train.clone())
-        self.write_params(unit, new_shard=shard.to(unit.dtype))
+        self.policy.write_params(unit, new_shard=shard.to(unit.dtype))
 
     def _hook_state_dict(self, model: nn.Module) -> list:
         """`state_dict()` of the module or any submodule holds the real values ([Note: state dict

@@ -10,11 +10,12 @@ import re
 
 import pytest
 import torch
+from gpt import TinyGPT, batches, config, engine_run
 
 import infinity
-from gpt import TinyGPT, batches, config, engine_run
 from infinity.device import AsyncTestDevice, CpuDevice, make_device
-from infinity.zero.optim_shards import AdamHyper, ResidentOptimizerState
+from infinity.optim.functional import AdamHyper
+from infinity.zero.optim_shards import ResidentOptimizerState
 from infinity.zero.param_shards import ResidentParams
 from infinity.zero.unit import Unit
 
@@ -163,3 +164,45 @@ def test_each_rank_takes_its_local_gpu(monkeypatch):
 
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert local_index() == 3
+
+
+def _imports(path: pathlib.Path, package: str) -> set[str]:
+    """Modules of infinity that a module imports, outside `if TYPE_CHECKING:` blocks."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test)
+            for child in node.body for n in ast.walk(child)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("infinity"):
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if (SOURCE.parent / (sub.replace(".", "/") + ".py")).exists() else node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("infinity")}
+    return found
+
+
+def test_no_import_cycle_in_the_package():
+    modules = {}
+    for path in SOURCE.rglob("*.py"):
+        name = path.relative_to(SOURCE.parent).with_suffix("").as_posix().replace("/", ".")
+        modules[name.removesuffix(".__init__")] = path
+    graph = {name: _imports(path, name) & modules.keys() for name, path in modules.items()}
+    state: dict[str, int] = {}
+
+    def visit(name: str, trail: list[str]) -> None:
+        if state.get(name) == 2:
+            return
+        assert state.get(name) != 1, "import cycle: " + " -> ".join(trail + [name])
+        state[name] = 1
+        for dep in sorted(graph[name]):
+            if dep != "infinity":  # the package's own __init__ re-exports; importing it is not a layer edge
+                visit(dep, trail + [name])
+        state[name] = 2
+
+    for name in sorted(graph):
+        visit(name, [])

@@ -18,6 +18,15 @@ Three implementations, chosen by `make_device` (`INFINITY_DEVICE` overrides the 
     only later, on another thread, and is guaranteed only at its wait; a destination is filled
     with garbage until then, and a pool buffer handed back is scribbled over. The CPU test suite
     runs on it, so that a missing wait fails a parity test here instead of on the first GPU.
+
+[Note: what a CPU cannot check]
+The test device checks ordering: that nothing reads a copy's destination or reuses its source
+before the wait. It cannot check that the copies overlap compute (that the host -> device copy of
+a shard runs under the previous unit, that a gradient's copy to the host runs under the next
+unit's backward, that no wait blocks the host needlessly): that is timing, measured on a GPU by
+bench/, not asserted by tests. Nor can it check CUDA's own rules: `record_stream` for memory
+allocated on one stream and used on another, and page-locked host memory for asynchronous copies
+(both kept inside `CudaDevice`).
 """
 
 from __future__ import annotations

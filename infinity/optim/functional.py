@@ -16,12 +16,13 @@ the same fp32 values ([Note: exact parity with torch] in csrc/adam/adam.h).
 from __future__ import annotations
 
 import operator
+from typing import NamedTuple
 
 import torch
 
 from infinity import _adam
 
-__all__ = ["adam_update", "available_simd_paths", "simd_path"]
+__all__ = ["AdamHyper", "adam_step", "adam_update", "available_simd_paths", "simd_path"]
 
 _GRAD_DTYPES = {
     torch.float32: _adam.DType.float32,
@@ -88,6 +89,28 @@ def check_hyper_params(lr: float, beta1: float, beta2: float, eps: float,
         raise ValueError(f"invalid eps: {eps} (expected >= 0)")
     if not 0.0 <= weight_decay:
         raise ValueError(f"invalid weight_decay: {weight_decay} (expected >= 0)")
+
+
+class AdamHyper(NamedTuple):
+    """Hyper-parameters of one param group at one step."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    adamw_mode: bool = True
+    bias_correction: bool = True
+
+
+def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+              hyper: AdamHyper, *, step: int, grad_scale: float = 1.0, half_out: torch.Tensor | None = None,
+              offset: int = 0, count: int | None = None) -> None:
+    """`adam_update` with one group's hyper-parameters as an `AdamHyper` (the engine's call)."""
+    adam_update(param, grad, exp_avg, exp_avg_sq, step=step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
+                eps=hyper.eps, weight_decay=hyper.weight_decay, adamw_mode=hyper.adamw_mode,
+                bias_correction=hyper.bias_correction, grad_scale=grad_scale, half_out=half_out, offset=offset,
+                count=count)
 
 
 def adam_update(

@@ -28,18 +28,18 @@ import time
 
 import torch
 
+from infinity.config import ZeroConfig
 from infinity.zero.protocols import ParamTier
 from infinity.zero.unit import Unit, UnitState
 
 
 class Fetcher:
-    def __init__(self, units: list[Unit], params: ParamTier, *, max_live_numel: int,
-                 max_reuse_distance: int, prefetch_numel: int):
+    def __init__(self, units: list[Unit], params: ParamTier, zero: ZeroConfig):
         self.units = units
         self.params = params
-        self.max_live_numel = max_live_numel
-        self.max_reuse_distance = max_reuse_distance
-        self.prefetch_numel = prefetch_numel
+        self.max_live_numel = zero.stage3_max_live_parameters
+        self.max_reuse_distance = zero.stage3_max_reuse_distance
+        self.prefetch_numel = zero.stage3_prefetch_bucket_size
         self.schedule: list[int] | None = None
         self.trace: list[int] = []
         self.on_schedule = False

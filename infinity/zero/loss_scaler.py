@@ -3,17 +3,18 @@ overflow (after `hysteresis` overflows) and doubles after `loss_scale_window` cl
 
 from __future__ import annotations
 
+from infinity.config import FP16Config
+
 
 class LossScaler:
-    def __init__(self, *, loss_scale: float = 0.0, initial_scale_power: int = 16, loss_scale_window: int = 1000,
-                 hysteresis: int = 2, consecutive_hysteresis: bool = False, min_loss_scale: float = 1.0):
-        self.dynamic = loss_scale == 0
-        self.scale = float(2 ** initial_scale_power) if self.dynamic else float(loss_scale)
-        self.window = loss_scale_window
-        self.hysteresis = hysteresis
-        self.consecutive_hysteresis = consecutive_hysteresis
-        self.min_scale = min_loss_scale
-        self._hysteresis_left = hysteresis
+    def __init__(self, fp16: FP16Config):
+        self.dynamic = fp16.loss_scale == 0
+        self.scale = float(2 ** fp16.initial_scale_power) if self.dynamic else float(fp16.loss_scale)
+        self.window = fp16.loss_scale_window
+        self.hysteresis = fp16.hysteresis
+        self.consecutive_hysteresis = fp16.consecutive_hysteresis
+        self.min_scale = fp16.min_loss_scale
+        self._hysteresis_left = fp16.hysteresis
         self._iter = 0
         self._last_overflow = -1
 

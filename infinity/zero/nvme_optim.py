@@ -39,12 +39,12 @@ from __future__ import annotations
 
 import torch
 
-from infinity.optim.functional import adam_update
+from infinity.device import Device, InFlight
+from infinity.optim.functional import AdamHyper, adam_step
 from infinity.tiers import BufferPool, NvmeStore, Swapper
 from infinity.tiers.store import default_job_id
-from infinity.zero.nvme_params import IOTally, _plan_count, make_handle
-from infinity.device import Device, InFlight
-from infinity.zero.optim_shards import NORM_ROW, AdamHyper, GradientLanding, row_norms_sq
+from infinity.zero.nvme_io import IOTally, make_handle, plan_count
+from infinity.zero.optim_shards import NORM_ROW, GradientLanding, row_norms_sq
 from infinity.zero.unit import Unit
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -96,7 +96,7 @@ class NvmeOptimizerState:
         largest = max((n for ps in self._pieces.values() for _, n in ps), default=1)
         self._per_piece = len(KINDS) + (1 if self._spilled else 0)
         # A buffer for each kind of: the piece being read, the piece being updated, the piece being written.
-        self.pool = BufferPool(_plan_count(offload.buffer_count, 3 * self._per_piece, "offload_optimizer"),
+        self.pool = BufferPool(plan_count(offload.buffer_count, 3 * self._per_piece, "offload_optimizer"),
                                largest * 4, name="offload_optimizer", pin=device.pin() or None,
                                on_release=device.scribble)
         # A second handle for writes, so that reads never queue behind them.
@@ -256,12 +256,9 @@ class NvmeOptimizerState:
                     lo, hi = max(seg.start, start), min(seg.start + seg.count, start + n)
                     if lo >= hi:
                         continue
-                    h = hypers[seg.group]
-                    adam_update(master[lo - start:hi - start], g[lo - start:hi - start], m[lo - start:hi - start],
-                                v[lo - start:hi - start], step=step, lr=h.lr, beta1=h.beta1, beta2=h.beta2,
-                                eps=h.eps, weight_decay=h.weight_decay, adamw_mode=h.adamw_mode,
-                                bias_correction=h.bias_correction, grad_scale=grad_scale,
-                                half_out=None if half is None else half[lo:hi])
+                    piece = slice(lo - start, hi - start)
+                    adam_step(master[piece], g[piece], m[piece], v[piece], hypers[seg.group], step=step,
+                              grad_scale=grad_scale, half_out=None if half is None else half[lo:hi])
                 if half is None:
                     out[start:start + n].copy_(master)
             for kind in KINDS:

@@ -16,37 +16,16 @@ back (`commit` -> evict); the frozen one is written once, at start.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from infinity.device import Device, InFlight
-from infinity.io import AsyncIOHandle
 from infinity.tiers import BufferPool, HostCache, NvmeStore, Swapper
 from infinity.tiers.store import default_job_id
+from infinity.zero.nvme_io import MIN_BUFFERS, IOTally, elsize, make_handle, plan_count
 from infinity.zero.unit import ShardParts, Unit
 
 KIND = "param"  # the trainable part of a shard
 FROZEN = "frozen"  # the frozen part, never written after start
-MIN_BUFFERS = 3  # the next unit being read, one read on demand, and one for an update
-
-
-def _elsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _plan_count(count: int, minimum: int = MIN_BUFFERS, name: str = "offload_param") -> int:
-    if count >= minimum:
-        return count
-    warnings.warn(f"zero_optimization.{name}.buffer_count: raised from {count} to {minimum}, the fewest "
-                  "that keep reads, compute and writes going at once", UserWarning, stacklevel=3)
-    return minimum
-
-
-def make_handle(aio) -> AsyncIOHandle:
-    """The I/O handle an `aio` config section describes."""
-    return AsyncIOHandle(block_size=aio.block_size, queue_depth=aio.queue_depth, thread_count=aio.thread_count,
-                         single_submit=aio.single_submit, overlap_events=aio.overlap_events, engine=aio.engine)
 
 
 def _parts(unit: Unit) -> list[tuple[str, int]]:
@@ -63,15 +42,15 @@ class NvmeParams:
         layout: dict[str, dict[int, int]] = {KIND: {}, FROZEN: {}}
         for u in units:
             for kind, n in _parts(u):
-                layout[kind][u.index] = n * _elsize(u.dtype)
+                layout[kind][u.index] = n * elsize(u.dtype)
         layout = {kind: sizes for kind, sizes in layout.items() if sizes}
         sizes = [n for kind_sizes in layout.values() for n in kind_sizes.values()]
         self.handle = make_handle(aio)
         self.store = NvmeStore(offload.nvme_path, layout, job_id=f"{default_job_id()}-param", rank=rank,
                                handle=self.handle, name="offload_param")
         # buffer_size counts elements in DeepSpeed's config; the pool counts bytes.
-        elsize = _elsize(units[0].dtype) if units else 2
-        max_in_cpu = offload.max_in_cpu * elsize
+        itemsize = elsize(units[0].dtype) if units else 2
+        max_in_cpu = offload.max_in_cpu * itemsize
         # Cached shards stay in pool buffers: add room for max_in_cpu worth of the largest shard.
         largest = max(sizes, default=1)
         cached = min(len(sizes), max_in_cpu // largest)
@@ -81,8 +60,8 @@ class NvmeParams:
         parts = max((len(_parts(u)) for u in units), default=1)
         self._spare = parts
         # A buffer larger than the largest shard would only hold unused pinned memory.
-        self.pool = BufferPool(_plan_count(offload.buffer_count, max(MIN_BUFFERS, 2 * parts)) + cached,
-                               min(offload.buffer_size * elsize, largest), shard_sizes=sizes, name="offload_param",
+        self.pool = BufferPool(plan_count(offload.buffer_count, max(MIN_BUFFERS, 2 * parts)) + cached,
+                               min(offload.buffer_size * itemsize, largest), shard_sizes=sizes, name="offload_param",
                                pin=device.pin() or None, on_release=device.scribble)
         self.cache = HostCache(max_in_cpu, name="offload_param")
         # A second handle for writes, so that reads never queue behind them.
@@ -162,7 +141,7 @@ class NvmeParams:
         if on_device:  # copied into a pool buffer at commit
             target = self.device.empty(unit.train_shard_numel, unit.dtype)
         else:
-            target = self.swapper.acquire(unit.train_shard_numel * _elsize(unit.dtype)).view(unit.dtype)
+            target = self.swapper.acquire(unit.train_shard_numel * elsize(unit.dtype)).view(unit.dtype)
         self._targets[unit.index] = (target, on_device)
         return target
 
@@ -204,38 +183,3 @@ class NvmeParams:
         self._return(block=True)
         self.swapper.close()
         self.store.close()
-
-
-class IOTally:
-    """A swapper's traffic since the last `take()`, for the per-step report."""
-
-    def __init__(self, swapper: Swapper):
-        self._swapper = swapper
-        self._mark = swapper.stats
-
-    def take(self) -> dict[str, float]:
-        now = self._swapper.stats
-        before, self._mark = self._mark, now
-        return io_delta("nvme", now, before)
-
-
-def io_delta(prefix: str, now, before) -> dict[str, float]:
-    """The report's figures for one tier between two `Swapper.stats` snapshots: bytes issued in
-    each direction, GB/s over the wall time that direction had transfers in flight, seconds the
-    compute thread waited, and the overlap fraction: 1 - waited / wall time with any I/O in flight."""
-    read_b = now.nvme_to_host.submitted_bytes - before.nvme_to_host.submitted_bytes
-    write_b = now.host_to_nvme.submitted_bytes - before.host_to_nvme.submitted_bytes
-    done_r = now.nvme_to_host.bytes - before.nvme_to_host.bytes
-    done_w = now.host_to_nvme.bytes - before.host_to_nvme.bytes
-    busy_r = now.nvme_to_host.busy_seconds - before.nvme_to_host.busy_seconds
-    busy_w = now.host_to_nvme.busy_seconds - before.host_to_nvme.busy_seconds
-    busy = now.busy_seconds - before.busy_seconds
-    waited = (now.nvme_to_host.wait_seconds - before.nvme_to_host.wait_seconds
-              + now.host_to_nvme.wait_seconds - before.host_to_nvme.wait_seconds)
-    return {
-        f"{prefix}_read_bytes": read_b, f"{prefix}_write_bytes": write_b,
-        f"{prefix}_read_gbps": done_r / busy_r / 1e9 if busy_r else 0.0,
-        f"{prefix}_write_gbps": done_w / busy_w / 1e9 if busy_w else 0.0,
-        f"{prefix}_io_seconds": busy, f"{prefix}_wait_seconds": waited,
-        "overlap_fraction": max(0.0, 1.0 - waited / busy) if busy else 1.0,
-    }

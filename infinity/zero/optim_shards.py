@@ -11,15 +11,13 @@ writes the new compute-dtype parameter into the parameter tier's target buffer i
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 
 from infinity.device import Device, InFlight
-from infinity.optim.functional import adam_update
+from infinity.optim.functional import AdamHyper, adam_step
 from infinity.tiers import BufferPool
 from infinity.zero.unit import Unit
-
 
 NORM_ROW = 1024  # elements; see [Note: gradient norm by rows]
 _WIDEN_BLOCK = 256 * NORM_ROW
@@ -53,18 +51,6 @@ def row_norms_sq(g: torch.Tensor) -> torch.Tensor:
     if full < n:
         out[-1] = torch.linalg.vector_norm(g[full:], dtype=torch.float32)
     return out.square_()
-
-
-class AdamHyper(NamedTuple):
-    """Hyper-parameters of one param group at one step."""
-
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    adamw_mode: bool
-    bias_correction: bool
 
 
 def adam_reference(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: AdamHyper,
@@ -178,10 +164,8 @@ class ResidentOptimizerState:
             for seg in unit.segments:
                 h = hypers[seg.group]
                 if self._cpu_kernel:
-                    adam_update(s["master"], g, s["exp_avg"], s["exp_avg_sq"], step=step, lr=h.lr,
-                                beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
-                                adamw_mode=h.adamw_mode, bias_correction=h.bias_correction,
-                                grad_scale=grad_scale, half_out=half, offset=seg.start, count=seg.count)
+                    adam_step(s["master"], g, s["exp_avg"], s["exp_avg_sq"], h, step=step, grad_scale=grad_scale,
+                              half_out=half, offset=seg.start, count=seg.count)
                 else:
                     sl = slice(seg.start, seg.start + seg.count)
                     adam_reference(s["master"][sl], g[sl], s["exp_avg"][sl], s["exp_avg_sq"][sl], h, step,
@@ -191,6 +175,9 @@ class ResidentOptimizerState:
 
     def begin_pass(self, last: bool) -> None:
         pass
+
+    def io_stats(self) -> dict[str, float]:
+        return {}  # nothing crosses to NVMe
 
     def step_order(self, units: list[Unit]) -> list[Unit]:
         return units

@@ -113,6 +113,9 @@ class ResidentParams:
     def set_schedule(self, order: list[int]) -> None:
         pass
 
+    def io_stats(self) -> dict[str, float]:
+        return {}  # nothing crosses to NVMe
+
     def flush(self) -> None:
         for index in list(self._commits):
             self.device.wait_host(self._commits.pop(index))

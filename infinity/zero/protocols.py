@@ -15,7 +15,7 @@ from infinity.device import InFlight
 from infinity.zero.unit import ShardParts, Unit
 
 if TYPE_CHECKING:
-    from infinity.zero.optim_shards import AdamHyper
+    from infinity.optim.functional import AdamHyper
 
 
 class ParamTier(Protocol):
@@ -60,6 +60,9 @@ class ParamTier(Protocol):
 
     def host_copy(self, unit: Unit) -> torch.Tensor:
         """A host tensor with the shard's current values (for checkpoints)."""
+
+    def io_stats(self) -> dict[str, float]:
+        """NVMe traffic since the last call, for the step report (empty without NVMe)."""
 
     def close(self) -> None: ...
 
@@ -110,4 +113,7 @@ class OptimizerTier(Protocol):
         """A host copy of the unit's accumulated fp32 gradient, if one is kept."""
 
     def load_state(self, unit: Unit, state: dict[str, torch.Tensor]) -> None: ...
+    def io_stats(self) -> dict[str, float]:
+        """NVMe traffic since the last call, for the step report (empty without NVMe)."""
+
     def close(self) -> None: ...

@@ -1,34 +1,50 @@
 """Which engine and unit own a parameter, and `GatheredParameters` built on it.
 
-A weak, identity-keyed map instead of attributes on nn.Parameter (see STYLE.md).
+A weak, identity-keyed map instead of attributes on nn.Parameter (see STYLE.md). The owner is
+seen through `UnitOwner`, the few calls this module and `infinity.utils` make, never as the
+Engine itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from infinity.zero import dist as zdist
-from infinity.zero.unit import UnitState
+from infinity.zero.unit import ParamSlot, Unit, UnitState
 
-if TYPE_CHECKING:
-    from infinity.engine import Engine
-    from infinity.zero.unit import ParamSlot, Unit
+
+class UnitOwner(Protocol):
+    """What an engine offers for reading and changing its units' values from outside a step."""
+
+    def gather_for_user(self, unit: Unit) -> None:
+        """Gathers a released unit into a fresh buffer, which views may outlive."""
+
+    def release_for_user(self, unit: Unit) -> None: ...
+
+    def set_unit_values(self, unit: Unit, shard: torch.Tensor) -> None:
+        """Makes `shard` (host, compute dtype) this rank's shard; its trainable part also
+        becomes the fp32 master."""
+
+    def full_optimizer_values(self, unit: Unit, kind: str) -> torch.Tensor | None: ...
+    def full_fp32_values(self, unit: Unit) -> torch.Tensor: ...
+    def set_fp32_values(self, unit: Unit, full: torch.Tensor) -> None: ...
+
 
 _owners: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def register_units(engine: "Engine") -> None:
-    for u in engine.units:
+def register_units(owner: UnitOwner, units: list[Unit]) -> None:
+    for u in units:
         for s in u.slots:
-            _owners[s.param] = (engine, u, s)
+            _owners[s.param] = (owner, u, s)
 
 
-def owner_of(param: torch.Tensor) -> tuple["Engine", "Unit", "ParamSlot"] | None:
+def owner_of(param: torch.Tensor) -> tuple[UnitOwner, Unit, ParamSlot] | None:
     """The engine, unit and slot of a partitioned parameter; None for any other tensor."""
     return _owners.get(param) if isinstance(param, torch.Tensor) else None
 
@@ -44,38 +60,32 @@ def GatheredParameters(params: torch.nn.Parameter | Iterable[torch.nn.Parameter]
     """
     if isinstance(params, torch.Tensor):
         params = [params]
-    owners: dict[int, tuple["Engine", "Unit"]] = {}
+    owners: dict[int, tuple[UnitOwner, Unit]] = {}
     for p in params:
         if p in _owners:
-            engine, unit, _ = _owners[p]
-            owners[id(unit)] = (engine, unit)
+            owner, unit, _ = _owners[p]
+            owners[id(unit)] = (owner, unit)
     gathered = []
     if enabled:
-        for engine, unit in owners.values():
+        for owner, unit in owners.values():
             if unit.state is UnitState.RELEASED:
-                unit.to_gathered(engine.params.fetch(unit), fresh=True)  # views may outlive the `with`
-                engine.params.done(unit)
-                gathered.append((engine, unit))
+                owner.gather_for_user(unit)
+                gathered.append((owner, unit))
     try:
         yield
     finally:
         modified = []
         if enabled and modifier_rank is not None:
-            modified = [(engine, unit, _modified_shard(engine, unit, modifier_rank)) for engine, unit in owners.values()]
-        for engine, unit in gathered:
-            unit.to_released()
-        for engine, unit, shard in modified:
-            engine.write_params(unit, new_shard=shard)
+            modified = [(owner, unit, _modified_shard(unit, modifier_rank)) for owner, unit in owners.values()]
+        for owner, unit in gathered:
+            owner.release_for_user(unit)
+        for owner, unit, shard in modified:
+            owner.set_unit_values(unit, shard)
 
 
-def _modified_shard(engine: "Engine", unit: "Unit", src: int) -> torch.Tensor:
-    """This rank's shard of the modifier's values (a host copy); its trainable part also becomes
-    the fp32 master."""
+def _modified_shard(unit: Unit, src: int) -> torch.Tensor:
+    """This rank's shard of the modifier's values (a copy, on the device)."""
     full = unit.full
     if zdist.world_size() > 1:
         torch.distributed.broadcast(full, src)
-    shard = unit.local_shard(full).cpu()
-    if unit.trainable:
-        # The modifier wrote compute-dtype values; fp32 parameters keep full precision.
-        engine.optim_state.set_master(unit, unit.split(shard).train.to(torch.float32))
-    return shard
+    return unit.local_shard(full)

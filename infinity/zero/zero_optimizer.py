@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from infinity.zero.optim_shards import AdamHyper
+from infinity.optim.functional import AdamHyper
 
 
 def _from_user_optimizer(optimizer: torch.optim.Optimizer) -> tuple[list[dict], dict]:

@@ -1,0 +1,155 @@
+"""When and how units are updated: in the backward hook that finalizes their gradient, or after
+the global gradient norm, with clipping and fp16 loss scaling.
+
+[Note: one step]
+forward: units are gathered by their pre-hooks (fetcher.py) and released after use.
+backward: the loss is multiplied by loss_scale / gradient_accumulation_steps; as each unit's
+  gradients are final they are reduce-scattered (mean over ranks) and accumulated in fp32 in the
+  optimizer tier (host memory when offloaded; [Note: gradients to the host] in optim_shards.py).
+step (at the accumulation boundary): the global gradient norm (all ranks) gives the clip
+  coefficient; fp16 overflow skips the step; otherwise each unit shard is updated by one Adam
+  pass that also writes the new compute-dtype shard into the parameter tier.
+
+[Note: update during backward]
+Without gradient clipping and without fp16 loss scaling nothing in a unit's update depends on
+other units: in the last micro-step's backward, the moment a unit's gradient shard is final it
+is updated (`on_unit_grads`), so CPU Adam and the optimizer-state I/O run inside backward
+instead of after it, and `step()` only updates what was left (persistent units, whose gathered
+copies must not change while autograd runs). The update uses the param groups' values as they
+are when backward runs; the numbers are those of a step after backward, since every element's
+update is independent of the others'. Non-finite gradients are then applied as PyTorch applies
+them (with a warning); only fp16's loss scaling skips steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import NamedTuple
+
+import torch
+
+from infinity.device import Device, InFlight
+from infinity.optim.functional import AdamHyper
+from infinity.zero import dist as zdist
+from infinity.zero.fetcher import Fetcher
+from infinity.zero.loss_scaler import LossScaler
+from infinity.zero.protocols import OptimizerTier, ParamTier
+from infinity.zero.unit import Unit, UnitState
+from infinity.zero.zero_optimizer import ZeroOptimizer
+
+log = logging.getLogger("infinity")
+
+
+class StepOutcome(NamedTuple):
+    grad_norm: float  # before clipping, unscaled
+    applied: bool  # False when fp16 overflow skipped the step
+    updated_in_backward: int  # units updated inside backward this step
+
+
+class StepPolicy:
+    """Owns the update order of one engine's units; the engine only says when a pass starts,
+    when a unit's gradients are final, and when the step is asked for."""
+
+    def __init__(self, units: list[Unit], params: ParamTier, optim_state: OptimizerTier, fetcher: Fetcher,
+                 optimizer: ZeroOptimizer, accelerator: Device, *, clip: float, scaler: LossScaler | None):
+        self.units, self.params, self.optim_state, self.fetcher = units, params, optim_state, fetcher
+        self.optimizer, self.accelerator = optimizer, accelerator
+        self.clip = clip
+        self.scaler = scaler
+        self.update_in_backward = clip == 0 and scaler is None  # [Note: update during backward]
+        # Units updated in the hook that finalizes their gradient (the others wait for step()).
+        self.in_hook = {u.index for u in units if self.update_in_backward and not u.persistent and u.trainable}
+        self.first_micro = True  # the pass running starts an accumulation
+        self.last_micro = True  # the pass running ends one: its gradients are final
+        self._hypers: list[AdamHyper] | None = None  # this step's, once its first unit was updated
+        self._updated: set[int] = set()  # units updated this step
+        self._updated_in_backward = 0
+        # One flat gradient buffer per unit size, and the copy that still reads it.
+        self._grad_buffers: dict[tuple[int, torch.dtype], tuple[torch.Tensor, InFlight | None]] = {}
+
+    # ---- backward -------------------------------------------------------------------------
+
+    def on_unit_grads(self, unit: Unit) -> None:
+        """The unit's gradients are final for this pass: reduce, hand on, maybe update."""
+        with torch.profiler.record_function("infinity::reduce_scatter"):
+            key = (unit.train_padded_numel, unit.dtype)
+            if key not in self._grad_buffers:
+                buffer = torch.zeros(unit.train_padded_numel, dtype=unit.dtype, device=self.accelerator.compute)
+                self._grad_buffers[key] = (buffer, None)
+            buffer, reading = self._grad_buffers[key]
+            if reading is not None:  # the last gradient's copy to the host must have read it
+                self.accelerator.wait_compute(reading)
+            shard = zdist.reduce_scatter_mean(unit.take_grad(buffer))
+        reading = self.optim_state.accumulate(unit, shard, first=self.first_micro, last=self.last_micro)
+        self._grad_buffers[key] = (buffer, reading)
+        if self.last_micro and unit.index in self.in_hook:  # [Note: update during backward]
+            # Its backward is over: release it first, so that no gathered copy holds the
+            # shard's buffer in the parameter tier while the update writes the new values.
+            self.fetcher.release(unit, keep_if_reused=False, force=True)
+            self._update(unit, 1.0)
+            self._updated_in_backward += 1
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self, step_number: int) -> StepOutcome:
+        # The previous step's optimizer-state writes drained behind this step's forward and
+        # backward; a failed one is raised now if nothing met it yet (a read of its shard, such
+        # as an update in backward, raises at once: its bytes are never taken for good ones).
+        self.optim_state.flush()
+        units = [u for u in self.units if u.trainable]
+        sq = torch.zeros((), dtype=torch.float32)
+        for u in units:
+            sq += self.optim_state.grad_sq(u)
+        total = self.accelerator.move(sq)
+        zdist.all_reduce_sum(total)
+        sq = total.item()
+        nonfinite = not math.isfinite(sq)  # a square sum is inf or nan iff some gradient was (or overflowed)
+        loss_scale = self.scaler.scale if self.scaler else 1.0
+        grad_norm = (sq ** 0.5) / loss_scale
+        grad_scale = 1.0 / loss_scale
+        overflow = nonfinite and self.scaler is not None
+        if nonfinite and self.scaler is None:
+            log.warning("step %d: the gradients hold inf or nan; applied as they are (only fp16 loss scaling "
+                        "skips steps)", step_number)
+        if self.clip > 0 and not nonfinite:
+            coef = torch.tensor(self.clip, dtype=torch.float32) / (torch.tensor(grad_norm, dtype=torch.float32) + 1e-6)
+            grad_scale *= float(torch.clamp(coef, max=1.0))
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+        if overflow:
+            log.info("step %d: gradient overflow, skipped; loss scale now %g", step_number, self.scaler.scale)
+        else:
+            for u in self.optim_state.step_order([u for u in units if u.index not in self._updated]):
+                self._update(u, grad_scale)
+        outcome = StepOutcome(grad_norm, not overflow, self._updated_in_backward)
+        self._hypers, self._updated, self._updated_in_backward = None, set(), 0
+        self.optim_state.finish_step()
+        self.params.flush()  # parameter writes are few (2 bytes a parameter): finish them here
+        return outcome
+
+    def _update(self, unit: Unit, grad_scale: float) -> None:
+        if self._hypers is None:  # the step's first update
+            self.optimizer.step_count += 1
+            self.optimizer.mark_stepped()
+            self._hypers = self.optimizer.hypers()
+        self.write_params(unit, lambda target: self.optim_state.update(
+            unit, self._hypers, self.optimizer.step_count, grad_scale, target))
+        self._updated.add(unit.index)
+
+    def write_params(self, unit: Unit, fill=None, new_shard: torch.Tensor | None = None) -> None:
+        """Gives `unit` new compute-dtype values: `fill(target)` writes the trainable part into the
+        parameter tier's target buffer, which is then committed to the tier, or `new_shard` (host,
+        both parts) replaces the whole shard. A gathered unit (a persistent one, or one gathered
+        by GatheredParameters) is released first and gathered again with the new values."""
+        regather = unit.state is UnitState.GATHERED
+        if regather:
+            unit.to_released()
+        if fill is None:
+            self.params.replace(unit, new_shard)
+        else:
+            fill(self.params.update_target(unit, self.optim_state.on_device))
+            self.params.commit(unit)
+        if regather:
+            unit.to_gathered(self.params.fetch(unit))
+            self.params.done(unit)
