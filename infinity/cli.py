@@ -1,8 +1,10 @@
-"""The `infinity` command: `finetune` (the main job) and `estimate` (what fits where).
+"""The `infinity` command: `finetune` (the main job), `estimate` (what fits where) and `clean`
+(what runs killed outright left on disk).
 
     infinity finetune                       # built-in default: a small GPT, params and optimizer on NVMe
     infinity finetune --config ds.json --layers 24 --dim 2048 --steps 100
     infinity estimate --params 13e9 --world-size 1
+    infinity clean /local_nvme [--dry-run]
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -131,6 +134,45 @@ def estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def clean(args: argparse.Namespace) -> int:
+    """Lists the store directories under NVME_PATH and removes those whose process is gone."""
+    from infinity.tiers.lock import remove_stale, survey
+    from infinity.tiers._messages import human_bytes
+
+    found = survey(args.nvme_path)
+    if not found:
+        print(f"no infinity store directories under {args.nvme_path}")
+        return 0
+    print(f"{'status':<16}{'size':>10}  directory (owner)")
+    for f in found:
+        print(f"{f.status:<16}{human_bytes(f.nbytes):>10}  {f.directory} ({f.owner})")
+    stale = [f for f in found if f.status == "stale"]
+    reclaim = human_bytes(sum(f.nbytes for f in stale))
+    if args.dry_run:
+        print(f"{len(stale)} stale, {reclaim}: run without --dry-run to remove them")
+        return 0
+    removed = remove_stale(args.nvme_path, "infinity-*/rank*")
+    print(f"removed {len(removed)} stale directories, {reclaim}; directories in use are left alone")
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _positive_count(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number such as 13e9, got {text!r}") from None
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"expected a finite number of at least 1, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="infinity", description="ZeRO-Infinity offload engine for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -138,23 +180,30 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--config", help="DeepSpeed JSON config (default: a built-in one, NVMe offload)")
     f.add_argument("--nvme-path", default=tempfile.gettempdir(), help="directory for the offload files")
     f.add_argument("--offload", choices=["cpu", "nvme"], default="nvme", help="tier for the built-in config")
-    f.add_argument("--steps", type=int, default=30)
-    f.add_argument("--batch", type=int, default=4)
-    f.add_argument("--layers", type=int, default=8)
-    f.add_argument("--dim", type=int, default=256)
-    f.add_argument("--vocab", type=int, default=4096)
-    f.add_argument("--seq-len", type=int, default=64)
+    f.add_argument("--steps", type=_positive_int, default=30)
+    f.add_argument("--batch", type=_positive_int, default=4)
+    f.add_argument("--layers", type=_positive_int, default=8)
+    f.add_argument("--dim", type=_positive_int, default=256)
+    f.add_argument("--vocab", type=_positive_int, default=4096)
+    f.add_argument("--seq-len", type=_positive_int, default=64)
     f.add_argument("--seed", type=int, default=0)
     e = sub.add_parser("estimate", help="memory per tier for a model size")
-    e.add_argument("--params", required=True, type=float, help="number of parameters, e.g. 13e9")
-    e.add_argument("--world-size", type=int, default=1)
-    e.add_argument("--largest-unit", type=float, help="parameters of the largest unit (default params/32)")
+    e.add_argument("--params", required=True, type=_positive_count, help="number of parameters, e.g. 13e9")
+    e.add_argument("--world-size", type=_positive_int, default=1)
+    e.add_argument("--largest-unit", type=_positive_count, help="parameters of the largest unit (default params/32)")
+    c = sub.add_parser("clean", help="list and remove what runs killed outright (kill -9, OOM) left on disk")
+    c.add_argument("nvme_path", help="the nvme_path of the runs")
+    c.add_argument("--dry-run", action="store_true", help="list only")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if args.command == "finetune":
         if not os.path.isdir(args.nvme_path):
             parser.error(f"--nvme-path {args.nvme_path}: not a directory")
         return finetune(args)
+    if args.command == "clean":
+        if not os.path.isdir(args.nvme_path):
+            parser.error(f"nvme_path {args.nvme_path}: not a directory")
+        return clean(args)
     return estimate(args)
 
 

@@ -60,6 +60,7 @@ class Engine:
         self.micro_steps = 0
         self.skipped_steps = 0
         self._in_pass = False
+        self.closed = False
         self._grad_norm: float | None = None
         self._grads_final = False  # accumulated gradients are complete (boundary backward done, step not yet)
         self._values_cache: dict[int, torch.Tensor] | None = None  # [Note: state dict values]
@@ -158,6 +159,7 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
+        self._check_open()
         t0 = time.perf_counter()
         if not self._in_pass:
             self.fetcher.begin_step()
@@ -176,6 +178,13 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward of `loss` scaled for accumulation (and fp16 loss scale); reduces gradients."""
+        self._check_open()
+        if self._grads_final:
+            gas = self.config.batch.gradient_accumulation_steps
+            raise RuntimeError(
+                "engine.backward() was called again before engine.step(): the gradients of the last "
+                f"accumulation boundary (gradient_accumulation_steps={gas}) have not been applied; call "
+                "engine.step() after every engine.backward(), as with DeepSpeed")
         t0 = time.perf_counter()
         scale = 1.0 / self.config.batch.gradient_accumulation_steps
         if self.scaler is not None:
@@ -184,6 +193,14 @@ class Engine:
         try:
             (loss * scale if scale != 1.0 else loss).backward()
             self.hooks.finish_backward()
+        except BaseException:
+            # The accumulation is abandoned: the next micro-step starts a new one, and nothing of
+            # this pass (gradients in flight, state read ahead) holds a buffer.
+            self.optim_state.abort_pass()
+            self.hooks.reset_backward()
+            self.micro_steps -= self.micro_steps % self.config.batch.gradient_accumulation_steps
+            self.policy.first_micro = True
+            raise
         finally:
             self.hooks.in_backward = False
             self.fetcher.end_step()
@@ -203,18 +220,21 @@ class Engine:
 
     def step(self) -> None:
         """Applies the update at the accumulation boundary; counts the micro-step otherwise."""
+        self._check_open()
         if not self.is_gradient_accumulation_boundary():
             return
         t0 = time.perf_counter()
-        outcome = self.policy.step(self.global_steps)
+        try:
+            outcome = self.policy.step(self.global_steps)
+        finally:  # a failed step is abandoned: the next micro-step starts a new accumulation
+            self._grads_final = False
+            self.policy.first_micro = True
         if outcome.applied:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         else:
             self.skipped_steps += 1
         self._grad_norm = outcome.grad_norm
-        self._grads_final = False
-        self.policy.first_micro = True
         self.global_steps += 1
         self.report.add_time("step", time.perf_counter() - t0)
         facts = {"grad_norm": outcome.grad_norm, "loss_scale": self.get_loss_scale(), "lr": self.get_lr(),
@@ -391,12 +411,25 @@ class Engine:
         return out
 
     def close(self) -> None:
-        """Releases the tiers (removes NVMe files unless asked to keep them)."""
+        """Releases the tiers (removes NVMe files unless asked to keep them). The engine and its
+        module cannot be used afterwards: their parameters' values are gone with the tiers."""
+        if self.closed:
+            return
+        self.closed = True
         self.hooks.remove()
         for h in self._state_dict_hooks:
             h.remove()
         self.params.close()
         self.optim_state.close()
+
+        def refuse(module, args):
+            self._check_open()
+        self.module.register_forward_pre_hook(refuse)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this engine was closed (engine.close() released its parameters and optimizer "
+                               "state); build another one with infinity.initialize")
 
 
 def initialize(model: nn.Module, model_parameters: Any = None, optimizer: torch.optim.Optimizer | None = None,

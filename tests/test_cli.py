@@ -51,3 +51,43 @@ def test_sweep_refuses_a_bad_directory(tmp_path):
 
 def test_parse_size():
     assert parse_size("1G") == 1 << 30 and parse_size("512K") == 512 << 10 and parse_size("4096") == 4096
+
+
+@pytest.mark.parametrize("argv", [["finetune", "--steps", "0"], ["estimate", "--params", "-5"],
+                                  ["estimate", "--params", "nan"], ["estimate", "--params", "1e9", "--world-size", "0"]])
+def test_bad_arguments_are_refused_before_any_work(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        infinity_main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert argv[-2] in err and "expected" in err
+
+
+def test_clean_lists_and_removes_what_a_killed_run_left(tmp_path, capsys):
+    import signal
+    import subprocess
+    import sys
+
+    body = ("import sys, time; from infinity.tiers.store import NvmeStore; "
+            "s = NvmeStore(sys.argv[1], {'param': {0: 1 << 20}}, job_id='killed'); print(s.directory, flush=True); "
+            "time.sleep(60)")
+    from infinity.tiers.store import NvmeStore
+
+    def killed_run() -> str:
+        with subprocess.Popen([sys.executable, "-c", body, str(tmp_path)], stdout=subprocess.PIPE, text=True) as child:
+            directory = child.stdout.readline().strip()
+            child.send_signal(signal.SIGKILL)
+        return directory
+
+    live = NvmeStore(tmp_path, {"param": {0: 4096}}, job_id="live", keep=False)
+    try:
+        directory = killed_run()
+        assert infinity_main(["clean", str(tmp_path), "--dry-run"]) == 0
+        out = capsys.readouterr().out
+        assert "stale" in out and directory in out and "in use" in out and "1.0 MiB" in out
+        assert os.path.isdir(directory)  # a dry run removes nothing
+        assert infinity_main(["clean", str(tmp_path)]) == 0
+        assert "removed 1 stale" in capsys.readouterr().out
+        assert not os.path.exists(directory) and os.path.isdir(live.directory)  # the live one stays
+    finally:
+        live.close()

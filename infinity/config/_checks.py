@@ -117,7 +117,8 @@ def _directory(value: Any, path: str) -> Path:
     directory = _path(value, path)
     if not directory.is_dir():
         reason = "not a directory" if directory.exists() else "directory does not exist"
-        raise ValueError(f"{path}: {reason}: {directory}")
+        shown = str(directory) if directory.is_absolute() else f"{directory.resolve()} (given as {directory})"
+        raise ValueError(f"{path}: {reason}: {shown}")
     return directory
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import queue
 import random
 import threading
+import weakref
 
 import torch
 
@@ -59,6 +60,18 @@ class _Copy:
                 self.landed.set()
 
 
+def _land_copies(copies: queue.Queue, rng: random.Random, max_delay_s: float, stopping: threading.Event) -> None:
+    while (copy := copies.get()) is not None:
+        stopping.wait(rng.uniform(0.0, max_delay_s))  # no more waiting once the device stops
+        copy.land()
+
+
+def _stop(copies: queue.Queue, thread: threading.Thread, stopping: threading.Event) -> None:
+    stopping.set()
+    copies.put(None)
+    thread.join()
+
+
 class AsyncTestDevice(Device):
     """The CPU behaving like an asynchronous device ([Note: in-flight copies]).
 
@@ -77,23 +90,19 @@ class AsyncTestDevice(Device):
         self.max_delay_s = max_delay_s
         self._random = random.Random(seed)
         self._queue: queue.Queue[_Copy | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="infinity-async-test-device", daemon=True)
+        stopping = threading.Event()
+        self._thread = threading.Thread(target=_land_copies, args=(self._queue, self._random, max_delay_s, stopping),
+                                        name="infinity-async-test-device", daemon=True)
         self._thread.start()
+        # Stopped before the interpreter tears torch down (at exit, or with the device): a
+        # thread still copying tensors then would abort the process.
+        weakref.finalize(self, _stop, self._queue, self._thread, stopping)
 
     def _issue(self, src: torch.Tensor, dst: torch.Tensor) -> InFlight:
         dst.view(torch.uint8).fill_(GARBAGE) if dst.is_contiguous() else dst.fill_(float("nan"))
         copy = _Copy(src, dst)
         self._queue.put(copy)
         return InFlight(dst, src, copy)
-
-    def _run(self) -> None:
-        stop = threading.Event()
-        while True:
-            copy = self._queue.get()
-            if copy is None:
-                return
-            stop.wait(self._random.uniform(0.0, self.max_delay_s))
-            copy.land()
 
     def to_device(self, src: torch.Tensor, dst: torch.Tensor | None = None) -> InFlight:
         return self._issue(src, torch.empty_like(src) if dst is None else dst)

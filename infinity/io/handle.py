@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from infinity import _aio
+from infinity._native import _aio
 from infinity.io.memory import aligned_empty
 
 ENGINES = ("auto", "io_uring", "aio", "psync")
@@ -34,6 +34,9 @@ class _InFlight(NamedTuple):
     write: bool
 
 
+_MAX_OFFSET = 2**63 - 1  # off_t
+
+
 def _warn_buffered_once(path: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     with _warned_lock:
@@ -41,8 +44,8 @@ def _warn_buffered_once(path: str) -> None:
             return
         _warned_buffered.add(directory)
     warnings.warn(
-        f"O_DIRECT is not supported for {path} (e.g. tmpfs); using buffered I/O for files in "
-        f"{directory}: bandwidth will include page-cache copies",
+        f"O_DIRECT is not supported for {path} (its file system refuses it, as tmpfs does); using buffered "
+        f"I/O for files in {directory}: bandwidth will include page-cache copies",
         RuntimeWarning,
         stacklevel=4,
     )
@@ -201,10 +204,18 @@ class AsyncIOHandle:
             self.close()
 
     def _submit(self, write: bool, buffer: Any, path: str | os.PathLike, offset: int) -> int:
-        if not isinstance(offset, int) or offset < 0:
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
             raise ValueError(f"offset: expected a non-negative int, got {offset!r}")
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path: expected a file path, got {path!r}")
         path = os.fspath(path)
+        if "\0" in path:
+            raise ValueError(f"path: contains a NUL byte, which no file name can: {path!r}")
+        if os.path.isdir(path):
+            raise IsADirectoryError(errno_mod.EISDIR, "path: expected a file, got a directory", os.path.abspath(path))
         ptr, nbytes, keep = _pointer(buffer, write)
+        if offset + nbytes > _MAX_OFFSET:
+            raise ValueError(f"offset: {offset} + {nbytes} bytes is past the largest file offset ({_MAX_OFFSET})")
         rid, direct = self._engine.submit(write, ptr, nbytes, path, offset)
         if rid < 0:
             code = -rid

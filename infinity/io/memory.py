@@ -20,12 +20,13 @@ Buffers of 2 MiB and more are also backed by transparent huge pages where the ke
 
 from __future__ import annotations
 
+import errno
 import os
 import warnings
 
 import torch
 
-from infinity import _aio
+from infinity._native import _aio
 
 PAGE_SIZE = 4096
 _warned_mlock = False
@@ -64,7 +65,11 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, pin: bool | None
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
-    buf = _aio.AlignedBuffer(nbytes, PAGE_SIZE)
+    try:
+        buf = _aio.AlignedBuffer(nbytes, PAGE_SIZE)
+    except MemoryError:
+        raise OSError(errno.ENOMEM, f"numel: cannot allocate {numel} elements of {dtype} ({nbytes} bytes) of "
+                      "page-aligned host memory") from None
     if pin is not False:
         _cuda_host_register(buf) if cuda else _mlock(buf)
     # frombuffer keeps `buf` alive for as long as the tensor's storage lives.

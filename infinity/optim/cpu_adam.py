@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from infinity import _adam
+from infinity._native import _adam
 from infinity.optim.functional import check_hyper_params, check_tensor, run_update
 
 __all__ = ["CPUAdam", "DeepSpeedCPUAdam"]

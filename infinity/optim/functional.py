@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from infinity import _adam
+from infinity._native import _adam
 
 __all__ = ["AdamHyper", "adam_step", "adam_update", "available_simd_paths", "simd_path"]
 

@@ -35,7 +35,7 @@ import os
 import shutil
 import socket
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class DirectoryLock:
@@ -136,6 +136,43 @@ def remove_stale(root: str, pattern: str) -> list[str]:
             removed.append(stale.directory)
             stale.remove()
     return removed
+
+
+class Leftover(NamedTuple):
+    """A store directory found under an nvme_path (`survey`)."""
+
+    directory: str
+    status: str  # "stale" (its process is gone), "in use", or "another host's"
+    owner: str  # the process the lock file names
+    nbytes: int  # disk space its files take
+
+
+def survey(root: str, pattern: str = "infinity-*/rank*") -> list[Leftover]:
+    """Every store directory `<root>/<pattern>` with a lock file, and whether its owner lives;
+    looks only (a stale lock is taken and given back, its file left in place)."""
+    found = []
+    for lock_path in sorted(glob.glob(os.path.join(root, pattern + ".lock"))):
+        stale, status = _take_existing(lock_path)
+        if stale is not None:
+            os.close(stale._fd)  # noqa: SLF001 (ours: give the flock back, keep the lock file)
+            status = "stale"
+        elif status == _GONE:
+            continue
+        directory = lock_path[: -len(".lock")]
+        found.append(Leftover(directory, {"held": "in use", "foreign": "another host's"}.get(status, status),
+                              describe_owner(lock_path), _disk_bytes(directory)))
+    return found
+
+
+def _disk_bytes(directory: str) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(directory):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(dirpath, name)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
 
 
 def make_private_dir(path: str) -> None:

@@ -18,13 +18,19 @@ is its size rounded up to a page, and the pool's buffers are whole pages too, so
 can move whole pages with no bounce buffer; the few padding bytes carry no meaning.
 
 [Note: cleanup on exit]
-A store removes its directory when closed, when garbage-collected, at interpreter exit
-(weakref.finalize) and on SIGTERM (and SIGINT where it is not Python's KeyboardInterrupt,
-which already ends in the exit path): the handler removes every open store, then passes the
-signal on to whatever handled it before. A process killed outright (SIGKILL, OOM killer)
-leaves its directory behind; the next store opened under the same nvme_path finds it (its lock
-is free) and removes it. `keep=True` keeps the directory, with a message, and drops the lock;
-a kept directory is never removed automatically and cannot be opened again as a new store.
+A store removes its directory when closed, when garbage-collected and at interpreter exit
+(weakref.finalize): never while the user's code can still reach it. The fp32 masters and Adam
+moments in it exist nowhere else, so a signal handler of the user's (a preemption handler that
+saves a checkpoint) always runs first and finds them: infinity installs a handler only for a
+signal whose disposition is still the default, to die of (SIGTERM when nobody handles it, and
+SIGINT where it is not Python's KeyboardInterrupt, which already ends in the exit path). That
+handler removes every open store and then dies of the signal as the default would have; a
+handler installed later replaces it, and then the exit path cleans up. A process killed
+outright (SIGKILL, OOM killer) leaves its directory behind; the next store opened under the
+same nvme_path finds it (its lock is free) and removes it, and `infinity clean NVME_PATH` lists
+and removes such leftovers by hand. `keep=True` keeps the directory, with a message, and drops
+the lock; a kept directory is never removed automatically and cannot be opened again as a new
+store.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from typing import Any, NamedTuple
 
 from infinity.io import PAGE_SIZE, AsyncIOHandle
 from infinity.tiers._messages import config_key, human_bytes
-from infinity.tiers.lock import DirectoryLock, remove_stale, rmdir_if_empty
+from infinity.tiers.lock import DirectoryLock, owner, remove_stale, rmdir_if_empty
 from infinity.tiers.pool import round_up
 
 logger = logging.getLogger(__name__)
@@ -123,7 +129,14 @@ class NvmeStore:
             self._lock = DirectoryLock.take(self._directory)
         except OSError as e:
             key = config_key(name, "nvme_path")
-            raise OSError(e.errno, f"{key}: {e.strerror}; use another job id", e.filename) from None
+            if e.errno != errno.EBUSY:
+                hint = f"cannot create the store's directory under {root}: nvme_path must be a writable directory"
+            elif owner(self._directory + ".lock").get("pid") == os.getpid():
+                hint = ("an earlier engine of this process holds it (infinity.initialize on the same nvme_path): "
+                        "call that engine's close() first, or give this one another nvme_path")
+            else:
+                hint = "another job uses it: give this one another nvme_path, or stop that job"
+            raise OSError(e.errno, f"{key}: {e.strerror}; {hint}", e.filename) from None
         try:
             self._create_files()
         except BaseException:
@@ -232,7 +245,8 @@ class NvmeStore:
                 errno.ENOSPC,
                 f"{config_key(self._name, 'nvme_path')}: the offloaded shards need {human_bytes(needed)} "
                 f"({needed} bytes) in {self._directory} but only {human_bytes(free)} ({free} bytes) is free; "
-                f"free space, or point nvme_path at a larger drive",
+                "free space (`infinity clean DIR` lists and removes what runs killed outright left under "
+                "DIR), or point nvme_path at a larger drive",
                 self._directory,
             )
 
@@ -311,21 +325,17 @@ def _register_signal_cleanup(finalizer: weakref.finalize) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
             if signum in _signals_installed:
                 continue
-            previous = signal.getsignal(signum)
-            if previous in (signal.SIG_IGN, signal.default_int_handler, None):
-                continue  # ignored, KeyboardInterrupt (ends in the exit path anyway), or not Python's
-            signal.signal(signum, _make_handler(previous))
+            if signal.getsignal(signum) is not signal.SIG_DFL:
+                continue  # the user's handler (it may still need the state), ignored, or KeyboardInterrupt
+            signal.signal(signum, _clean_and_die)
             _signals_installed.add(signum)
 
 
-def _make_handler(previous: Any) -> Any:
-    def handler(signum: int, frame: Any) -> None:
-        for finalizer in list(_open_stores):
-            finalizer()  # a no-op for stores already closed
-        if callable(previous):
-            previous(signum, frame)
-        else:  # SIG_DFL: die of the signal, as the parent process expects
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-
-    return handler
+def _clean_and_die(signum: int, frame: Any) -> None:
+    """The default disposition was to die: nothing of the user's runs after this, so the open
+    stores go first ([Note: cleanup on exit]), then the process dies of the signal as the parent
+    process expects."""
+    for finalizer in list(_open_stores):
+        finalizer()  # a no-op for stores already closed
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)

@@ -26,9 +26,12 @@ def plan_count(count: int, minimum: int = MIN_BUFFERS, name: str = "offload_para
 
 
 def make_handle(aio) -> AsyncIOHandle:
-    """The I/O handle an `aio` config section describes."""
-    return AsyncIOHandle(block_size=aio.block_size, queue_depth=aio.queue_depth, thread_count=aio.thread_count,
-                         single_submit=aio.single_submit, overlap_events=aio.overlap_events, engine=aio.engine)
+    """The I/O handle an `aio` config section describes; its errors name the config key."""
+    try:
+        return AsyncIOHandle(block_size=aio.block_size, queue_depth=aio.queue_depth, thread_count=aio.thread_count,
+                             single_submit=aio.single_submit, overlap_events=aio.overlap_events, engine=aio.engine)
+    except ValueError as e:
+        raise ValueError(f"aio.{e}") from None
 
 
 class IOTally:

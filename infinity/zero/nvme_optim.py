@@ -24,6 +24,13 @@ running during backward (no clipping, no fp16: see [Note: update during backward
 the state of a unit is then in memory when its gradient is final, its update runs at once, and
 its writes drain behind the next unit's backward.
 
+[Note: failed transfers give their buffers back]
+A read that failed holds nothing; every other buffer an update holds when a read or a fetch
+fails (the piece's other kinds, the piece read ahead, the gradient it was given) goes back to
+the pool before the error is raised, and the engine abandons the step: the next step then meets
+the failed shard at once (a failed write leaves it INVALID: its bytes are never taken for good)
+or works, and never waits for a buffer that nobody will release.
+
 [Note: gradient spill]
 Gradients are reduced to this rank's shard and accumulated in fp32 on the host. When the update
 waits for the step (clipping or fp16 needs the global norm first, or several micro-steps
@@ -198,9 +205,35 @@ class NvmeOptimizerState:
     # ---- the update -----------------------------------------------------------------------
 
     def _fetch(self, index: int, k: int) -> list:
-        """The fetch handles of one piece, in `_kinds` order: those issued early, and the rest now."""
+        """The fetch handles of one piece, in `_kinds` order: those issued early, and the rest now.
+        If one cannot be issued (a shard whose last write failed), the others are given back."""
         early = self._early.pop((index, k), {})
-        return [early.get(kind) or self.swapper.fetch(kind, (index, k)) for kind in self._kinds(index)]
+        handles = []
+        try:
+            for kind in self._kinds(index):
+                handles.append(early.pop(kind, None) or self.swapper.fetch(kind, (index, k)))
+        except BaseException:
+            for kind in [*self._kinds(index)[:len(handles)], *early]:
+                self.swapper.release(kind, (index, k))
+            raise
+        return handles
+
+    def _wait_piece(self, index: int, k: int, handles: list, n: int) -> list[torch.Tensor]:
+        """The piece's fp32 tensors, in `_kinds` order. If a read failed (its fetch then holds
+        nothing), the piece's other buffers go back and the first error is raised."""
+        tensors, error = [], None
+        for handle in handles:
+            try:
+                tensors.append(self.swapper.wait(handle).view(torch.float32)[:n])
+            except OSError as e:
+                error = error or e
+                tensors.append(None)
+        if error is not None:
+            for kind, t in zip(self._kinds(index), tensors):
+                if t is not None:
+                    self.swapper.release(kind, (index, k))
+            raise error
+        return tensors
 
     def _read_early(self, index: int, k: int) -> bool:
         """Issues the reads of one piece before its update, if the pool can spare its buffers while
@@ -216,8 +249,17 @@ class NvmeOptimizerState:
                 del self._early[(index, k)]
             return False
         for kind in kinds:
-            early[kind] = self.swapper.fetch(kind, (index, k))
+            try:
+                early[kind] = self.swapper.fetch(kind, (index, k))
+            except OSError:
+                return False  # a shard whose last write failed: its update meets the error itself
         return True
+
+    def abort_pass(self) -> None:
+        """A backward failed: gradients in flight are dropped, and so is whatever this step had
+        read ahead or kept ([Note: failed transfers give their buffers back])."""
+        self._landing.discard()
+        self.finish_step()
 
     def _read_ahead(self) -> None:
         """Reads the pieces of the units expected to become final next ([Note: reading ahead in
@@ -243,30 +285,46 @@ class NvmeOptimizerState:
         if grad is None and index not in self._spilled:
             grad = torch.zeros(unit.train_shard_numel, dtype=torch.float32)  # no gradient reached this unit
         half = None if out.dtype == torch.float32 else out  # the kernel rounds into it in its pass
-        pending = self._fetch(index, 0)
-        for k, (start, n) in enumerate(pieces):
-            current = pending
-            if k + 1 < len(pieces):
-                pending = self._fetch(index, k + 1)  # read ahead while this piece updates
-            with torch.profiler.record_function("infinity::nvme_wait"):
-                master, m, v, *spilled = (self.swapper.wait(h).view(torch.float32)[:n] for h in current)
-            g = spilled[0] if spilled else grad[start:start + n]
-            with torch.profiler.record_function("infinity::adam"):
-                for seg in unit.segments:
-                    lo, hi = max(seg.start, start), min(seg.start + seg.count, start + n)
-                    if lo >= hi:
-                        continue
-                    piece = slice(lo - start, hi - start)
-                    adam_step(master[piece], g[piece], m[piece], v[piece], hypers[seg.group], step=step,
-                              grad_scale=grad_scale, half_out=None if half is None else half[lo:hi])
-                if half is None:
-                    out[start:start + n].copy_(master)
-            for kind in KINDS:
-                self.swapper.release(kind, (index, k), dirty=True)  # the write starts now
-            if spilled:
-                self.swapper.release(GRAD, (index, k))
-        if fresh is not None:
-            self._landing.release(fresh)
+        pending: list | None = None  # the next piece: fetched, not waited for
+        upcoming: list | None = None  # the piece about to be updated: fetched, not waited for
+        current: list | None = None  # the piece being updated: waited for, not yet released
+        k = -1
+        try:
+            pending = self._fetch(index, 0)
+            for k, (start, n) in enumerate(pieces):
+                upcoming, pending = pending, None
+                if k + 1 < len(pieces):
+                    pending = self._fetch(index, k + 1)  # read ahead while this piece updates
+                with torch.profiler.record_function("infinity::nvme_wait"):
+                    handles, upcoming = upcoming, None
+                    current = self._wait_piece(index, k, handles, n)
+                master, m, v, *spilled = current
+                g = spilled[0] if spilled else grad[start:start + n]
+                with torch.profiler.record_function("infinity::adam"):
+                    for seg in unit.segments:
+                        lo, hi = max(seg.start, start), min(seg.start + seg.count, start + n)
+                        if lo >= hi:
+                            continue
+                        piece = slice(lo - start, hi - start)
+                        adam_step(master[piece], g[piece], m[piece], v[piece], hypers[seg.group], step=step,
+                                  grad_scale=grad_scale, half_out=None if half is None else half[lo:hi])
+                    if half is None:
+                        out[start:start + n].copy_(master)
+                current = None
+                for kind in KINDS:
+                    self.swapper.release(kind, (index, k), dirty=True)  # the write starts now
+                if spilled:
+                    self.swapper.release(GRAD, (index, k))
+        except BaseException:
+            # [Note: failed transfers give their buffers back]: what this update holds goes back
+            # unchanged, so the next step either works or meets the failed shard at once.
+            for held, piece in ((current, k), (upcoming, k), (pending, k + 1)):
+                for kind in self._kinds(index) if held is not None else ():
+                    self.swapper.release(kind, (index, piece))
+            raise
+        finally:
+            if fresh is not None:
+                self._landing.release(fresh)
         if index in self._ready:
             self._ready.remove(index)
         self._updated.add(index)

@@ -110,6 +110,13 @@ class GradientLanding:
     def release(self, host_copy: torch.Tensor) -> None:
         self.pool.release(host_copy)
 
+    def discard(self) -> None:
+        """Drops the gradients in flight (a failed backward), once their copies have landed."""
+        pending, self._pending = self._pending, []
+        for copy, buffer, _ in pending:
+            self.device.wait_host(copy)
+            self.pool.release(buffer)
+
 
 class ResidentOptimizerState:
     """All state of every shard held in memory: on the compute device (offload none) or in host
@@ -181,6 +188,10 @@ class ResidentOptimizerState:
 
     def step_order(self, units: list[Unit]) -> list[Unit]:
         return units
+
+    def abort_pass(self) -> None:
+        if self._landing is not None:
+            self._landing.discard()
 
     def finish_step(self) -> None:
         pass

@@ -89,7 +89,10 @@ class OptimizerTier(Protocol):
         """The order in which to update `units` (those whose state is read already first)."""
 
     def finish_step(self) -> None:
-        """The step's updates are done."""
+        """The step's updates are done (or it was abandoned): what it read ahead or kept goes back."""
+
+    def abort_pass(self) -> None:
+        """A backward failed: gradients in flight are dropped, buffers given back."""
 
     def flush(self) -> None:
         """Completes the previous step's writes, raising a failed one."""

@@ -93,6 +93,15 @@ class StepPolicy:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self, step_number: int) -> StepOutcome:
+        try:
+            outcome = self._step(step_number)
+        finally:  # also when an update failed: the step is abandoned, its buffers given back
+            self._hypers, self._updated, self._updated_in_backward = None, set(), 0
+            self.optim_state.finish_step()
+        self.params.flush()  # parameter writes are few (2 bytes a parameter): finish them here
+        return outcome
+
+    def _step(self, step_number: int) -> StepOutcome:
         # The previous step's optimizer-state writes drained behind this step's forward and
         # backward; a failed one is raised now if nothing met it yet (a read of its shard, such
         # as an update in backward, raises at once: its bytes are never taken for good ones).
@@ -110,8 +119,9 @@ class StepPolicy:
         grad_scale = 1.0 / loss_scale
         overflow = nonfinite and self.scaler is not None
         if nonfinite and self.scaler is None:
-            log.warning("step %d: the gradients hold inf or nan; applied as they are (only fp16 loss scaling "
-                        "skips steps)", step_number)
+            log.warning("step %d: the global gradient norm is inf or nan (a gradient holds inf or nan, or a "
+                        "weight it came from does); applied as it is (only fp16 loss scaling skips steps)",
+                        step_number)
         if self.clip > 0 and not nonfinite:
             coef = torch.tensor(self.clip, dtype=torch.float32) / (torch.tensor(grad_norm, dtype=torch.float32) + 1e-6)
             grad_scale *= float(torch.clamp(coef, max=1.0))
@@ -122,11 +132,7 @@ class StepPolicy:
         else:
             for u in self.optim_state.step_order([u for u in units if u.index not in self._updated]):
                 self._update(u, grad_scale)
-        outcome = StepOutcome(grad_norm, not overflow, self._updated_in_backward)
-        self._hypers, self._updated, self._updated_in_backward = None, set(), 0
-        self.optim_state.finish_step()
-        self.params.flush()  # parameter writes are few (2 bytes a parameter): finish them here
-        return outcome
+        return StepOutcome(grad_norm, not overflow, self._updated_in_backward)
 
     def _update(self, unit: Unit, grad_scale: float) -> None:
         if self._hypers is None:  # the step's first update

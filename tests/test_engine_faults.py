@@ -1,0 +1,60 @@
+"""An I/O error in the middle of training is reported once, by name; every error path gives its
+buffers back, so the next step fails at once with the original error (a shard whose write failed
+is invalid) or works, and never waits for a buffer nobody will release."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import infinity
+from gpt import TinyGPT, batches, config
+from test_tiers_faults import FaultyHandle
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])  # the update inside backward, and after the norm
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_one_failed_transfer_of_optimizer_state(tmp_path, clip, op):
+    cfg = config(3, "nvme", "nvme", clip=clip)
+    z = cfg["zero_optimization"]
+    z["offload_param"].update(nvme_path=str(tmp_path), buffer_count=6, max_in_cpu=0)
+    z["offload_optimizer"].update(nvme_path=str(tmp_path), buffer_count=9)
+    torch.manual_seed(0)
+    engine, *_ = infinity.initialize(TinyGPT(), config=cfg)
+    swapper = engine.optim_state.swapper
+    faulty = FaultyHandle()
+    if op == "write":
+        faulty.inner, swapper.write_handle = swapper.write_handle, faulty
+    else:
+        faulty.inner, swapper.handle = swapper.handle, faulty
+    swapper.timeout = 5.0  # a leaked buffer shows as a TimeoutError here, not after a minute
+    data = batches(6, 4)
+    engine.backward(engine(*data[0]))
+    engine.step()
+    faulty.fail(engine.optim_state.store.extent("exp_avg_sq", (0, 0)), op)
+    outcomes = []
+    for idx, tgt in data[1:]:
+        start = time.monotonic()
+        try:
+            engine.backward(engine(idx, tgt))
+            engine.step()
+            outcomes.append("ok")
+        except OSError as e:
+            assert "exp_avg_sq" in str(e) and "(0, 0)" in str(e), e  # the shard, by name
+            outcomes.append("error")
+        assert time.monotonic() - start < 4.0  # at once: nothing waited for a buffer
+        assert engine.fetcher.live_numel == 0
+    try:
+        swapper.flush()
+    except OSError:
+        pass
+    assert engine.optim_state.pool.stats.bytes_in_use == 0
+    if op == "read":  # met by the update that reads it; nothing changed on disk: the next steps work
+        assert outcomes == ["error"] + ["ok"] * 4
+    else:  # met by the next flush (writes drain behind the next step with clipping) or read; the
+        # shard is invalid from then on: every later step says so again, never reading its bytes
+        first = outcomes.index("error")
+        assert first <= 1 and outcomes[first:] == ["error"] * (5 - first)
+    engine.close()

@@ -1,0 +1,185 @@
+"""Misuse of the API gets a clear error, never a bare assert, a silent change or a wedge."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import infinity
+from gpt import TinyGPT, batches, config
+
+
+def nvme(tmp_path, *, clip: float = 1.0, gas: int = 1) -> dict:
+    cfg = config(3, "nvme", "nvme", gas=gas, clip=clip)
+    z = cfg["zero_optimization"]
+    z["offload_param"].update(nvme_path=str(tmp_path), buffer_count=6, max_in_cpu=0)
+    z["offload_optimizer"].update(nvme_path=str(tmp_path), buffer_count=9)
+    return cfg
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])  # update in backward, and after the norm
+def test_backward_twice_without_step_is_an_error_in_both_modes(tmp_path, clip):
+    torch.manual_seed(0)
+    engine, *_ = infinity.initialize(TinyGPT(), config=nvme(tmp_path, clip=clip))
+    idx, tgt = batches(1, 4)[0]
+    engine.backward(engine(idx, tgt))
+    before = engine.consolidated_state_dict()
+    with pytest.raises(RuntimeError, match=r"called again before engine.step\(\)"):
+        engine.backward(engine(idx, tgt))
+    after = engine.consolidated_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing was applied twice
+    engine.step()
+    engine.backward(engine(idx, tgt))  # and training goes on
+    engine.step()
+    assert engine.global_steps == 2
+    engine.close()
+
+
+def test_a_failed_backward_leaves_the_engine_usable(tmp_path):
+    torch.manual_seed(0)
+    engine, *_ = infinity.initialize(TinyGPT(), config=nvme(tmp_path, gas=2))
+    idx, tgt = batches(1, 4)[0]
+    loss = engine(idx, tgt)
+    engine.backward(loss)
+    engine.step()  # not a boundary yet
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        engine.backward(loss)  # autograd's own error, raised through the engine
+    for _ in range(4):
+        engine.backward(engine(idx, tgt))
+        engine.step()
+    assert engine.global_steps == 2 and engine.fetcher.live_numel == 0
+    engine.close()
+
+
+def test_a_closed_engine_says_so(tmp_path):
+    engine, *_ = infinity.initialize(TinyGPT(), config=nvme(tmp_path))
+    idx, tgt = batches(1, 4)[0]
+    engine.close()
+    for call in (lambda: engine(idx, tgt), lambda: engine.module(idx, tgt), engine.step):
+        with pytest.raises(RuntimeError, match="engine was closed"):
+            call()
+
+
+def test_a_second_engine_on_the_same_path_names_the_first(tmp_path):
+    first, *_ = infinity.initialize(TinyGPT(), config=nvme(tmp_path))
+    with pytest.raises(OSError, match=r"nvme_path: .*an earlier engine of this process holds it.*close\(\)"):
+        infinity.initialize(TinyGPT(), config=nvme(tmp_path))
+    first.close()
+    second, *_ = infinity.initialize(TinyGPT(), config=nvme(tmp_path))  # close() released it
+    second.close()
+
+
+SIGTERM_SCRIPT = r"""
+import os, signal, sys, time, torch
+sys.path.insert(0, sys.argv[2])
+import infinity
+from gpt import TinyGPT, batches
+from test_misuse import nvme
+
+def on_sigterm(signum, frame):  # a preemption handler: save what the engine holds, then leave
+    torch.save(engine.consolidated_state_dict(), os.path.join(sys.argv[1], "saved.pt"))
+    sys.exit(0)
+
+if sys.argv[3] == "before":
+    signal.signal(signal.SIGTERM, on_sigterm)
+torch.manual_seed(0)
+engine, *_ = infinity.initialize(TinyGPT(), config=nvme(os.path.join(sys.argv[1], "nvme")))
+if sys.argv[3] == "after":
+    signal.signal(signal.SIGTERM, on_sigterm)
+for idx, tgt in batches(2, 4):
+    engine.backward(engine(idx, tgt))
+    engine.step()
+torch.save(engine.consolidated_state_dict(), os.path.join(sys.argv[1], "expected.pt"))
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("installed", ["before", "after"])  # the user's handler, around initialize
+def test_a_sigterm_handler_of_the_user_finds_the_state(tmp_path, installed):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    (tmp_path / "nvme").mkdir()
+    child = subprocess.Popen([sys.executable, "-c", SIGTERM_SCRIPT, str(tmp_path), os.path.dirname(__file__),
+                              installed], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready", child.stderr.read()
+        child.send_signal(signal.SIGTERM)
+        _, stderr = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert child.returncode == 0, stderr
+    saved = torch.load(tmp_path / "saved.pt", weights_only=True)
+    expected = torch.load(tmp_path / "expected.pt", weights_only=True)
+    assert saved.keys() == expected.keys() and all(torch.equal(saved[k], expected[k]) for k in saved)
+    assert os.listdir(tmp_path / "nvme") == []  # removed on the exit that followed
+
+
+def test_importing_an_unbuilt_source_tree_says_what_to_do(tmp_path):
+    """From a checkout's root, Python finds the source package first; without its compiled
+    extensions the error must say so, not blame a circular import."""
+    import pathlib
+    import shutil
+    import subprocess
+    import sys
+
+    source = pathlib.Path(infinity.__file__).parent
+    shutil.copytree(source, tmp_path / "infinity", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    probe = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'Redirect' not in type(f).__name__]; "
+             "sys.path.insert(0, '.'); import infinity")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "compiled extensions" in out.stderr and "pip install" in out.stderr, out.stderr
+
+
+def test_builds_of_one_checkout_do_not_share_a_build_directory():
+    import pathlib
+    import tomllib
+
+    pyproject = pathlib.Path(__file__).parent.parent / "pyproject.toml"
+    if not pyproject.exists():
+        pytest.skip("not run from a checkout")
+    build = tomllib.loads(pyproject.read_text())["tool"]["scikit-build"]
+    assert "build-dir" not in build  # a fixed one made two concurrent `pip install .` collide
+
+
+@pytest.mark.parametrize("aio,key", [({"block_size": 3, "engine": "aio"}, "aio.block_size"),
+                                     ({"queue_depth": 100000}, "aio.queue_depth"),
+                                     ({"thread_count": 1000}, "aio.thread_count")])
+def test_aio_errors_name_their_config_key(tmp_path, aio, key):
+    cfg = nvme(tmp_path)
+    cfg["aio"] = aio
+    with pytest.raises(ValueError, match=rf"^{key}: expected"):
+        infinity.initialize(TinyGPT(), config=cfg)
+
+
+def test_path_errors_show_where_they_point(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    cfg = nvme("missing/dir")
+    with pytest.raises(ValueError, match=rf"directory does not exist: {tmp_path}/missing/dir \(given as missing/dir\)"):
+        infinity.initialize(TinyGPT(), config=cfg)
+    with pytest.raises(OSError, match="nvme_path must be a writable directory") as raised:
+        infinity.initialize(TinyGPT(), config=nvme("/proc"))
+    assert "job id" not in str(raised.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_handle_arguments_are_checked_by_name(tmp_path):
+    from infinity.io import AsyncIOHandle, aligned_empty
+
+    handle = AsyncIOHandle()
+    buf = aligned_empty(4096)
+    with pytest.raises(ValueError, match="path: contains a NUL byte"):
+        handle.submit_write(buf, str(tmp_path / "x\0y"))
+    assert list(tmp_path.iterdir()) == []  # nothing written under the part before the NUL
+    with pytest.raises(ValueError, match="offset: .* past the largest file offset"):
+        handle.submit_write(buf, str(tmp_path / "f"), 2**63)
+    with pytest.raises(IsADirectoryError, match="path: expected a file, got a directory"):
+        handle.submit_read(buf, str(tmp_path))
+    with pytest.raises(OSError, match="numel: cannot allocate"):
+        aligned_empty(1 << 45)
