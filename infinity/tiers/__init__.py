@@ -7,17 +7,11 @@ asynchronously) are the pieces; `ShardState` is the one state enum every layer u
 
 from infinity.tiers.cache import HostCache
 from infinity.tiers.pool import BufferPool, PoolStats
+from infinity.tiers.shard import FetchHandle, Transfer, WriteHandle
 from infinity.tiers.state import ShardState
+from infinity.tiers.stats import DirectionStats, SwapStats
 from infinity.tiers.store import Extent, NvmeStore
-from infinity.tiers.swapper import (
-    DirectionStats,
-    FetchHandle,
-    IOHandle,
-    SwapStats,
-    Swapper,
-    Transfer,
-    WriteHandle,
-)
+from infinity.tiers.swapper import IOHandle, Swapper
 
 __all__ = [
     "BufferPool",

@@ -1,21 +1,7 @@
 """`Swapper`: moves shards between their NVMe extents and host buffers, asynchronously.
 
-[Note: shard life cycle]
-Each shard the swapper has seen has one record (`_Shard`) whose `ShardState` changes only
-through `to_*()` methods that assert the states they may leave:
-
-    EMPTY, NVME, INVALID --write, evict------------------------------> HOST_TO_NVME
-    NVME --fetch----------------------------------------------------> NVME_TO_HOST
-    NVME_TO_HOST --read done: HOST; read failed: NVME
-    HOST --last release of changed bytes, or write to a cached shard--> HOST_TO_NVME
-    HOST --last release, and the cache does not keep it-------------> NVME
-    HOST_TO_NVME --done: HOST if held or cached, else NVME; failed: INVALID
-
-A HOST shard is held by its fetchers (`holders`) or, once the last one released it, kept by the
-host cache; a HOST shard that is neither goes back to NVME and its buffer to the pool at once.
-Changed bytes are written when the last holder releases them (write-through, so that evicting a
-cached shard never waits for a write and the optimizer's writes start while it updates the next
-unit); the buffer stays with the shard until the write is waited for.
+Each shard is a `Shard` record (shard.py) whose state the swapper moves on ([Note: shard life
+cycle] in shard.py); what it moved is counted in a `SwapCounters` (stats.py).
 
 [Note: transfer ordering]
 What the states guarantee, and how:
@@ -50,8 +36,7 @@ import errno
 import threading
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import torch
 from torch.profiler import record_function
@@ -59,10 +44,22 @@ from torch.profiler import record_function
 from infinity.tiers._messages import config_key
 from infinity.tiers.cache import HostCache
 from infinity.tiers.pool import BufferPool
+from infinity.tiers.shard import FetchHandle, Shard, ShardKey, Transfer, WriteHandle
 from infinity.tiers.state import ShardState
+from infinity.tiers.stats import DirectionStats, SwapCounters, SwapStats
 from infinity.tiers.store import Extent, NvmeStore
 
-ShardKey = tuple[str, Hashable]  # (kind, key): how the swapper and its cache name a shard
+# The handles (shard.py) and the stats (stats.py) stay importable from here, where they were defined before.
+__all__ = [
+    "DirectionStats",
+    "FetchHandle",
+    "IOHandle",
+    "ShardKey",
+    "SwapStats",
+    "Swapper",
+    "Transfer",
+    "WriteHandle",
+]
 
 
 class IOHandle(Protocol):
@@ -71,115 +68,6 @@ class IOHandle(Protocol):
     def submit_read(self, buffer: torch.Tensor, path: str, offset: int = 0) -> int: ...
     def submit_write(self, buffer: torch.Tensor, path: str, offset: int = 0) -> int: ...
     def wait(self, request: int | None = None) -> int: ...
-
-
-class Transfer(NamedTuple):
-    """An NVMe transfer in flight and the memory it uses: `buffer` is neither read, changed nor
-    reused before `request` was waited for."""
-
-    buffer: torch.Tensor  # 1-D uint8: the bytes moved (whole pages of a pool buffer, or the caller's tensor)
-    request: int  # the I/O handle's request id
-    write: bool
-    started: float  # time.monotonic() at submission
-
-
-class FetchHandle(NamedTuple):
-    """A fetch: `Swapper.wait` turns it into the shard's bytes once `transfer` has completed."""
-
-    kind: str
-    key: Hashable
-    transfer: Transfer | None  # what the shard was waiting on at fetch time; None: already in host memory
-
-
-class WriteHandle(NamedTuple):
-    """A write to NVMe: `Swapper.wait` returns once it has completed, raising if it failed."""
-
-    kind: str
-    key: Hashable
-    transfer: Transfer
-
-
-class DirectionStats(NamedTuple):
-    """Traffic in one direction between host memory and NVMe."""
-
-    bytes: int  # of completed transfers
-    count: int
-    seconds: float  # submission to completion, summed over transfers (they overlap)
-    wait_seconds: float  # callers blocked waiting for these transfers: the I/O not hidden
-    busy_seconds: float  # wall time with a transfer of this direction in flight (see `_busy`)
-    submitted_bytes: int  # of transfers issued, complete or not
-
-
-class SwapStats(NamedTuple):
-    nvme_to_host: DirectionStats
-    host_to_nvme: DirectionStats
-    hits: int  # fetches served without a read (in host memory, or a read already in flight)
-    misses: int  # fetches that issued a read
-    busy_seconds: float = 0.0  # wall time with any transfer in flight
-
-
-_NO_STATS = DirectionStats(0, 0, 0.0, 0.0, 0.0, 0)
-
-
-@dataclass(slots=True, eq=False)
-class _Shard:
-    """One shard as the swapper sees it ([Note: shard life cycle])."""
-
-    kind: str
-    key: Hashable
-    extent: Extent
-    state: ShardState = ShardState.EMPTY
-    buffer: torch.Tensor | None = None  # 1-D uint8 pool buffer, whole pages: NVME_TO_HOST, HOST, HOST_TO_NVME
-    transfer: Transfer | None = None  # in flight: NVME_TO_HOST, HOST_TO_NVME
-    holders: int = 0  # fetches not yet released
-    dirty: bool = False  # HOST: changed by a holder; written when the last holder releases it
-    completing: bool = False  # a thread is waiting on `transfer` ([Note: completing transfers])
-    failure: tuple[Transfer | None, OSError] | None = None  # last failed transfer (None: at submission), and why
-
-    @property
-    def name(self) -> str:
-        return f"shard {self.key!r} of kind {self.kind!r}"
-
-    def _leave(self, *allowed: ShardState) -> None:
-        assert self.state in allowed, f"{self.name}: {self.state.name} -> expected one of {[s.name for s in allowed]}"
-
-    def to_nvme_to_host(self, buffer: torch.Tensor, transfer: Transfer) -> None:
-        self._leave(ShardState.NVME)
-        self.state, self.buffer, self.transfer = ShardState.NVME_TO_HOST, buffer, transfer
-
-    def to_host_to_nvme(self, transfer: Transfer, buffer: torch.Tensor | None) -> None:
-        """Starts a write; `buffer` is the pool buffer it writes from (None: the caller's tensor)."""
-        if self.state is ShardState.HOST:
-            assert buffer is self.buffer and not self.dirty and self.holders == 0
-        else:
-            self._leave(ShardState.EMPTY, ShardState.NVME, ShardState.INVALID)
-        self.state, self.buffer, self.transfer = ShardState.HOST_TO_NVME, buffer, transfer
-
-    def to_host(self) -> None:
-        """A read completed, or a write completed and its buffer stays with the shard."""
-        self._leave(ShardState.NVME_TO_HOST, ShardState.HOST_TO_NVME)
-        assert self.buffer is not None
-        self.state, self.transfer = ShardState.HOST, None
-
-    def to_nvme(self) -> torch.Tensor | None:
-        """The bytes are (still) only on NVMe; returns the buffer to give back, if any."""
-        if self.state is ShardState.HOST:
-            assert self.holders == 0 and not self.dirty, f"{self.name} is in use or changed"
-        else:
-            self._leave(ShardState.NVME_TO_HOST, ShardState.HOST_TO_NVME)
-        buffer = self.buffer
-        self.state, self.buffer, self.transfer = ShardState.NVME, None, None
-        return buffer
-
-    def to_invalid(self) -> torch.Tensor | None:
-        """A write failed (or could not even be submitted); returns its buffer to give back, if any."""
-        if self.state is ShardState.HOST:
-            assert self.holders == 0, f"{self.name} is in use"
-        else:
-            self._leave(ShardState.HOST_TO_NVME, ShardState.EMPTY, ShardState.NVME, ShardState.INVALID)
-        buffer = self.buffer
-        self.state, self.buffer, self.transfer, self.dirty = ShardState.INVALID, None, None, False
-        return buffer
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -214,9 +102,10 @@ class Swapper:
     `buf` in place if wanted; `release(kind, key, dirty=True)` writes it back.
     """
 
-    _shards: dict[ShardKey, _Shard]
-    _writes: dict[ShardKey, _Shard]  # shards with a write in flight, oldest first
+    _shards: dict[ShardKey, Shard]
+    _writes: dict[ShardKey, Shard]  # shards with a write in flight, oldest first
     _unreported: list[OSError]  # failed writes nobody has waited for ([Note: completing transfers])
+    _counters: SwapCounters  # what moved, for `stats`
 
     def __init__(
         self,
@@ -251,12 +140,8 @@ class Swapper:
         self._shards = {}
         self._writes = {}
         self._unreported = []
-        self._stats = {False: _NO_STATS, True: _NO_STATS}  # write? -> traffic
-        self._busy_until: dict[bool | None, float] = {False: 0.0, True: 0.0, None: 0.0}  # None: either
-        self._busy_any = 0.0
-        self._hits = 0
-        self._misses = 0
-        self._cond = threading.Condition(threading.Lock())  # guards every _Shard and the fields above
+        self._counters = SwapCounters()
+        self._cond = threading.Condition(threading.Lock())  # guards every Shard and the fields above
 
     # ---- queries -----------------------------------------------------------------------------
 
@@ -280,7 +165,7 @@ class Swapper:
     @property
     def stats(self) -> SwapStats:
         with self._cond:
-            return SwapStats(self._stats[False], self._stats[True], self._hits, self._misses, self._busy_any)
+            return self._counters.snapshot()
 
     # ---- NVMe -> host ------------------------------------------------------------------------
 
@@ -306,7 +191,7 @@ class Swapper:
                     if shard.holders == 0:
                         self._uncache(shard)
                     shard.holders += 1
-                    self._hits += 1
+                    self._counters.hits += 1
                     return FetchHandle(kind, key, shard.transfer)
                 buffer = self._acquire(shard.extent.capacity)
                 if shard.state is not ShardState.NVME:  # changed while we waited for the buffer
@@ -319,7 +204,7 @@ class Swapper:
                     raise self._transfer_error(shard, e, "read", "fetch it again to retry") from e
                 shard.to_nvme_to_host(buffer, transfer)
                 shard.holders, shard.failure = 1, None
-                self._misses += 1
+                self._counters.misses += 1
                 return FetchHandle(kind, key, transfer)
 
     def wait(self, handle: FetchHandle | WriteHandle) -> torch.Tensor | None:
@@ -502,10 +387,10 @@ class Swapper:
 
     # ---- the machinery (all called with the lock held) ----------------------------------------
 
-    def _shard(self, kind: str, key: Hashable) -> _Shard:
+    def _shard(self, kind: str, key: Hashable) -> Shard:
         shard = self._shards.get((kind, key))
         if shard is None:
-            shard = self._shards[(kind, key)] = _Shard(kind, key, self.store.extent(kind, key))
+            shard = self._shards[(kind, key)] = Shard(kind, key, self.store.extent(kind, key))
         return shard
 
     def _submit(self, write: bool, buffer: torch.Tensor, extent: Extent) -> Transfer:
@@ -513,11 +398,10 @@ class Swapper:
             started = time.monotonic()
             submit = self.write_handle.submit_write if write else self.handle.submit_read
             request = submit(buffer, extent.path, extent.offset)
-        old = self._stats[write]
-        self._stats[write] = old._replace(submitted_bytes=old.submitted_bytes + buffer.numel())
+        self._counters.submitted(write, buffer.numel())
         return Transfer(buffer, request, write, started)
 
-    def _complete(self, shard: _Shard) -> None:
+    def _complete(self, shard: Shard) -> None:
         """Waits for the shard's transfer and moves the shard on ([Note: completing transfers]).
 
         Releases the lock while it waits; outcomes, failures included, are recorded on the shard.
@@ -552,34 +436,15 @@ class Swapper:
             shard.completing = False
             self._cond.notify_all()
         if error is None:
-            now = time.monotonic()
             if not transfer.write and self.read_delay_s > 0:
                 finished = max(finished, transfer.started + self.read_delay_s)
-            finished = min(max(finished, transfer.started), now)
-            old = self._stats[transfer.write]
-            self._stats[transfer.write] = old._replace(
-                bytes=old.bytes + transfer.buffer.numel(), count=old.count + 1,
-                seconds=old.seconds + finished - transfer.started, wait_seconds=old.wait_seconds + now - began,
-                busy_seconds=old.busy_seconds + self._busy(transfer.write, transfer.started, finished),
-            )
-            self._busy_any += self._busy(None, transfer.started, finished)
+            self._counters.completed(transfer, began, finished)
         if transfer.write:
             self._finish_write(shard, transfer, error)
         else:
             self._finish_read(shard, transfer, error)
 
-    def _busy(self, direction: bool | None, start: float, end: float) -> float:
-        """New wall time that the interval [start, end] adds to `direction`'s busy time.
-
-        Transfers are counted as they complete, roughly in the order they were issued (each
-        handle serves its queue in order), so the union of their intervals is kept as one
-        running end: an interval adds only what lies beyond it. A transfer seen after a later
-        one adds less than it might: the figure errs low, never double-counts."""
-        until = self._busy_until[direction]
-        self._busy_until[direction] = max(until, end)
-        return max(0.0, end - max(start, until))
-
-    def _finish_read(self, shard: _Shard, transfer: Transfer, error: OSError | None) -> None:
+    def _finish_read(self, shard: Shard, transfer: Transfer, error: OSError | None) -> None:
         if error is None:
             shard.to_host()
             return
@@ -588,7 +453,7 @@ class Swapper:
         self.pool.release(shard.to_nvme())
         self._cond.notify_all()
 
-    def _finish_write(self, shard: _Shard, transfer: Transfer, error: OSError | None) -> None:
+    def _finish_write(self, shard: Shard, transfer: Transfer, error: OSError | None) -> None:
         del self._writes[(shard.kind, shard.key)]
         if error is not None:
             self._fail_write(shard, transfer, error)
@@ -599,7 +464,7 @@ class Swapper:
             if shard.holders == 0:
                 self._keep_or_drop(shard)
 
-    def _fail_write(self, shard: _Shard, transfer: Transfer | None, error: OSError) -> OSError:
+    def _fail_write(self, shard: Shard, transfer: Transfer | None, error: OSError) -> OSError:
         """Marks the shard INVALID; `transfer` None: the write was refused at submission, and the
         caller raises the error at once (so it is not left for `flush`)."""
         failure = self._transfer_error(shard, error, "write", "its bytes on NVMe are invalid until it is written again")
@@ -614,12 +479,12 @@ class Swapper:
         return failure
 
     @staticmethod
-    def _transfer_error(shard: _Shard, error: OSError, verb: str, consequence: str) -> OSError:
+    def _transfer_error(shard: Shard, error: OSError, verb: str, consequence: str) -> OSError:
         where = f"{shard.extent.nbytes} bytes, {shard.extent.path} at offset {shard.extent.offset}"
         message = f"{verb} of {shard.name} ({where}) failed: {error.strerror}; {consequence}"
         return OSError(error.errno, message, error.filename or shard.extent.path)
 
-    def _invalid_error(self, shard: _Shard, verb: str) -> OSError:
+    def _invalid_error(self, shard: Shard, verb: str) -> OSError:
         cause = f" ({shard.failure[1].strerror})" if shard.failure is not None else ""
         return OSError(
             errno.EIO,
@@ -628,13 +493,13 @@ class Swapper:
             shard.extent.path,
         )
 
-    def _raise_failure(self, shard: _Shard) -> None:
+    def _raise_failure(self, shard: Shard) -> None:
         assert shard.failure is not None
         failure = shard.failure[1]
         self._unreported = [e for e in self._unreported if e is not failure]  # reported now
         raise failure
 
-    def _wait_write(self, shard: _Shard, transfer: Transfer) -> None:
+    def _wait_write(self, shard: Shard, transfer: Transfer) -> None:
         while True:
             if shard.failure is not None and shard.failure[0] is transfer is not None:
                 self._raise_failure(shard)
@@ -642,7 +507,7 @@ class Swapper:
                 return  # completed, successfully, before
             self._complete(shard)
 
-    def _write_back(self, shard: _Shard) -> WriteHandle:
+    def _write_back(self, shard: Shard) -> WriteHandle:
         """Writes a HOST shard from its own buffer (write-through, [Note: shard life cycle])."""
         try:
             transfer = self._submit(True, shard.buffer, shard.extent)
@@ -652,7 +517,7 @@ class Swapper:
         self._writes[(shard.kind, shard.key)] = shard
         return WriteHandle(shard.kind, shard.key, transfer)
 
-    def _make_writable(self, shard: _Shard, verb: str) -> None:
+    def _make_writable(self, shard: Shard, verb: str) -> None:
         """Waits until nothing is in flight on an unheld shard, so a new write may start."""
         while True:
             if shard.holders:
@@ -661,7 +526,7 @@ class Swapper:
                 return
             self._complete(shard)
 
-    def _keep_or_drop(self, shard: _Shard) -> None:
+    def _keep_or_drop(self, shard: Shard) -> None:
         """An idle, clean HOST shard: kept by the cache if it admits it, else back to NVME."""
         if self.cache is not None:
             victims = self.cache.admit((shard.kind, shard.key), shard.extent.nbytes)
@@ -671,11 +536,11 @@ class Swapper:
                 return
         self._drop(shard)
 
-    def _uncache(self, shard: _Shard) -> None:
+    def _uncache(self, shard: Shard) -> None:
         if self.cache is not None:
             self.cache.remove((shard.kind, shard.key))
 
-    def _drop(self, shard: _Shard) -> None:
+    def _drop(self, shard: Shard) -> None:
         self.pool.release(shard.to_nvme())
         self._cond.notify_all()
 
