@@ -20,20 +20,41 @@ size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 size_t round_down(size_t x, size_t a) { return x / a * a; }
 bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 
-// Reads the O_DIRECT alignment of an open file; false when the file system says it has none.
-bool dio_alignment(int fd, size_t* mem_align, size_t* offset_align) {
-  *mem_align = *offset_align = 4096;
+// [Note: cut at the page]
+// The file offset where O_DIRECT may start or end (stx_dio_offset_align, often the 512-byte
+// sector) is not the unit the page cache works in: that is the page. Were a request cut at the
+// sector, its buffered head or tail would share a page with its O_DIRECT body. To write part of
+// a page that is not cached, the kernel first reads the whole page from disk. While the body's
+// direct write is still in flight (more often so on a busy disk) that read returns the old
+// bytes of the body's share of the page; the page is dirtied with them, the direct write's
+// invalidation cannot drop a dirty page ("Page cache invalidation failure on direct I/O" in the
+// kernel log), and writeback later puts the old bytes back over the body: up to a page less one
+// sector of it is lost on disk, with no error from the write (a later fsync may see EIO).
+// So a request is cut at multiples of max(offset alignment, page size): within one request,
+// every page is written either wholly through O_DIRECT or wholly through the page cache. Every
+// O_DIRECT piece starts and ends on a page boundary, and so does what follows from the cut:
+// chunk boundaries between workers, bounced pieces (same offsets, other memory), and the
+// buffered rest of a short direct transfer, whose pages belong to no other piece and whose
+// direct part has landed before the rest is submitted.
+
+// Reads the O_DIRECT alignment of an open file and where requests on it are cut (see
+// [Note: cut at the page]); false when the file system says it has no O_DIRECT.
+bool dio_alignment(int fd, size_t* mem_align, size_t* cut_align) {
+  size_t offset_align = 4096;
+  *mem_align = 4096;
 #ifdef STATX_DIOALIGN
   struct statx stx;
   std::memset(&stx, 0, sizeof(stx));
   if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &stx) == 0 && (stx.stx_mask & STATX_DIOALIGN)) {
     if (stx.stx_dio_offset_align == 0) return false;
     *mem_align = std::max<size_t>(stx.stx_dio_mem_align, 1);
-    *offset_align = stx.stx_dio_offset_align;
+    offset_align = stx.stx_dio_offset_align;
   }
 #else
   (void)fd;
 #endif
+  static const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  *cut_align = std::max(offset_align, page);
   return true;
 }
 
@@ -127,8 +148,9 @@ class Worker {
     }
   }
 
-  // Cuts a chunk into pieces: buffered partial blocks at an unaligned start or end, and the
-  // aligned body in block_size pieces through O_DIRECT (bounced if the buffer is misaligned).
+  // Cuts a chunk into pieces: buffered partial pages at an unaligned start or end, and the
+  // whole pages between in block_size pieces through O_DIRECT (bounced if the buffer is
+  // misaligned). See [Note: cut at the page].
   void expand(Chunk& c) {
     Request& r = *c.request;
     auto* state = new ChunkState{c.request, 0};
@@ -150,7 +172,7 @@ class Worker {
       for (size_t off = begin; off < end; off += config_.block_size)
         add(r.buffered_fd, off, std::min(config_.block_size, end - off), false);
     } else {
-      const size_t a = r.offset_align;
+      const size_t a = r.cut_align;
       const size_t block = round_up(config_.block_size, a);
       const size_t body_begin = std::min(round_up(begin, a), end);
       const size_t body_end = std::max(round_down(end, a), body_begin);
@@ -209,7 +231,7 @@ class Worker {
   void attach_bounce(Piece* p, int slot) {
     if (!bounce_[slot]) {
       void* mem = nullptr;
-      // Pieces are block_size rounded up to the file's offset alignment (<= 64 KiB in practice).
+      // Pieces are block_size rounded up to the cut alignment (<= 64 KiB in practice).
       size_t bytes = round_up(config_.block_size, 65536);
       if (posix_memalign(&mem, 4096, bytes) != 0) std::abort();
       bounce_[slot] = static_cast<char*>(mem);
@@ -246,7 +268,9 @@ class Worker {
   }
 
   // Continues a piece after `moved` bytes. The remainder of a short O_DIRECT transfer is rarely
-  // aligned, so it goes through the buffered descriptor.
+  // aligned, so it goes through the buffered descriptor. That shares at most one page with the
+  // direct part, which has completed by now, and no page with any other piece, so no page is
+  // ever written both ways at once (see [Note: cut at the page]).
   void retry(Piece* p, size_t moved) {
     Piece next = *p;
     char* user = p->target ? p->target : p->buf;
@@ -327,7 +351,7 @@ int64_t Engine::submit(Op op, char* buf, size_t nbytes, const std::string& path,
     req->direct_fd = open(path.c_str(), (flags & ~O_CREAT) | O_DIRECT | O_CLOEXEC);
     if (req->direct_fd < 0) {
       if (errno != EINVAL) return -errno;  // EINVAL: the file system refuses O_DIRECT
-    } else if (!dio_alignment(req->direct_fd, &req->mem_align, &req->offset_align)) {
+    } else if (!dio_alignment(req->direct_fd, &req->mem_align, &req->cut_align)) {
       close(req->direct_fd);
       req->direct_fd = -1;
     }
@@ -336,12 +360,12 @@ int64_t Engine::submit(Op op, char* buf, size_t nbytes, const std::string& path,
   *direct = req->direct_fd >= 0 || !config_.use_direct;
   req->status.direct = *direct;
 
-  // Contiguous chunks, one per worker, cut on block boundaries so that only the first and last
-  // chunk can hold partial blocks.
+  // Contiguous chunks, one per worker, cut on block boundaries (multiples of the cut alignment)
+  // so that only the first and last chunk can hold partial pages.
   const size_t workers = workers_.size();
-  const size_t block = round_up(config_.block_size, req->offset_align);
+  const size_t block = round_up(config_.block_size, req->cut_align);
   const size_t start = static_cast<size_t>(offset);
-  const size_t aligned_start = std::min(round_up(start, req->offset_align), start + nbytes);
+  const size_t aligned_start = std::min(round_up(start, req->cut_align), start + nbytes);
   const size_t per_worker = round_up((nbytes + workers - 1) / workers, block);
   std::vector<Chunk> chunks;
   size_t from = start;

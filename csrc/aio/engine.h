@@ -11,11 +11,13 @@
 //
 // [Note: O_DIRECT alignment]
 // The file offset alignment and buffer alignment are read per file with statx(STATX_DIOALIGN),
-// 4096 when the kernel does not say. The aligned body of a request goes through O_DIRECT. The
-// partial blocks at an unaligned start or end go through a second, buffered descriptor: the
-// kernel keeps buffered and direct I/O on the same file coherent (a direct read writes back
-// dirty pages first, a direct write invalidates them), and the page cache merges sub-block
-// writes, so two requests that share a block never race on a read-modify-write of our own.
+// 4096 when the kernel does not say. A request is cut at multiples of the larger of the offset
+// alignment and the page size (see [Note: cut at the page] in engine.cpp): the whole pages in
+// the middle go through O_DIRECT, the partial pages at an unaligned start or end through a
+// second, buffered descriptor. The kernel keeps the two coherent for pages that only one of
+// them touches (a direct read writes back dirty pages first, a direct write invalidates them),
+// and the page cache merges writes to parts of a page, so two requests that share a page never
+// race on a read-modify-write of our own.
 // A body whose buffer address is not aligned is bounced through aligned per-worker buffers.
 // A file system that refuses O_DIRECT (tmpfs) is served wholly by the buffered descriptor.
 #pragma once
@@ -112,9 +114,9 @@ struct Request {
   Op op = Op::kRead;
   std::string path;
   int direct_fd = -1;    // O_DIRECT descriptor, -1 when the file system refuses it
-  int buffered_fd = -1;  // plain descriptor for partial blocks and the fallback
-  size_t mem_align = 4096;
-  size_t offset_align = 4096;
+  int buffered_fd = -1;  // plain descriptor for partial pages and the fallback
+  size_t mem_align = 4096;  // buffer alignment O_DIRECT needs
+  size_t cut_align = 4096;  // where the request is cut: see [Note: cut at the page]
 
   std::atomic<int> chunks_left{0};
   std::atomic<bool> failed{false};
