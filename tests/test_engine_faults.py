@@ -58,3 +58,18 @@ def test_one_failed_transfer_of_optimizer_state(tmp_path, clip, op):
         first = outcomes.index("error")
         assert first <= 1 and outcomes[first:] == ["error"] * (5 - first)
     engine.close()
+
+
+def test_a_non_finite_weight_is_not_blamed_on_the_gradients_alone(tmp_path, caplog):
+    from infinity.utils import safe_set_full_fp32_param
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    engine, *_ = infinity.initialize(model, config=config(3, "cpu", "cpu"))
+    weight = model.blocks[0].fc1.weight
+    safe_set_full_fp32_param(weight, torch.full(tuple(weight.shape), float("nan")))
+    with caplog.at_level("WARNING", logger="infinity"):
+        engine.backward(engine(*batches(1, 4)[0]))
+        engine.step()
+    assert any("a weight it came from" in r.message for r in caplog.records), caplog.text
+    engine.close()

@@ -168,7 +168,7 @@ def test_a_failed_read_leaves_everything_consistent_and_a_retry_works(rig, mode)
     swapper, handle, data = rig
     handle.fail(swapper.store.extent("param", 2), "read", mode)
     if mode == "submit":
-        with pytest.raises(OSError, match=r"read of shard 2 of kind 'param' .* Permission denied.*fetch it again"):
+        with pytest.raises(OSError, match=r"read of shard 2 of kind 'param' .* Permission denied.*the next read of it tries again"):
             swapper.fetch("param", 2)
     else:
         first, second = swapper.fetch("param", 2), swapper.fetch("param", 2)

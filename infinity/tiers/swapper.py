@@ -201,7 +201,7 @@ class Swapper:
                     transfer = self._submit(False, buffer, shard.extent)
                 except OSError as e:
                     self.pool.release(buffer)
-                    raise self._transfer_error(shard, e, "read", "fetch it again to retry") from e
+                    raise self._transfer_error(shard, e, "read", "nothing changed on disk: the next read of it tries again") from e
                 shard.to_nvme_to_host(buffer, transfer)
                 shard.holders, shard.failure = 1, None
                 self._counters.misses += 1
@@ -448,7 +448,7 @@ class Swapper:
         if error is None:
             shard.to_host()
             return
-        shard.failure = (transfer, self._transfer_error(shard, error, "read", "fetch it again to retry"))
+        shard.failure = (transfer, self._transfer_error(shard, error, "read", "nothing changed on disk: the next read of it tries again"))
         shard.holders = 0  # every fetch that shared this read fails with it
         self.pool.release(shard.to_nvme())
         self._cond.notify_all()
@@ -489,7 +489,7 @@ class Swapper:
         return OSError(
             errno.EIO,
             f"{verb}: {shard.name} is invalid: its last write failed{cause}, so its bytes on NVMe cannot be "
-            f"trusted; write it again to recover it",
+            f"trusted and are never read; it stays invalid until new values for it are written",
             shard.extent.path,
         )
 
