@@ -65,9 +65,9 @@ def test_a_non_finite_weight_is_not_blamed_on_the_gradients_alone(tmp_path, capl
 
     torch.manual_seed(0)
     model = TinyGPT()
+    weight, shape = model.blocks[0].fc1.weight, model.blocks[0].fc1.weight.shape
     engine, *_ = infinity.initialize(model, config=config(3, "cpu", "cpu"))
-    weight = model.blocks[0].fc1.weight
-    safe_set_full_fp32_param(weight, torch.full(tuple(weight.shape), float("nan")))
+    safe_set_full_fp32_param(weight, torch.full(tuple(shape), float("nan")))
     with caplog.at_level("WARNING", logger="infinity"):
         engine.backward(engine(*batches(1, 4)[0]))
         engine.step()
