@@ -74,7 +74,8 @@ def test_clean_lists_and_removes_what_a_killed_run_left(tmp_path, capsys):
     from infinity.tiers.store import NvmeStore
 
     def killed_run() -> str:
-        with subprocess.Popen([sys.executable, "-c", body, str(tmp_path)], stdout=subprocess.PIPE, text=True) as child:
+        with subprocess.Popen([sys.executable, "-c", body, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              cwd=tmp_path) as child:  # outside the source tree, which would shadow the package
             directory = child.stdout.readline().strip()
             child.send_signal(signal.SIGKILL)
         return directory

@@ -210,3 +210,23 @@ def test_half_precision_trains_close_to_fp32(model, precision):
     tail, ref_tail = sum(losses[5:]) / 5, sum(ref_losses[5:]) / 5
     assert abs(tail - ref_tail) < 0.05 * ref_tail, (losses, ref_losses)
     assert tail < losses[0]
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_the_next_unit_is_gathered_before_the_current_one_computes(model, room):
+    """[Note: gathering one unit ahead]: on the recorded schedule, when the budget has room."""
+    block = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
+    budget = 10 ** 9 if room else 2 * block  # the root (whole forward) and one block: no room for another
+    engine, *_ = infinity.initialize(copy.deepcopy(model), config=config(
+        3, "cpu", "cpu", stage3_max_live_parameters=budget, stage3_max_reuse_distance=0))
+    seen = []
+    for i, b in enumerate(engine.module.blocks):
+        unit = next(u for u in engine.units if u.name.endswith(f"blocks.{i}"))
+        b.register_forward_pre_hook(lambda m, a, unit=unit: seen.append(unit.state.value), prepend=True)
+    data = batches(2, 4)
+    engine_run(engine, data[:1], gas=1)  # records the schedule
+    seen.clear()
+    engine_run(engine, data[1:], gas=1)
+    ahead = seen[1:].count("gathered")  # the first block follows the root, gathered for the whole forward
+    assert (ahead > 0) == room, seen
+    engine.close()

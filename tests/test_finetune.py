@@ -293,7 +293,9 @@ def test_a_forward_without_backward_leaves_backward_as_it_was(tmp_path):
         engine.backward(loss)
         engine.step()
         peaks.append(engine.fetcher.peak_live_numel)
-    assert peaks[1] == peaks[0] == peaks[2] < sum(u.padded_numel for u in engine.units)
+    # Within the budget (plus the unit being gathered) each time; the bug held the whole model.
+    largest = max(u.padded_numel for u in engine.units)
+    assert max(peaks) <= 3 * block + largest < sum(u.padded_numel for u in engine.units), peaks
     engine.close()
 
 

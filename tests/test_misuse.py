@@ -103,14 +103,16 @@ def test_a_sigterm_handler_of_the_user_finds_the_state(tmp_path, installed):
     import sys
 
     (tmp_path / "nvme").mkdir()
-    child = subprocess.Popen([sys.executable, "-c", SIGTERM_SCRIPT, str(tmp_path), os.path.dirname(__file__),
-                              installed], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout.readline().strip() == "ready", child.stderr.read()
-        child.send_signal(signal.SIGTERM)
-        _, stderr = child.communicate(timeout=60)
-    finally:
-        child.kill()
+    # From outside the source tree: a checkout's root would shadow the installed package.
+    with subprocess.Popen([sys.executable, "-c", SIGTERM_SCRIPT, str(tmp_path), os.path.dirname(__file__),
+                           installed], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          cwd=tmp_path) as child:
+        try:
+            assert child.stdout.readline().strip() == "ready", child.stderr.read()
+            child.send_signal(signal.SIGTERM)
+            _, stderr = child.communicate(timeout=60)
+        finally:
+            child.kill()
     assert child.returncode == 0, stderr
     saved = torch.load(tmp_path / "saved.pt", weights_only=True)
     expected = torch.load(tmp_path / "expected.pt", weights_only=True)

@@ -318,6 +318,19 @@ class Swapper:
                     raise OSError(first.errno, f"{first.strerror} (and {count - 1} more failed writes)", first.filename)
                 raise first
 
+    def ready(self, handle: FetchHandle) -> bool:
+        """Whether `wait(handle)` would return at once (its read has finished, or there was
+        none to do); never blocks. A handle without `done` is never ready before its wait."""
+        with self._cond:
+            shard = self._shard(handle.kind, handle.key)
+            if shard.state is ShardState.HOST:
+                return True
+            transfer = shard.transfer
+            if shard.state is not ShardState.NVME_TO_HOST or transfer is None or shard.completing:
+                return False
+            done = getattr(self.handle, "done", None)
+            return done is not None and done(transfer.request)
+
     def reap(self) -> int:
         """Completes the writes that have finished in the kernel, so that their buffers go back
         to the pool now rather than when somebody next waits; never blocks. Returns how many.

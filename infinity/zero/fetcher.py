@@ -16,6 +16,13 @@ unit fits in `max_live_numel`; the unit being gathered is always gathered, so th
 most the budget plus one unit. Units in use (their forward or backward running) are never
 released early.
 
+[Note: gathering one unit ahead]
+Right after a unit is gathered (before it computes), the next use in the schedule is gathered
+too when that costs no wait and no room: its unit is released, its shard is ready in the tier
+(`ParamTier.ready`: read from NVMe already; the tier starts its host -> device copy then), and
+it fits in `max_live_numel` without releasing anything. On a GPU its copy-in and all-gather are
+then queued behind the current unit's work instead of in front of the next one's.
+
 [Note: uses outside a step]
 A module can be called outside the engine's forward (`model.get_input_embeddings()(ids)`,
 generation loops that call the model itself): such a use gathers and releases as usual, but it
@@ -86,6 +93,7 @@ class Fetcher:
             self._gather(unit)
         if self.on_schedule:
             self._prefetch(pos + 1)
+            self._gather_ahead(pos + 1)
 
     def release(self, unit: Unit, *, keep_if_reused: bool = True, force: bool = False) -> None:
         """The unit's current use is over: released now, or kept if it is needed again soon.
@@ -114,6 +122,15 @@ class Fetcher:
         if not unit.persistent:
             self.live_numel += unit.padded_numel
             self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
+
+    def _gather_ahead(self, pos: int) -> None:
+        """[Note: gathering one unit ahead]"""
+        if pos >= len(self.schedule):
+            return
+        u = self.units[self.schedule[pos]]
+        if (u.state is UnitState.RELEASED and not u.persistent
+                and self.live_numel + u.padded_numel <= self.max_live_numel and self.params.ready(u)):
+            self._gather(u)
 
     def _release(self, unit: Unit) -> None:
         unit.to_released()

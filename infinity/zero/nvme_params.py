@@ -67,6 +67,7 @@ class NvmeParams:
         # A second handle for writes, so that reads never queue behind them.
         self.swapper = Swapper(self.store, self.pool, self.cache, self.handle, make_handle(aio))
         self._prefetched: dict[int, list] = {}  # unit index -> FetchHandles, one per part
+        self._copying: dict[int, list[InFlight]] = {}  # read, on its way to the device, not yet fetched
         self._held: dict[int, list[InFlight]] = {}  # unit index fetched -> its parts' host -> device copies
         self._returning: list[tuple[int, list[InFlight]]] = []  # done, pool buffers back once copied
         self._targets: dict[int, tuple[torch.Tensor, bool]] = {}  # unit index -> (buffer for the new values, on device)
@@ -88,21 +89,37 @@ class NvmeParams:
 
     def prefetch(self, unit: Unit) -> bool:
         self._return(block=False)
-        if unit.index in self._prefetched or unit.index in self._held:
+        if unit.index in self._prefetched or unit.index in self._held or unit.index in self._copying:
             return False  # one read per pending use: the next use is served by the one in flight
         if not self.swapper.can_spare(len(_parts(unit)) + self._spare):
             return False
         self._prefetched[unit.index] = self._fetch_parts(unit)
         return True
 
-    def fetch(self, unit: Unit) -> ShardParts:
-        assert unit.index not in self._held, unit
-        handles = self._prefetched.pop(unit.index, None) or self._fetch_parts(unit)
+    def ready(self, unit: Unit) -> bool:
+        """A prefetched shard whose reads have finished starts its host -> device copy now, one
+        unit ahead of its use ([Note: gathering one unit ahead] in fetcher.py)."""
+        if unit.index in self._copying:
+            return True
+        handles = self._prefetched.get(unit.index)
+        if handles is None or not all(self.swapper.ready(h) for h in handles):
+            return False
+        self._copying[unit.index] = self._to_device(unit, self._prefetched.pop(unit.index))
+        return True
+
+    def _to_device(self, unit: Unit, handles: list) -> list[InFlight]:
         copies = []
         with torch.profiler.record_function("infinity::nvme_wait"):
             for (kind, n), handle in zip(_parts(unit), handles):
                 self.cache.advance((kind, unit.index))
                 copies.append(self.device.to_device(self.swapper.wait(handle).view(unit.dtype)[:n]))
+        return copies
+
+    def fetch(self, unit: Unit) -> ShardParts:
+        assert unit.index not in self._held, unit
+        copies = self._copying.pop(unit.index, None)
+        if copies is None:
+            copies = self._to_device(unit, self._prefetched.pop(unit.index, None) or self._fetch_parts(unit))
         self._held[unit.index] = copies
         data = iter(self.device.wait_compute(c) for c in copies)
         empty = self.device.empty(0, unit.dtype)
@@ -133,6 +150,9 @@ class NvmeParams:
             for kind, _ in _parts(self._units[index]):
                 self.swapper.release(kind, index)
         self._prefetched.clear()
+        self._returning.extend(self._copying.items())  # their pool buffers go back once copied
+        self._copying.clear()
+        self._return(block=False)
 
     def set_schedule(self, order: list[int]) -> None:
         self.cache.set_schedule([(kind, i) for i in order for kind, _ in _parts(self._units[i])])

@@ -52,6 +52,9 @@ class ResidentParams:
         self._inflight[unit.index] = self.device.to_device(self._shards[unit.index])
         return True
 
+    def ready(self, unit: Unit) -> bool:
+        return not self.offload or unit.index in self._inflight
+
     def fetch(self, unit: Unit) -> ShardParts:
         if not self.offload:
             if unit.index in self._commits:  # new values still on their way in

@@ -28,6 +28,11 @@ class ParamTier(Protocol):
         """Starts moving the shard toward the device and returns at once: True if a transfer
         was issued for the next `fetch`, False if none could be (one pending, or no buffer)."""
 
+    def ready(self, unit: Unit) -> bool:
+        """Whether `fetch(unit)` would not block the host (its prefetch has arrived in host
+        memory; a host -> device copy may still be in flight, which `fetch` orders on the
+        device, not on the host); never blocks."""
+
     def fetch(self, unit: Unit) -> ShardParts:
         """The shard on the compute device, ready for the compute issued from now on (waits
         for a prefetch in flight); valid until `done`."""
