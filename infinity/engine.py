@@ -199,7 +199,7 @@ class Engine:
             self.optim_state.abort_pass()
             self.hooks.reset_backward()
             self.micro_steps -= self.micro_steps % self.config.batch.gradient_accumulation_steps
-            self.policy.first_micro = True
+            self.policy.abandon()
             raise
         finally:
             self.hooks.in_backward = False

@@ -206,3 +206,32 @@ def test_no_import_cycle_in_the_package():
 
     for name in sorted(graph):
         visit(name, [])
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_shards_are_written_only_once_their_copies_are_known_to_be_over(tmp_path, monkeypatch, clip):
+    """On a GPU the host learns that a host -> device copy has ended only by asking; an update
+    that writes a unit's shard must first get back the pool buffers that copy read (it failed
+    with 'is fetched' when done() lagged the copy)."""
+    monkeypatch.setenv("INFINITY_DEVICE", "async-test")
+    monkeypatch.setenv("INFINITY_ASYNC_DELAY_S", "0.3")  # done() lags every copy by up to 0.3 s
+    cfg = config(3, "nvme", "cpu", clip=clip)
+    cfg["zero_optimization"]["offload_param"].update(nvme_path=str(tmp_path), buffer_count=6, max_in_cpu=0)
+    torch.manual_seed(0)
+    engine, *_ = infinity.initialize(TinyGPT(), config=cfg)
+    engine_run(engine, batches(2, 4), gas=1)
+    assert engine.global_steps == 2
+    engine.close()
+
+
+def test_cpu_offload_keeps_no_device_copy_after_use():
+    """A fetched shard's device copy dies with the gathered unit's use of it: the tier keeps
+    only what the host waits for before the host shard changes."""
+    engine, *_ = infinity.initialize(TinyGPT(), config=config(3, "cpu", "cpu"))
+    idx, tgt = batches(1, 4)[0]
+    loss = engine(idx, tgt)
+    kept = engine.params._reading.values()
+    assert kept and all(x.tensor is x.source for x in kept)
+    engine.backward(loss)
+    engine.step()
+    engine.close()

@@ -51,6 +51,6 @@ def make_device(kind: str | None = None) -> Device:
         return CudaDevice()
     if kind == "cpu":
         return CpuDevice()
-    if kind == "async-test":
-        return AsyncTestDevice()
+    if kind == "async-test":  # INFINITY_ASYNC_DELAY_S: how late a copy may land and be reported
+        return AsyncTestDevice(max_delay_s=float(os.environ.get("INFINITY_ASYNC_DELAY_S", "0.004")))
     raise ValueError(f"INFINITY_DEVICE: expected one of {', '.join(KINDS)}, got {kind!r}")

@@ -45,11 +45,12 @@ class CpuDevice(Device):
 
 
 class _Copy:
-    __slots__ = ("src", "dst", "landed", "lock")
+    __slots__ = ("src", "dst", "landed", "reported", "lock")
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor):
         self.src, self.dst = src, dst
-        self.landed = threading.Event()
+        self.landed = threading.Event()  # the bytes are in the destination
+        self.reported = threading.Event()  # the host may know it (`done`): later than `landed`
         self.lock = threading.Lock()
 
     def land(self) -> None:
@@ -64,6 +65,7 @@ def _land_copies(copies: queue.Queue, rng: random.Random, max_delay_s: float, st
     while (copy := copies.get()) is not None:
         stopping.wait(rng.uniform(0.0, max_delay_s))  # no more waiting once the device stops
         copy.land()
+        copy.reported.set()
 
 
 def _stop(copies: queue.Queue, thread: threading.Thread, stopping: threading.Event) -> None:
@@ -79,6 +81,8 @@ class AsyncTestDevice(Device):
     delay of up to `max_delay_s`, on a background thread, or at the first wait for it. Until
     then the destination holds garbage (NaN bytes), and a change to the source is copied. So
     code that reads a destination early, or reuses a source early, computes with wrong values.
+    `done` turns True only once the background thread or a host wait has seen the copy end,
+    not after a compute wait: as on a GPU, where the compute stream waits and the host does not.
     Every pool buffer handed back is filled with garbage at once (`scribble`), so a copy still
     reading one that was returned too early copies garbage.
     """
@@ -111,15 +115,20 @@ class AsyncTestDevice(Device):
         return self._issue(src, dst)
 
     def wait_compute(self, x: InFlight) -> torch.Tensor:
-        return self.wait_host(x)  # the compute stream is the host thread
-
-    def wait_host(self, x: InFlight) -> torch.Tensor:
+        # The compute stream is the host thread: the bytes must be there now. But, as on a GPU,
+        # the host has not learnt that the copy is over: `done` stays False until it is told.
         if x.fence is not None:
             x.fence.land()
         return x.tensor
 
+    def wait_host(self, x: InFlight) -> torch.Tensor:
+        if x.fence is not None:
+            x.fence.land()
+            x.fence.reported.set()
+        return x.tensor
+
     def done(self, x: InFlight) -> bool:
-        return x.fence is None or x.fence.landed.is_set()
+        return x.fence is None or x.fence.reported.is_set()
 
     def scribble(self, buffer: torch.Tensor) -> None:
         buffer.view(torch.uint8).fill_(GARBAGE)

@@ -130,7 +130,7 @@ def remove_stale(root: str, pattern: str) -> list[str]:
     Directories of live processes, of other hosts and kept ones are left alone.
     """
     removed = []
-    for lock_path in sorted(glob.glob(os.path.join(root, pattern + ".lock"))):
+    for lock_path in sorted(glob.glob(os.path.join(glob.escape(root), pattern + ".lock"))):
         stale, _ = _take_existing(lock_path)
         if stale is not None:
             removed.append(stale.directory)
@@ -151,7 +151,7 @@ def survey(root: str, pattern: str = "infinity-*/rank*") -> list[Leftover]:
     """Every store directory `<root>/<pattern>` with a lock file, and whether its owner lives;
     looks only (a stale lock is taken and given back, its file left in place)."""
     found = []
-    for lock_path in sorted(glob.glob(os.path.join(root, pattern + ".lock"))):
+    for lock_path in sorted(glob.glob(os.path.join(glob.escape(root), pattern + ".lock"))):
         stale, status = _take_existing(lock_path)
         if stale is not None:
             os.close(stale._fd)  # noqa: SLF001 (ours: give the flock back, keep the lock file)

@@ -255,6 +255,17 @@ class Swapper:
             self._keep_or_drop(shard)
             return None
 
+    def let_go(self, handle: FetchHandle) -> None:
+        """Ends a fetch that was never waited for, such as a read ahead that is not needed
+        after all: like `release`, except that a fetch whose transfer has failed meanwhile
+        holds nothing, so nothing is released for it."""
+        with self._cond:
+            shard = self._shard(handle.kind, handle.key)
+            failed = shard.failure is not None and handle.transfer is not None and handle.transfer is shard.failure[0]
+            if failed and shard.holders == 0:
+                return
+        self.release(handle.kind, handle.key)
+
     # ---- host -> NVMe ------------------------------------------------------------------------
 
     def evict(self, kind: str, key: Hashable, buffer: torch.Tensor) -> WriteHandle:

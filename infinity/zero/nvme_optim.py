@@ -213,10 +213,23 @@ class NvmeOptimizerState:
             for kind in self._kinds(index):
                 handles.append(early.pop(kind, None) or self.swapper.fetch(kind, (index, k)))
         except BaseException:
-            for kind in [*self._kinds(index)[:len(handles)], *early]:
-                self.swapper.release(kind, (index, k))
+            for handle in [*handles, *early.values()]:
+                self.swapper.let_go(handle)
             raise
         return handles
+
+    def _release_piece(self, index: int, k: int, spilled: bool) -> None:
+        """Ends an updated piece: its state is written (each kind, even if another kind's write
+        cannot start: [Note: failed transfers give their buffers back]); a spilled gradient is
+        only dropped. The first error is raised once all are released."""
+        error = None
+        for kind in (*KINDS, GRAD) if spilled else KINDS:
+            try:
+                self.swapper.release(kind, (index, k), dirty=kind != GRAD)  # the write starts now
+            except OSError as e:
+                error = error or e
+        if error is not None:
+            raise error
 
     def _wait_piece(self, index: int, k: int, handles: list, n: int) -> list[torch.Tensor]:
         """The piece's fp32 tensors, in `_kinds` order. If a read failed (its fetch then holds
@@ -311,16 +324,14 @@ class NvmeOptimizerState:
                     if half is None:
                         out[start:start + n].copy_(master)
                 current = None
-                for kind in KINDS:
-                    self.swapper.release(kind, (index, k), dirty=True)  # the write starts now
-                if spilled:
-                    self.swapper.release(GRAD, (index, k))
+                self._release_piece(index, k, spilled=bool(spilled))
         except BaseException:
             # [Note: failed transfers give their buffers back]: what this update holds goes back
             # unchanged, so the next step either works or meets the failed shard at once.
-            for held, piece in ((current, k), (upcoming, k), (pending, k + 1)):
-                for kind in self._kinds(index) if held is not None else ():
-                    self.swapper.release(kind, (index, piece))
+            for kind in self._kinds(index) if current is not None else ():
+                self.swapper.release(kind, (index, k))
+            for handle in [*(upcoming or ()), *(pending or ())]:
+                self.swapper.let_go(handle)
             raise
         finally:
             if fresh is not None:
@@ -331,10 +342,10 @@ class NvmeOptimizerState:
         self._read_ahead()
 
     def _drop_early(self) -> None:
-        for (index, k), early in self._early.items():
-            for kind in early:
-                self.swapper.release(kind, (index, k))
-        self._early.clear()
+        while self._early:
+            _, early = self._early.popitem()
+            for handle in early.values():
+                self.swapper.let_go(handle)
 
     def finish_step(self) -> None:
         self._drop_early()  # reads for an update that did not come (a skipped step)

@@ -84,7 +84,15 @@ class NvmeParams:
             if part.numel():
                 self.swapper.wait(self.swapper.write(kind, unit.index, part.contiguous()))
 
+    def _room(self, count: int) -> None:
+        """Before taking `count` buffers in a way that may block: buffers whose device copies
+        have ended go back first (only this thread gives them back, so the swapper would wait
+        for them in vain)."""
+        if not self.swapper.can_spare(count):
+            self._return(block=True)
+
     def _fetch_parts(self, unit: Unit) -> list:
+        self._room(len(_parts(unit)))
         return [self.swapper.fetch(kind, unit.index) for kind, _ in _parts(unit)]
 
     def prefetch(self, unit: Unit) -> bool:
@@ -131,6 +139,18 @@ class NvmeParams:
             self._returning.append((unit.index, self._held.pop(unit.index)))
             self._return(block=False)
 
+    def _settle(self, index: int) -> None:
+        """Before the unit's shard is written: its pool buffers must be back, once the device
+        copies that read them have ended (on a GPU the host learns that only by asking)."""
+        mine = [(i, copies) for i, copies in self._returning if i == index]
+        if mine:
+            self._returning = [(i, copies) for i, copies in self._returning if i != index]
+            for i, copies in mine:
+                for c in copies:
+                    self.device.wait_host(c)
+                for kind, _ in _parts(self._units[i]):
+                    self.swapper.release(kind, i)
+
     def _return(self, block: bool) -> None:
         """Gives back the pool buffers of fetched shards whose device copies have read them."""
         waiting = []
@@ -146,10 +166,10 @@ class NvmeParams:
         self._returning = waiting
 
     def drop_prefetched(self) -> None:
-        for index in list(self._prefetched):
-            for kind, _ in _parts(self._units[index]):
-                self.swapper.release(kind, index)
-        self._prefetched.clear()
+        while self._prefetched:
+            _, handles = self._prefetched.popitem()
+            for handle in handles:
+                self.swapper.let_go(handle)
         self._returning.extend(self._copying.items())  # their pool buffers go back once copied
         self._copying.clear()
         self._return(block=False)
@@ -158,9 +178,11 @@ class NvmeParams:
         self.cache.set_schedule([(kind, i) for i in order for kind, _ in _parts(self._units[i])])
 
     def update_target(self, unit: Unit, on_device: bool) -> torch.Tensor:
+        self._settle(unit.index)
         if on_device:  # copied into a pool buffer at commit
             target = self.device.empty(unit.train_shard_numel, unit.dtype)
         else:
+            self._room(1)
             target = self.swapper.acquire(unit.train_shard_numel * elsize(unit.dtype)).view(unit.dtype)
         self._targets[unit.index] = (target, on_device)
         return target
@@ -168,15 +190,18 @@ class NvmeParams:
     def commit(self, unit: Unit) -> None:
         target, on_device = self._targets.pop(unit.index)
         if on_device:
+            self._room(1)
             buf = self.swapper.acquire(target.numel() * target.element_size())
             self.device.wait_host(self.device.to_host(target, buf.view(unit.dtype)))
             target = buf
         self.swapper.evict(KIND, unit.index, target.view(torch.uint8))
 
     def replace(self, unit: Unit, shard: torch.Tensor) -> None:
+        self._settle(unit.index)
         self._write(unit, shard)
 
     def host_copy(self, unit: Unit) -> torch.Tensor:
+        self._settle(unit.index)
         out = torch.empty(unit.shard_numel, dtype=unit.dtype)
         start = 0
         for kind, n in _parts(unit):

@@ -33,7 +33,7 @@ class ResidentParams:
         self._staging: dict[int, torch.Tensor] = {}  # the other side's buffers for new values
         self._inflight: dict[int, InFlight] = {}  # prefetched host -> device copies, not yet fetched
         self._reading: dict[int, InFlight] = {}  # copies that read a host shard, until they are waited for
-        self._commits: dict[int, InFlight] = {}  # staging -> shard copies, until the shard is used
+        self._commits: dict[int, InFlight] = {}  # staging -> shard copies, until the staging is reused
 
     def add(self, unit: Unit, values: torch.Tensor) -> None:
         if self.offload:
@@ -58,11 +58,13 @@ class ResidentParams:
     def fetch(self, unit: Unit) -> ShardParts:
         if not self.offload:
             if unit.index in self._commits:  # new values still on their way in
-                self.device.wait_compute(self._commits.pop(unit.index))
+                self.device.wait_compute(self._commits[unit.index])
             return unit.split(self._shards[unit.index])
         self.prefetch(unit)
         copy = self._inflight.pop(unit.index)
-        self._reading[unit.index] = copy
+        # Kept for the host's wait before the shard changes, without the device copy itself,
+        # which must die with the gathered unit's use of it.
+        self._reading[unit.index] = InFlight(copy.source, copy.source, copy.fence)
         return unit.split(self.device.wait_compute(copy))
 
     def done(self, unit: Unit) -> None:

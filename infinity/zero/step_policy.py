@@ -90,6 +90,12 @@ class StepPolicy:
             self._update(unit, 1.0)
             self._updated_in_backward += 1
 
+    def abandon(self) -> None:
+        """A backward failed: whatever it updated stays updated, but the step it belonged to is
+        over (the next update counts a new Adam step)."""
+        self._hypers, self._updated, self._updated_in_backward = None, set(), 0
+        self.first_micro = True
+
     # ---- the step -------------------------------------------------------------------------
 
     def step(self, step_number: int) -> StepOutcome:
