@@ -35,6 +35,7 @@ class CudaDevice(Device):
                 dst = torch.empty(src.shape, dtype=src.dtype, device=self.compute)
             else:  # the compute stream may still read dst's old values
                 self.copy_in.wait_stream(torch.cuda.current_stream(self.compute))
+                dst.record_stream(self.copy_in)  # the allocator must not reuse dst under the copy
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.copy_in)

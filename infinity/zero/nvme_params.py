@@ -116,11 +116,23 @@ class NvmeParams:
         return True
 
     def _to_device(self, unit: Unit, handles: list) -> list[InFlight]:
+        """The parts' host -> device copies, once their reads are waited for. If a read failed
+        (it then holds nothing), the parts already read go back, and those not yet waited for."""
         copies = []
         with torch.profiler.record_function("infinity::nvme_wait"):
-            for (kind, n), handle in zip(_parts(unit), handles):
+            for i, ((kind, n), handle) in enumerate(zip(_parts(unit), handles)):
                 self.cache.advance((kind, unit.index))
-                copies.append(self.device.to_device(self.swapper.wait(handle).view(unit.dtype)[:n]))
+                try:
+                    data = self.swapper.wait(handle)
+                except OSError:
+                    for c in copies:
+                        self.device.wait_host(c)
+                    for done_kind, _ in _parts(unit)[:i]:
+                        self.swapper.release(done_kind, unit.index)
+                    for rest in handles[i + 1:]:
+                        self.swapper.let_go(rest)
+                    raise
+                copies.append(self.device.to_device(data.view(unit.dtype)[:n]))
         return copies
 
     def fetch(self, unit: Unit) -> ShardParts:

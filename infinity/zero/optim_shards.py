@@ -99,13 +99,18 @@ class GradientLanding:
         return copy
 
     def settle(self) -> None:
-        """Consumes every gradient in flight (waiting for its copy)."""
-        pending, self._pending = self._pending, []
-        for copy, buffer, consume in pending:
+        """Consumes every gradient in flight (waiting for its copy). If a consumer raises (a
+        spilled gradient's read failed), its buffer goes back and the rest stay pending."""
+        while self._pending:
+            copy, buffer, consume = self._pending.pop(0)
             with torch.profiler.record_function("infinity::d2h_wait"):
                 self.device.wait_host(copy)
-            if not consume(copy.tensor):
-                self.pool.release(buffer)
+            kept = False
+            try:
+                kept = consume(copy.tensor)
+            finally:
+                if not kept:
+                    self.pool.release(buffer)
 
     def release(self, host_copy: torch.Tensor) -> None:
         self.pool.release(host_copy)
