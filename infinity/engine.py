@@ -385,8 +385,7 @@ class Engine:
             if unit.state is UnitState.GATHERED:
                 full = self.accelerator.host(unit.full)
             else:
-                full = unit.gather_into(torch.empty(unit.padded_numel, dtype=unit.dtype),
-                                        unit.split(self.params.host_copy(unit)))
+                full = self._gather_full(unit, self.params.host_copy(unit))
             self._values_cache.update({id(s.param): unit.param_values(full, s).clone() for s in unit.slots})
         return self._values_cache[id(param)]
 

@@ -68,8 +68,5 @@ class Device:
     def scribble(self, buffer: torch.Tensor) -> None:
         """Called on every pool buffer handed back; the test device overwrites it."""
 
-    def synchronize(self) -> None:
-        """Waits for every copy and computation issued so far."""
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.compute})"

@@ -132,6 +132,3 @@ class AsyncTestDevice(Device):
 
     def scribble(self, buffer: torch.Tensor) -> None:
         buffer.view(torch.uint8).fill_(GARBAGE)
-
-    def synchronize(self) -> None:
-        pass  # copies nobody waits for land on their own; the data path waits for what it uses

@@ -70,6 +70,3 @@ class CudaDevice(Device):
 
     def pin(self) -> bool:
         return True
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.compute)

@@ -265,6 +265,3 @@ class Unit:
             else:
                 region.zero_()
         return out
-
-    def params_requiring_grad(self) -> int:
-        return sum(1 for s in self.slots if s.param.requires_grad)
