@@ -1,9 +1,11 @@
-"""The `infinity` command: `finetune` (the main job), `estimate` (what fits where) and `clean`
-(what runs killed outright left on disk).
+"""The `infinity` command: `finetune` (the main job), `estimate` (what fits where), `consolidate`
+(a checkpoint to a Hugging Face safetensors directory) and `clean` (what runs killed outright
+left on disk).
 
     infinity finetune                       # built-in default: a small GPT, params and optimizer on NVMe
     infinity finetune --config ds.json --layers 24 --dim 2048 --steps 100
     infinity estimate --params 13e9 --world-size 1
+    infinity consolidate ckpt/ out/ --dtype bf16
     infinity clean /local_nvme [--dry-run]
 """
 
@@ -156,6 +158,19 @@ def clean(args: argparse.Namespace) -> int:
     return 0
 
 
+def consolidate(args: argparse.Namespace) -> int:
+    """Checkpoint -> safetensors from the fp32 masters, one unit at a time (no model code, no GPU)."""
+    from infinity.checkpoint import consolidate as run
+    from infinity.checkpoint.export import DTYPES
+    from infinity.tiers._messages import human_bytes
+
+    written = run(args.checkpoint_dir, args.out_dir, dtype=DTYPES[args.dtype], tag=args.tag,
+                  max_shard_size=args.max_shard_size)
+    total = sum(os.path.getsize(p) for p in written)
+    print(f"wrote {len(written)} files ({human_bytes(total)}) to {args.out_dir}")
+    return 0
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -191,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--params", required=True, type=_positive_count, help="number of parameters, e.g. 13e9")
     e.add_argument("--world-size", type=_positive_int, default=1)
     e.add_argument("--largest-unit", type=_positive_count, help="parameters of the largest unit (default params/32)")
+    k = sub.add_parser("consolidate", help="write a checkpoint's weights as Hugging Face safetensors")
+    k.add_argument("checkpoint_dir", help="a checkpoint (save_dir/tag), or save_dir to take the tag 'latest' names")
+    k.add_argument("out_dir", help="where model.safetensors (or its shards and index) go")
+    k.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="dtype of the weights written")
+    k.add_argument("--tag", help="the tag under CHECKPOINT_DIR (default: the one 'latest' names)")
+    k.add_argument("--max-shard-size", default="5GB", help="split into shards above this size (default 5GB)")
     c = sub.add_parser("clean", help="list and remove what runs killed outright (kill -9, OOM) left on disk")
     c.add_argument("nvme_path", help="the nvme_path of the runs")
     c.add_argument("--dry-run", action="store_true", help="list only")
@@ -200,6 +221,14 @@ def main(argv: list[str] | None = None) -> int:
         if not os.path.isdir(args.nvme_path):
             parser.error(f"--nvme-path {args.nvme_path}: not a directory")
         return finetune(args)
+    if args.command == "consolidate":
+        if not os.path.isdir(args.checkpoint_dir):
+            parser.error(f"checkpoint_dir {args.checkpoint_dir}: not a directory")
+        try:
+            return consolidate(args)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"infinity consolidate: {e}", file=sys.stderr)
+            return 2
     if args.command == "clean":
         if not os.path.isdir(args.nvme_path):
             parser.error(f"nvme_path {args.nvme_path}: not a directory")

@@ -8,6 +8,7 @@ layer's ([Note: in-flight copies] in infinity/device).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterable
@@ -19,6 +20,7 @@ from torch import nn
 from infinity.config import InfinityConfig, load_config
 from infinity.device import Device, make_device
 from infinity.lr_schedules import build_scheduler
+from infinity.signals import SignalGate
 from infinity.zero import dist as zdist
 from infinity.zero.fetcher import Fetcher
 from infinity.zero.hooks import UnitHooks
@@ -64,6 +66,12 @@ class Engine:
         self._grad_norm: float | None = None
         self._grads_final = False  # accumulated gradients are complete (boundary backward done, step not yet)
         self._values_cache: dict[int, torch.Tensor] | None = None  # [Note: state dict values]
+        # [Note: signals at step boundaries] in infinity/signals.py
+        self._signals = SignalGate(agree=self._agree_on_signals if self.world_size > 1 else None)
+        self._holding_step = False  # this engine holds the signals until the step that ends the accumulation
+        self._broken: str | None = None  # why the state may be half-updated (a failed step), until the next step
+        self._checkpointing = False
+        self.last_checkpoint: dict[str, Any] | None = None  # path, bytes, seconds, gbps of the last save
         groups = _param_groups(model, model_parameters)
         self.optimizer = ZeroOptimizer(groups, config.optimizer, optimizer)
         self.lr_scheduler = lr_scheduler
@@ -165,11 +173,21 @@ class Engine:
             self.fetcher.begin_step()
             self._in_pass = True
             if torch.is_grad_enabled():  # a training pass: its backward will follow
+                if not self._holding_step:  # until the step that ends this accumulation
+                    self._holding_step = True
+                    self._signals.hold()
                 self.hooks.reset_backward()
                 self.policy.last_micro = self._last_micro()
                 self.optim_state.begin_pass(last=self.policy.last_micro)
         args, kwargs = self.accelerator.move((args, kwargs))  # inputs go where the model computes
-        out = self.module(*args, **kwargs)
+        try:
+            out = self.module(*args, **kwargs)
+        except BaseException:  # the pass is over: nothing will run its backward
+            self.fetcher.end_step()
+            self._in_pass = False
+            self.hooks.reset_backward()
+            self._end_step_hold(boundary=False)
+            raise
         if not torch.is_grad_enabled():  # evaluation: no backward will end this pass
             self.fetcher.end_step()
             self._in_pass = False
@@ -189,6 +207,7 @@ class Engine:
         scale = 1.0 / self.config.batch.gradient_accumulation_steps
         if self.scaler is not None:
             scale *= self.scaler.scale
+        failed = False
         self.hooks.in_backward = True
         try:
             (loss * scale if scale != 1.0 else loss).backward()
@@ -199,12 +218,17 @@ class Engine:
             self.optim_state.abort_pass()
             self.hooks.reset_backward()
             self.micro_steps -= self.micro_steps % self.config.batch.gradient_accumulation_steps
+            if self.update_in_backward and self.policy.last_micro:
+                self._broken = "a backward that updates units as their gradients are final failed"
             self.policy.abandon()
+            failed = True
             raise
         finally:
             self.hooks.in_backward = False
             self.fetcher.end_step()
             self._in_pass = False
+            if failed:
+                self._end_step_hold(boundary=False)
         self.policy.first_micro = False
         self.micro_steps += 1
         self._grads_final = self.is_gradient_accumulation_boundary()
@@ -223,6 +247,29 @@ class Engine:
         self._check_open()
         if not self.is_gradient_accumulation_boundary():
             return
+        try:
+            self._step()
+        except BaseException as e:
+            self._broken = f"step {self.global_steps + 1} failed ({type(e).__name__}: {e})"
+            self._end_step_hold(boundary=False)
+            raise
+        self._broken = None
+        self._end_step_hold(boundary=True)  # held signal handlers run now ([Note: signals at step boundaries])
+
+    def _end_step_hold(self, boundary: bool) -> None:
+        if self._holding_step:
+            self._holding_step = False
+            self._signals.release(boundary)
+
+    def _agree_on_signals(self, arrived: set[int]) -> set[int]:
+        """The signals any rank received ([Note: signals at step boundaries]); all ranks call it."""
+        from infinity.signals import HELD
+        flags = torch.tensor([float(s in arrived) for s in HELD])
+        flags = self.accelerator.move(flags)
+        zdist.all_reduce_max(flags)
+        return {s for s, f in zip(HELD, self.accelerator.host(flags).tolist()) if f}
+
+    def _step(self) -> None:
         t0 = time.perf_counter()
         try:
             outcome = self.policy.step(self.global_steps)
@@ -244,6 +291,82 @@ class Engine:
                  **self.params.io_stats(), **{f"optimizer_{k}": v for k, v in self.optim_state.io_stats().items()}}
         self.report.finish_step(self.global_steps, facts, {"gather": self.fetcher.gather_seconds,
                                                            "reduce": self.hooks.reduce_seconds})
+
+    # ---- checkpoints and export ([Note: checkpoint layout] in infinity/checkpoint/layout.py) --------
+
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
+                        save_latest: bool = True) -> bool:
+        """DeepSpeed's save_checkpoint: `save_dir/tag` (default `global_step<N>`), then `latest`
+        names it; every rank calls it. Crash-safe ([Note: publishing a checkpoint] in
+        infinity/checkpoint/files.py); `last_checkpoint` says what it cost."""
+        from infinity.checkpoint.save import save_checkpoint
+        with self._held_signals():
+            save_checkpoint(self, save_dir, tag, client_state, save_latest)
+        return True
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str | None, dict | None]:
+        """DeepSpeed's load_checkpoint: the tag `latest` names by default; returns (checkpoint
+        directory, client_state), or (None, None) when `load_dir` has no `latest`. Any world size
+        and offload placement loads any checkpoint of the same model ([Note: re-sharding])."""
+        from infinity.checkpoint.load import load_checkpoint
+        with self._held_signals():
+            return load_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
+                                   load_optimizer_states=load_optimizer_states,
+                                   load_lr_scheduler_states=load_lr_scheduler_states,
+                                   load_module_only=load_module_only)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """The weights as the model computes with them (bf16/fp16, or fp32), in Hugging Face's
+        safetensors layout in `save_dir`; every rank calls it, rank 0 writes."""
+        from infinity.checkpoint.export import save_16bit_model
+        with self._held_signals():
+            return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    @contextlib.contextmanager
+    def _held_signals(self):
+        """A save or load runs whole: a handler (one that saves, too) waits for its end, and a
+        second save or load from inside it is refused."""
+        if self._checkpointing:
+            raise RuntimeError("a checkpoint is being saved or loaded by this engine (a signal handler called "
+                               "save_checkpoint or load_checkpoint inside it?); wait for it to finish")
+        self._checkpointing = True
+        self._signals.hold()
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            self._checkpointing = False
+            self._signals.release(boundary=ok)
+
+    def check_step_boundary(self, what: str) -> None:
+        """Raises unless the engine is between steps (what checkpoints read and write)."""
+        self._check_open()
+        if self._broken is not None:
+            raise RuntimeError(f"{what}: {self._broken}, so the parameters and optimizer state may be partly "
+                               "updated; no checkpoint is taken of them. Run a step, load a checkpoint, or build a "
+                               "new engine")
+        if self._in_pass:
+            raise RuntimeError(f"{what}: a training forward is under way and its backward has not run; call it "
+                               "between steps (after engine.step())")
+        if self._grads_final:
+            raise RuntimeError(f"{what}: backward() ended an accumulation and step() has not run; call engine.step() "
+                               "first, so that the state is the step's result")
+
+    def mark_broken(self, why: str) -> None:
+        """The values may be half-updated: no checkpoint is taken until a step or a load succeeds."""
+        self._broken = why
+
+    def after_load(self) -> None:
+        """New values were loaded: nothing of the step before them carries over."""
+        self._grads_final = False
+        self.policy.first_micro = True
+        self._grad_norm = None
+        self._values_cache = None
+        self._broken = None
 
     # ---- DeepSpeed's engine surface -------------------------------------------------------
 
@@ -293,6 +416,10 @@ class Engine:
         shard = self.accelerator.move(shard)
         full = torch.empty(unit.padded_numel, dtype=shard.dtype, device=self.device)
         return self.accelerator.host(unit.gather_into(full, unit.split(shard)))
+
+    def full_compute_values(self, unit: Unit) -> torch.Tensor:
+        """The unit's full flat buffer in the compute dtype on the CPU; all ranks call it."""
+        return self._gather_full(unit, self.params.host_copy(unit))
 
     def full_fp32_values(self, unit: Unit) -> torch.Tensor:
         """The unit's full flat buffer in fp32 on the CPU (masters where trainable); all ranks call it."""
@@ -385,7 +512,7 @@ class Engine:
             if unit.state is UnitState.GATHERED:
                 full = self.accelerator.host(unit.full)
             else:
-                full = self._gather_full(unit, self.params.host_copy(unit))
+                full = self.full_compute_values(unit)
             self._values_cache.update({id(s.param): unit.param_values(full, s).clone() for s in unit.slots})
         return self._values_cache[id(param)]
 
@@ -414,6 +541,8 @@ class Engine:
         module cannot be used afterwards: their parameters' values are gone with the tiers."""
         if self.closed:
             return
+        self._holding_step = False
+        self._signals.close()  # the user's handlers are back (and run for what arrived) while it is open
         self.closed = True
         self.hooks.remove()
         for h in self._state_dict_hooks:

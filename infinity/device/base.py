@@ -68,5 +68,14 @@ class Device:
     def scribble(self, buffer: torch.Tensor) -> None:
         """Called on every pool buffer handed back; the test device overwrites it."""
 
+    # ---- random numbers (checkpoints) ---------------------------------------------------------
+
+    def rng_state(self) -> torch.Tensor | None:
+        """The device's own generator state (None where it has none beyond torch's CPU one)."""
+        return None
+
+    def set_rng_state(self, state: torch.Tensor | None) -> None:
+        pass
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.compute})"

@@ -70,3 +70,10 @@ class CudaDevice(Device):
 
     def pin(self) -> bool:
         return True
+
+    def rng_state(self) -> torch.Tensor | None:
+        return torch.cuda.get_rng_state(self.compute)
+
+    def set_rng_state(self, state: torch.Tensor | None) -> None:
+        if state is not None:
+            torch.cuda.set_rng_state(state, self.compute)

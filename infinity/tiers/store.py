@@ -339,3 +339,6 @@ def _clean_and_die(signum: int, frame: Any) -> None:
         finalizer()  # a no-op for stores already closed
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
+
+
+_clean_and_die.infinity_immediate = True  # never held to a step boundary (infinity/signals.py)

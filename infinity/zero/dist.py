@@ -62,3 +62,23 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(t)
     return t
 
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
+def all_gather_object(obj):
+    """Every rank's `obj` (picklable, small), in rank order."""
+    if world_size() == 1:
+        return [obj]
+    out = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    if world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t

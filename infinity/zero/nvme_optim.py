@@ -384,6 +384,9 @@ class NvmeOptimizerState:
     def master(self, unit: Unit) -> torch.Tensor:
         return self._read_all(unit.index, "master")
 
+    def read(self, unit: Unit, kind: str) -> torch.Tensor:
+        return self._read_all(unit.index, kind)
+
     def set_master(self, unit: Unit, values: torch.Tensor) -> None:
         for k, (start, n) in enumerate(self._pieces[unit.index]):
             self.swapper.write("master", (unit.index, k), values[start:start + n].contiguous())
@@ -405,9 +408,10 @@ class NvmeOptimizerState:
 
     def load_state(self, unit: Unit, state: dict[str, torch.Tensor]) -> None:
         for kind in KINDS:
-            for k, (start, n) in enumerate(self._pieces[unit.index]):
-                self.swapper.write(kind, (unit.index, k), state[kind][start:start + n].contiguous())
-                self.swapper.flush()
+            if kind in state:
+                for k, (start, n) in enumerate(self._pieces[unit.index]):
+                    self.swapper.write(kind, (unit.index, k), state[kind][start:start + n].contiguous())
+        self.swapper.flush()  # the sources are views of `state`: alive until here
 
     def io_stats(self) -> dict[str, float]:
         return self._tally.take()

@@ -217,9 +217,13 @@ class ResidentOptimizerState:
         self._settle()
         return self.device.host(self._grads[unit.index])
 
+    def read(self, unit: Unit, kind: str) -> torch.Tensor:
+        return self.device.host(self._state[unit.index][kind])
+
     def load_state(self, unit: Unit, state: dict[str, torch.Tensor]) -> None:
         for k in self.KINDS:
-            self._state[unit.index][k].copy_(state[k])
+            if k in state:
+                self._state[unit.index][k].copy_(state[k])
 
     def close(self) -> None:
         self._settle()

@@ -117,10 +117,15 @@ class OptimizerTier(Protocol):
     def state(self, unit: Unit) -> dict[str, torch.Tensor]:
         """Host copies of master, exp_avg and exp_avg_sq."""
 
+    def read(self, unit: Unit, kind: str) -> torch.Tensor:
+        """The unit's fp32 "master", "exp_avg" or "exp_avg_sq" in host memory (a copy, or the
+        tier's own tensor where it lives there: read it before the next update)."""
+
     def grad(self, unit: Unit) -> torch.Tensor | None:
         """A host copy of the unit's accumulated fp32 gradient, if one is kept."""
 
-    def load_state(self, unit: Unit, state: dict[str, torch.Tensor]) -> None: ...
+    def load_state(self, unit: Unit, state: dict[str, torch.Tensor]) -> None:
+        """Makes the given kinds of `state` (host fp32; any of master, exp_avg, exp_avg_sq) the unit's."""
     def io_stats(self) -> dict[str, float]:
         """NVMe traffic since the last call, for the step report (empty without NVMe)."""
 

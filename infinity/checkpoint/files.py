@@ -1,0 +1,145 @@
+"""Durable, checked bytes: extents written and read through the aio handle with a CRC-32 of
+each, files fsynced, names published by atomic rename.
+
+[Note: publishing a checkpoint]
+Every rank writes into `save_dir/.<tag>.partial`; when all of them have fsynced their files
+(the manifest's gather is the barrier), rank 0 writes the manifest, fsyncs the directory and
+renames it to `save_dir/<tag>`, fsyncs `save_dir`, then replaces `latest` the same way (a
+temporary file, fsync, rename). A crash at any point leaves either the old tag and `latest` or
+the new ones: a partial directory is never named by `latest` and is removed by the next save of
+its tag. Saving again under an existing tag moves the old directory to `.<tag>.replaced` first;
+if the process dies between the two renames, loading that tag finds the old one there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import zlib
+
+import torch
+
+from infinity.checkpoint.layout import EXTENT_ALIGN, CheckpointError, round_up
+from infinity.io import AsyncIOHandle, aligned_empty
+
+CHUNK = 64 << 20  # bytes of a staging buffer: two of them keep a copy and a write going
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    fsync_file(path)  # a directory opened read-only can be fsynced on Linux
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Replaces `path` with `data`: all of it or none of it, durable once this returns."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def crc_of_file(path: str) -> tuple[int, int]:
+    """(bytes, crc32) of a small file."""
+    crc, n = 0, 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            crc, n = zlib.crc32(block, crc), n + len(block)
+    return n, crc
+
+
+def remove_tree(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class ExtentWriter:
+    """Writes extents (any contiguous CPU tensor's bytes, zero-padded to 4 KiB) through an aio
+    handle: each 64 MiB chunk is copied into one of two aligned staging buffers, its CRC taken,
+    and its write submitted while the next chunk is copied. `finish` waits for the last writes
+    and raises the first failure."""
+
+    def __init__(self, handle: AsyncIOHandle, chunk: int = CHUNK):
+        self.handle = handle
+        self.chunk = chunk
+        self._buffers: list[torch.Tensor] = []
+        self._writes: list[int | None] = [None, None]
+        self._next = 0
+        self.bytes = 0
+        self.paths: set[str] = set()
+
+    def _staging(self, nbytes: int) -> torch.Tensor:
+        if len(self._buffers) < 2:
+            self._buffers.append(aligned_empty(self.chunk, pin=False))
+        i = self._next
+        self._next = 1 - i
+        if self._writes[i] is not None:
+            request, self._writes[i] = self._writes[i], None
+            self.handle.wait(request)
+        return self._buffers[i][:nbytes], i
+
+    def write(self, path: str, offset: int, src: torch.Tensor) -> tuple[int, int]:
+        """Writes `src` at `offset` (a multiple of 4 KiB); returns (bytes written, crc32)."""
+        assert offset % EXTENT_ALIGN == 0
+        data = src.detach().reshape(-1).view(torch.uint8)
+        n = data.numel()
+        total = round_up(n)
+        crc = 0
+        for lo in range(0, total, self.chunk):
+            hi = min(total, lo + self.chunk)
+            buffer, i = self._staging(hi - lo)
+            m = max(0, min(hi, n) - lo)
+            buffer[:m].copy_(data[lo:lo + m])
+            buffer[m:].zero_()
+            crc = zlib.crc32(buffer.numpy(), crc)
+            self._writes[i] = self.handle.submit_write(buffer, path, offset + lo)
+        self.bytes += total
+        self.paths.add(path)
+        return total, crc
+
+    def finish(self) -> None:
+        """Waits for every write; raises the first that failed. Then fsyncs every file written."""
+        error = None
+        for i, request in enumerate(self._writes):
+            if request is not None:
+                self._writes[i] = None
+                try:
+                    self.handle.wait(request)
+                except OSError as e:
+                    error = error or e
+        if error is not None:
+            raise error
+        for path in sorted(self.paths):
+            fsync_file(path)
+
+    def abort(self) -> None:
+        """Waits for the writes in flight, ignoring their failures (the save is abandoned)."""
+        for i, request in enumerate(self._writes):
+            if request is not None:
+                self._writes[i] = None
+                try:
+                    self.handle.wait(request)
+                except OSError:
+                    pass
+
+
+def read_extent(handle: AsyncIOHandle, path: str, offset: int, nbytes: int, crc: int, what: str) -> torch.Tensor:
+    """The `nbytes` bytes of `path` at `offset`, checked against `crc`; `what` names them in errors."""
+    buffer = aligned_empty(nbytes, pin=False)
+    try:
+        handle.read(buffer, path, offset)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read {what} ({nbytes} bytes at offset {offset}): {e.strerror or e}; "
+                              "the file is missing or shorter than the manifest says") from None
+    if zlib.crc32(buffer.numpy()) != crc:
+        raise CheckpointError(f"{path}: checksum mismatch in {what} (bytes {offset} to {offset + nbytes}); the "
+                              "file is damaged, nothing was loaded from it")
+    return buffer

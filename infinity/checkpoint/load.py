@@ -1,0 +1,338 @@
+"""`engine.load_checkpoint`: each rank fills its own shards from the checkpoint's extents, found
+by parameter name, so another world size, offload placement or unit plan loads the same
+values ([Note: re-sharding]); every extent read is checked against its CRC first.
+
+[Note: re-sharding]
+A parameter's place in a checkpoint is (unit, region, offset in the region); rank q's extent of
+that region holds its elements [q*S, (q+1)*S) for the checkpoint's per-rank length S. A rank
+loading its shard walks the parameters of each of its units that overlap the shard and copies
+each overlapping run from the extents that hold it, reading every extent whole once (so its CRC
+can be checked) and keeping it only while that kind of that unit is being filled. With the same
+world size and units this is one extent per kind per unit: the rank's own bytes, read once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from infinity.checkpoint import files
+from infinity.checkpoint.layout import (
+    BUFFERS,
+    FROZEN,
+    LATEST,
+    OPTIM_KINDS,
+    CheckpointError,
+    Manifest,
+    ParamPlace,
+    round_up,
+    state_file,
+)
+from infinity.checkpoint.safetensors_io import load_file
+from infinity.checkpoint.save import (
+    PROGRESS_BYTES,
+    agree,
+    check_tag,
+    persistent_buffers,
+)
+from infinity.io import AsyncIOHandle
+from infinity.zero.nvme_io import make_handle
+from infinity.zero.unit import UnitState
+
+if TYPE_CHECKING:
+    from infinity.engine import Engine
+
+log = logging.getLogger("infinity")
+
+
+def resolve(load_dir: str, tag: Any = None) -> str | None:
+    """The checkpoint directory of `tag` (or of the tag `latest` names); None when there is no
+    `latest` and no tag was given."""
+    load_dir = os.fspath(load_dir)
+    if tag is None:
+        latest = os.path.join(load_dir, LATEST)
+        if not os.path.isfile(latest):
+            return None
+        with open(latest, encoding="utf-8") as f:
+            tag = f.read().strip()
+    tag = check_tag(tag)
+    path = os.path.join(load_dir, tag)
+    replaced = os.path.join(load_dir, f".{tag}.replaced")
+    if not os.path.isdir(path) and os.path.isdir(replaced):
+        log.warning("load_checkpoint: %s is missing, a save under the same tag died while replacing it; "
+                    "loading the previous one from %s", path, replaced)
+        return replaced
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"load_checkpoint: no checkpoint {path} (tag {tag!r})")
+    return path
+
+
+class ExtentCache:
+    """Extents of one checkpoint, read whole and checked once, typed."""
+
+    def __init__(self, manifest: Manifest, handle: AsyncIOHandle, on_read=None):
+        self.manifest, self.handle = manifest, handle
+        self._extents: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._on_read = on_read
+
+    def get(self, kind: str, rank: int, unit: int) -> torch.Tensor:
+        key = (kind, rank, unit)
+        if key not in self._extents:
+            m = self.manifest
+            name, offset, nbytes, crc = m.extent(rank, kind, unit)
+            raw = files.read_extent(self.handle, m.path(name), offset, nbytes, crc,
+                                    f"the extent of unit {unit} ({m.units[unit]['name']})")
+            dtype = torch.float32 if kind in OPTIM_KINDS else m.compute_dtype
+            region = "train" if kind in OPTIM_KINDS else FROZEN
+            self._extents[key] = raw.view(dtype)[:m.region_numel(unit, region)]
+            if self._on_read is not None:
+                self._on_read(nbytes)
+        return self._extents[key]
+
+    def clear(self) -> None:
+        self._extents.clear()
+
+
+def param_run(cache: ExtentCache, place: ParamPlace, kind: str, lo: int, hi: int) -> torch.Tensor | None:
+    """Elements [lo, hi) of a parameter's flat values of `kind` ("master", "exp_avg",
+    "exp_avg_sq" or "frozen") as the checkpoint stores them; a frozen parameter's masters are its
+    frozen values and a trainable one's frozen values its masters; None for the moments of a
+    parameter that was frozen (it has none)."""
+    if place.region == FROZEN:
+        if kind in ("exp_avg", "exp_avg_sq"):
+            return None
+        kind = FROZEN
+    elif kind == FROZEN:
+        kind = "master"
+    per_rank = cache.manifest.region_numel(place.unit, place.region)
+    if lo == hi:
+        return torch.empty(0, dtype=torch.float32 if kind in OPTIM_KINDS else cache.manifest.compute_dtype)
+    a, b = place.offset + lo, place.offset + hi
+    runs = []
+    while a < b:
+        q = a // per_rank
+        end = min(b, (q + 1) * per_rank)
+        runs.append(cache.get(kind, q, place.unit)[a - q * per_rank:end - q * per_rank])
+        a = end
+    return runs[0] if len(runs) == 1 else torch.cat(runs)
+
+
+def fill_region(cache: ExtentCache, unit, region: str, kind: str, out: torch.Tensor) -> None:
+    """Copies into `out` (this rank's shard of the unit's region) every run the checkpoint has."""
+    per_rank = out.numel()
+    lo_shard = unit.rank * per_rank
+    train_padded = unit.train_shard_numel * unit.world
+    places = cache.manifest.places
+    for s in unit.slots:
+        if (s.group >= 0) != (region == "train") or s.name not in places:
+            continue
+        start = s.offset if s.group >= 0 else s.offset - train_padded
+        a, b = max(start, lo_shard), min(start + s.numel, lo_shard + per_rank)
+        if a >= b:
+            continue
+        run = param_run(cache, places[s.name], kind, a - start, b - start)
+        target = out[a - lo_shard:b - lo_shard]
+        target.zero_() if run is None else target.copy_(run)
+
+
+def _listing(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def check_model(manifest: Manifest, engine: "Engine", *, strict: bool, optimizer_states: bool) -> None:
+    """The checkpoint holds this model's parameters, with their shapes; errors name them."""
+    ours = {s.name: s for u in engine.units for s in u.slots}
+    theirs = manifest.places
+    where = manifest.directory
+    problems = []
+    missing = [n for n in ours if n not in theirs]
+    unexpected = [n for n in theirs if n not in ours]
+    if strict and missing:
+        problems.append(f"missing from the checkpoint: {_listing(missing)}")
+    if strict and unexpected:
+        problems.append(f"in the checkpoint but not in the model: {_listing(unexpected)}")
+    shapes = [f"{n} (checkpoint {theirs[n].shape}, model {list(s.shape)})" for n, s in ours.items()
+              if n in theirs and theirs[n].shape != list(s.shape)]
+    if shapes:
+        problems.append(f"shape mismatch: {_listing(shapes)}")
+    if optimizer_states:
+        newly = [n for n, s in ours.items() if s.group >= 0 and n in theirs and theirs[n].region == FROZEN]
+        if newly:
+            problems.append(f"trainable here but frozen in the checkpoint, which has no optimizer state for them: "
+                            f"{_listing(newly)} (load with load_optimizer_states=False to start their moments at 0)")
+        groups = manifest.data.get("param_groups")
+        if groups is not None and groups != len(engine.optimizer.param_groups):
+            problems.append(f"optimizer.param_groups: the checkpoint has {groups}, this optimizer "
+                            f"{len(engine.optimizer.param_groups)} (load with load_optimizer_states=False)")
+    if problems:
+        raise CheckpointError(f"load_checkpoint: {where} does not fit this model: " + "; ".join(problems))
+
+
+def _read_small(manifest: Manifest, name: str) -> str:
+    """The path of a small file of the checkpoint, once its size and CRC match the manifest."""
+    entry = manifest.files.get(name)
+    path = manifest.path(name)
+    if entry is None:
+        raise CheckpointError(f"{manifest.path('manifest.json')}: lists no file {name}")
+    try:
+        size, crc = files.crc_of_file(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete") from None
+    if (size, crc) != (entry["bytes"], entry["crc32"]):
+        raise CheckpointError(f"{path}: checksum mismatch (the file is damaged); nothing was loaded from it")
+    return path
+
+
+def set_rng_states(engine: "Engine", rng: dict) -> None:
+    version, state, gauss = rng["python"]
+    random.setstate((version, tuple(state), gauss))
+    n = rng["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    torch.set_rng_state(rng["torch"])
+    engine.accelerator.set_rng_state(rng["device"])
+
+
+def _check_files(manifest: Manifest) -> None:
+    """Every file the manifest lists is there with its size: found before anything changes."""
+    for name, entry in manifest.files.items():
+        path = manifest.path(name)
+        try:
+            size = os.path.getsize(path)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: missing; the checkpoint is incomplete") from None
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{path}: {size} bytes, the manifest says {entry['bytes']}; the file was truncated "
+                                  "or changed")
+
+
+def _read_state(manifest: Manifest, rank: int) -> dict:
+    path = _read_small(manifest, state_file(rank))
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 (torch raises several kinds)
+        raise CheckpointError(f"{path}: cannot be loaded without executing code, or is damaged "
+                              f"({str(e).splitlines()[0]})") from None
+
+
+def load_checkpoint(engine: "Engine", load_dir: str, tag: Any = None, *, load_module_strict: bool = True,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False) -> tuple[str | None, dict | None]:
+    optimizer_states = load_optimizer_states and not load_module_only
+    error = path = manifest = state = None
+    buffers: dict = {}
+    try:  # everything that can be checked before a value changes, on every rank
+        engine.check_step_boundary("load_checkpoint")
+        path = resolve(load_dir, tag)
+        if path is not None:
+            manifest = Manifest.read(path)
+            check_model(manifest, engine, strict=load_module_strict, optimizer_states=optimizer_states)
+            _check_files(manifest)
+            if not load_module_only:
+                state = _read_state(manifest, engine.rank if engine.rank < manifest.world_size else 0)
+            buffers = load_file(_read_small(manifest, BUFFERS)) if BUFFERS in manifest.files else {}
+            _check_buffers(engine, buffers, strict=load_module_strict, where=path)
+    except Exception as e:  # noqa: BLE001 (every rank hears of it, then it is raised)
+        error = e
+    agree(error, "load_checkpoint")
+    if path is None:
+        log.warning("load_checkpoint: %s has no %r file and no tag was given; nothing loaded", load_dir, LATEST)
+        return None, None
+    if manifest.world_size != engine.world_size and engine.rank == 0:
+        log.info("load_checkpoint: re-sharding from %d ranks to %d", manifest.world_size, engine.world_size)
+    _load_shards(engine, manifest, optimizer_states)
+    for name, buf in persistent_buffers(engine.module).items():
+        if name in buffers:
+            buf.copy_(buffers[name])
+    client_state: dict = {}
+    if state is not None:
+        client_state = state["client_state"]
+        engine.global_steps, engine.skipped_steps = state["global_steps"], state["skipped_steps"]
+        engine.micro_steps = state["micro_steps"]
+        if optimizer_states:
+            engine.optimizer.step_count = state["optimizer"]["step_count"]
+            for group, saved in zip(engine.optimizer.param_groups, state["optimizer"]["param_groups"]):
+                group.update(saved)
+        if load_lr_scheduler_states and state["lr_scheduler"] is not None and engine.lr_scheduler is not None:
+            engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if engine.scaler is not None and state["loss_scaler"] is not None:
+            engine.scaler.load_state_dict(state["loss_scaler"])
+        if engine.rank < manifest.world_size:  # another world size: the extra ranks keep their own
+            set_rng_states(engine, state["rng"])
+    engine.after_load()
+    return path, client_state
+
+
+def _load_shards(engine: "Engine", manifest: Manifest, optimizer_states: bool) -> None:
+    """Fills every unit's shard; units gathered for the whole run (stages 1/2, persistent ones)
+    are gathered again only once every rank has read its shards, so that a rank that failed
+    cannot leave the others waiting in a gather."""
+    kinds = OPTIM_KINDS if optimizer_states else ("master",)
+    total = sum(round_up(u.train_shard_numel * 4) * len(kinds) + round_up(u.frozen_shard_numel * 2)
+                for u in engine.units)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="load checkpoint", leave=False,
+               disable=engine.rank != 0 or total < PROGRESS_BYTES)
+    cache = ExtentCache(manifest, make_handle(engine.config.aio), on_read=bar.update)
+    gathered = [u for u in engine.units if u.state is UnitState.GATHERED]
+    for u in gathered:
+        u.to_released()
+    error = None
+    try:
+        for u in engine.units:
+            _load_unit(engine, manifest, cache, u, kinds)
+        engine.params.flush()
+        engine.optim_state.flush()
+    except Exception as e:  # noqa: BLE001 (every rank hears of it, then it is raised)
+        error = e
+    finally:
+        bar.close()
+    try:
+        agree(error, "load_checkpoint")
+    except BaseException as e:
+        engine.mark_broken(f"load_checkpoint failed part way ({type(e).__name__}: {e}), leaving some values loaded "
+                           "and others not")
+        raise
+    finally:
+        for u in gathered:
+            u.to_gathered(engine.params.fetch(u))
+            engine.params.done(u)
+
+
+def _load_unit(engine: "Engine", manifest: Manifest, cache: ExtentCache, u, kinds: tuple[str, ...]) -> None:
+    partial = any(s.name not in manifest.places for s in u.slots)  # non-strict: those keep their values
+    master = None
+    if u.trainable:
+        values = {}
+        for kind in kinds:
+            out = (engine.optim_state.read(u, kind).clone() if partial
+                   else torch.zeros(u.train_shard_numel, dtype=torch.float32))
+            fill_region(cache, u, "train", kind, out)
+            cache.clear()
+            values[kind] = out
+        engine.optim_state.load_state(u, values)
+        master = values["master"]
+    shard = engine.params.host_copy(u) if partial else torch.zeros(u.shard_numel, dtype=u.dtype)
+    parts = u.split(shard)
+    if master is not None:
+        parts.train.copy_(master)  # the compute-dtype values are the masters rounded, as an update writes
+    if u.frozen_shard_numel:
+        fill_region(cache, u, FROZEN, FROZEN, parts.frozen)
+        cache.clear()
+    engine.params.replace(u, shard)
+
+
+def _check_buffers(engine: "Engine", saved: dict[str, torch.Tensor], *, strict: bool, where: str) -> None:
+    ours = persistent_buffers(engine.module)
+    missing = [n for n in ours if n not in saved]
+    if strict and missing:
+        raise CheckpointError(f"load_checkpoint: {where} has no values for the buffers {_listing(missing)}")
+    for name, buf in ours.items():
+        if name in saved and list(saved[name].shape) != list(buf.shape):
+            raise CheckpointError(f"load_checkpoint: buffer {name} has shape {list(saved[name].shape)} in {where}, "
+                                  f"{list(buf.shape)} in the model")

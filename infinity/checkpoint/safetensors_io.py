@@ -1,0 +1,189 @@
+"""The safetensors format, written a tensor at a time and read without executing anything.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header naming each tensor's
+dtype, shape and byte range, then the bytes. The header depends only on names, dtypes and shapes,
+so a writer that knows those up front (from a checkpoint's manifest, or a model's parameters)
+writes it first and then streams each tensor as it arrives: nothing but the tensor in hand is in
+memory, however large the file. Hugging Face's sharded layout is several such files and a
+`model.safetensors.index.json` mapping each name to its file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from collections.abc import Iterable
+
+import torch
+
+from infinity.checkpoint.files import write_atomic
+
+_CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+          torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64", torch.bool: "BOOL",
+          torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.complex64: "C64"}
+_DTYPES = {code: dtype for dtype, code in _CODES.items()}
+INDEX_SUFFIX = ".index.json"
+
+
+def _code(dtype: torch.dtype, name: str) -> str:
+    if dtype not in _CODES:
+        raise TypeError(f"{name}: safetensors cannot hold dtype {dtype}")
+    return _CODES[dtype]
+
+
+def _nbytes(dtype: torch.dtype, shape: Iterable[int]) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+class StreamWriter:
+    """One safetensors file whose tensors are given one at a time, in the declared order."""
+
+    def __init__(self, path: str, entries: list[tuple[str, torch.dtype, list[int]]],
+                 metadata: dict[str, str] | None = None):
+        header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+        offset = 0
+        for name, dtype, shape in entries:
+            n = _nbytes(dtype, shape)
+            header[name] = {"dtype": _code(dtype, name), "shape": list(shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        self.path = path
+        self._entries = list(entries)
+        self._next = 0
+        self._f = open(path, "wb")
+        self._f.write(struct.pack("<Q", len(raw)))
+        self._f.write(raw)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        expected, dtype, shape = self._entries[self._next]
+        if name != expected or tensor.dtype != dtype or list(tensor.shape) != list(shape):
+            raise ValueError(f"{self.path}: expected {expected} {dtype} {list(shape)} next, got {name} "
+                             f"{tensor.dtype} {list(tensor.shape)}")
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        self._f.write(data.numpy().data)
+        self._next += 1
+
+    def close(self) -> None:
+        if self._next != len(self._entries):
+            self._f.close()
+            raise ValueError(f"{self.path}: {len(self._entries) - self._next} declared tensors were never written")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+
+    def abort(self) -> None:
+        self._f.close()
+
+
+def check_filename(filename: str) -> None:
+    if not isinstance(filename, str) or not filename.endswith(".safetensors") or os.sep in filename:
+        raise ValueError(f"save_filename: expected a file name ending in .safetensors, got {filename!r} (infinity "
+                         "writes safetensors, which loads without executing code)")
+
+
+def _remove_stale(directory: str, filename: str) -> None:
+    """What an earlier export under this name left (a single file would shadow new shards, old
+    shards would outlive a new single file), as save_pretrained does."""
+    stem = filename.removesuffix(".safetensors")
+    pattern = re.compile(re.escape(stem) + r"-\d{5}-of-\d{5}\.safetensors")
+    for name in os.listdir(directory):
+        if name in (filename, filename + INDEX_SUFFIX) or pattern.fullmatch(name):
+            os.remove(os.path.join(directory, name))
+
+
+class ShardedWriter:
+    """Hugging Face's layout in `directory`: `filename` alone when everything fits in
+    `max_shard_bytes`, else `<stem>-00001-of-0000N.safetensors` files and `<filename>.index.json`;
+    tensors are given one at a time in the declared order."""
+
+    def __init__(self, directory: str, filename: str, entries: list[tuple[str, torch.dtype, list[int]]],
+                 max_shard_bytes: int):
+        check_filename(filename)
+        for name, dtype, _ in entries:
+            _code(dtype, name)  # said before anything is written
+        os.makedirs(directory, exist_ok=True)
+        _remove_stale(directory, filename)
+        shards: list[list] = [[]]
+        size = 0
+        for entry in entries:
+            n = _nbytes(entry[1], entry[2])
+            if shards[-1] and size + n > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(entry)
+            size += n
+        stem = filename.removesuffix(".safetensors")
+        if len(shards) == 1:
+            names = [filename]
+        else:
+            names = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        self.directory, self.filename = directory, filename
+        self.total_bytes = sum(_nbytes(e[1], e[2]) for e in entries)
+        self.files = [os.path.join(directory, n) for n in names]
+        self._plan = list(zip(names, shards))
+        self._shard = -1
+        self._left = 0
+        self._writer: StreamWriter | None = None
+        self._weight_map = {e[0]: n for n, shard in self._plan for e in shard}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        while self._left == 0:
+            if self._writer is not None:
+                self._writer.close()
+            self._shard += 1
+            file, entries = self._plan[self._shard]
+            self._writer = StreamWriter(os.path.join(self.directory, file), entries)
+            self._left = len(entries)
+        self._writer.add(name, tensor)
+        self._left -= 1
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        if len(self._plan) > 1:
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": self._weight_map}
+            write_atomic(os.path.join(self.directory, self.filename + INDEX_SUFFIX),
+                         json.dumps(index, indent=2, sort_keys=True).encode())
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+
+
+def read_header(path: str) -> tuple[dict, int]:
+    """(header without __metadata__, byte offset where the data starts)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than its header length)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100 << 20:
+            raise ValueError(f"{path}: not a safetensors file (header length {n})")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: damaged safetensors header ({e})") from None
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def load_file(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a (small) safetensors file, on the CPU."""
+    header, start = read_header(path)
+    out = {}
+    with open(path, "rb") as f:
+        for name, info in header.items():
+            lo, hi = info["data_offsets"]
+            f.seek(start + lo)
+            raw = bytearray(f.read(hi - lo))
+            if len(raw) != hi - lo:
+                raise ValueError(f"{path}: {name} runs past the end of the file")
+            dtype = _DTYPES[info["dtype"]]
+            out[name] = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(info["shape"]).clone() \
+                if raw else torch.empty(info["shape"], dtype=dtype)
+    return out

@@ -1,0 +1,279 @@
+"""`engine.save_checkpoint`: every rank streams its own shards from whichever tier holds them
+into the checkpoint through the aio handle ([Note: checkpoint layout] in layout.py), never
+gathering the model; rank 0 publishes the result ([Note: publishing a checkpoint] in files.py).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import random
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from infinity.checkpoint import files
+from infinity.checkpoint.layout import (
+    BUFFERS,
+    FORMAT,
+    FROZEN,
+    HF_CONFIG,
+    LATEST,
+    MANIFEST,
+    MANIFEST_CRC,
+    OPTIM_KINDS,
+    VERSION,
+    dtype_name,
+    manifest_crc,
+    round_up,
+    shard_file,
+    state_file,
+    unit_entries,
+)
+from infinity.checkpoint.safetensors_io import StreamWriter
+from infinity.zero import dist as zdist
+from infinity.zero.nvme_io import make_handle
+
+if TYPE_CHECKING:
+    from infinity.engine import Engine
+
+log = logging.getLogger("infinity")
+PROGRESS_BYTES = 1 << 30  # a progress bar for anything larger
+
+
+def check_tag(tag: Any) -> str:
+    tag = str(tag)
+    if not tag or tag in (".", "..", LATEST) or tag.startswith(".") or "/" in tag or "\0" in tag:
+        raise ValueError(f"tag: expected a plain directory name (not empty, '.', '..' or {LATEST!r}, not starting "
+                         f"with '.', no '/'), got {tag!r}")
+    return tag
+
+
+def _check_loadable(value: Any, what: str) -> bytes:
+    """`value` serialized; it must load back with torch.load(weights_only=True): tensors,
+    numbers, strings, and dicts, lists and tuples of them. Said now rather than when resuming."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(value, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception as e:  # noqa: BLE001 (torch raises several kinds)
+        raise TypeError(f"{what}: holds an object that torch.load(weights_only=True) refuses, so the checkpoint "
+                        "could not be loaded without executing code; keep to tensors, numbers, strings, and dicts, "
+                        f"lists and tuples of them ({str(e).splitlines()[0]})") from None
+    return buffer.getvalue()
+
+
+def rng_states(engine: "Engine") -> dict:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": random.getstate(), "torch": torch.get_rng_state(), "device": engine.accelerator.rng_state(),
+            "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
+
+
+def engine_state(engine: "Engine", client_state: dict) -> dict:
+    gas = engine.config.batch.gradient_accumulation_steps
+    return {
+        "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
+        "micro_steps": engine.micro_steps - engine.micro_steps % gas,  # a partial accumulation is not kept
+        "optimizer": {"step_count": engine.optimizer.step_count,
+                      "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                       for g in engine.optimizer.param_groups]},
+        "lr_scheduler": engine.lr_scheduler.state_dict() if hasattr(engine.lr_scheduler, "state_dict") else None,
+        "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
+        "rng": rng_states(engine),
+        "client_state": client_state,
+    }
+
+
+def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's buffers that its state_dict holds, by state_dict name (a shared one once)."""
+    out, seen = {}, set()
+    for module_name, m in module.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        for name, b in m.named_buffers(recurse=False):
+            if b is not None and name not in m._non_persistent_buffers_set and id(b) not in seen:  # noqa: SLF001
+                seen.add(id(b))
+                out[prefix + name] = b
+    return out
+
+
+def aliases(engine: "Engine") -> dict[str, str]:
+    """state_dict names of parameters held under another name (tied weights) -> that name."""
+    first = {id(s.param): s.name for u in engine.units for s in u.slots}
+    return {name: first[id(p)] for name, p in engine.module.named_parameters(remove_duplicate=False)
+            if id(p) in first and first[id(p)] != name}
+
+
+def agree(error: BaseException | None, what: str, payload: Any = None) -> list:
+    """Every rank's `payload`, once no rank has failed; if one has, every rank raises (its own
+    error, or one naming the rank that failed) instead of waiting for it in a collective."""
+    rank = zdist.dist.get_rank() if zdist.world_size() > 1 else 0
+    gathered = zdist.all_gather_object(
+        (None if error is None else f"rank {rank}: {type(error).__name__}: {error}", payload))
+    failures = [g for g, _ in gathered if g is not None]
+    if failures:
+        if error is not None:
+            raise error
+        raise RuntimeError(f"{what}: {failures[0]}")
+    return [p for _, p in gathered]
+
+
+def save_checkpoint(engine: "Engine", save_dir: str, tag: Any = None, client_state: dict | None = None,
+                    save_latest: bool = True) -> str:
+    """Writes the checkpoint on every rank (all of them call it); returns its directory."""
+    rank = engine.rank
+    save_dir = os.fspath(save_dir)
+    t0 = time.perf_counter()
+    error = None
+    try:
+        engine.check_step_boundary("save_checkpoint")
+        state = _state_bytes(engine, client_state)
+        tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
+        partial = os.path.join(save_dir, f".{tag}.partial")
+        if rank == 0:
+            if not os.path.isdir(save_dir):
+                os.makedirs(save_dir)
+                files.fsync_dir(os.path.dirname(os.path.abspath(save_dir)))
+            files.remove_tree(partial)  # a save of this tag that died: never published, nobody's state
+            os.makedirs(partial)
+    except Exception as e:  # noqa: BLE001 (every rank hears of it, then it is raised)
+        error = e
+    agree(error, "save_checkpoint")
+    final = os.path.join(save_dir, tag)
+    gas = engine.config.batch.gradient_accumulation_steps
+    if rank == 0 and engine.micro_steps % gas:
+        log.warning("save_checkpoint: %d of %d micro-steps of this accumulation have run; their gradients are not "
+                    "saved and a resume starts the accumulation again", engine.micro_steps % gas, gas)
+    entries: dict[str, dict] = {}
+    try:
+        entries = _write_rank(engine, partial, tag, state)
+    except BaseException as e:  # noqa: BLE001 (the other ranks must hear of it, then it is raised)
+        error = e
+    try:
+        everything = agree(error, "save_checkpoint", entries)
+    except BaseException:
+        if rank == 0:
+            files.remove_tree(partial)
+        raise
+    nbytes = sum(e["bytes"] for part in everything for e in part.values())
+    if rank == 0:
+        try:
+            _publish(engine, save_dir, tag, partial, final, {n: e for part in everything for n, e in part.items()},
+                     save_latest)
+        except BaseException as e:  # noqa: BLE001
+            error = e
+    agree(error, "save_checkpoint (publishing on rank 0)")
+    seconds = time.perf_counter() - t0
+    engine.last_checkpoint = {"path": final, "bytes": nbytes, "seconds": seconds,
+                              "gbps": nbytes / seconds / 1e9 if seconds else 0.0}
+    if rank == 0:
+        log.info("infinity: saved checkpoint %s: %.3f GB in %.2f s (%.2f GB/s)", final, nbytes / 1e9, seconds,
+                 engine.last_checkpoint["gbps"])
+    return final
+
+
+def _state_bytes(engine: "Engine", client_state: dict | None) -> bytes:
+    """The rank's small state, serialized, once it is known to load back without executing code."""
+    if client_state is not None and not isinstance(client_state, dict):
+        raise TypeError(f"client_state: expected a dict, got {type(client_state).__name__}")
+    _check_loadable(client_state, "client_state")
+    state = engine_state(engine, client_state or {})
+    return _check_loadable(state, "the engine's state (its LR scheduler's state_dict, most likely)")
+
+
+def _write_rank(engine: "Engine", partial: str, tag: str, state: bytes) -> dict[str, dict]:
+    """This rank's files in `partial`, fsynced; returns their manifest entries."""
+    rank = engine.rank
+    engine.optim_state.flush()  # the last step's writes: the state read next is the step's result
+    engine.params.flush()
+    trainable = [u for u in engine.units if u.trainable]
+    frozen = [u for u in engine.units if u.frozen_shard_numel]
+    elsize = torch.empty((), dtype=engine.dtype).element_size()
+    total = sum(round_up(u.train_shard_numel * 4) for u in trainable) * len(OPTIM_KINDS)
+    total += sum(round_up(u.frozen_shard_numel * elsize) for u in frozen)
+    entries: dict[str, dict] = {}
+    offsets: dict[str, int] = {}
+    writer = files.ExtentWriter(make_handle(engine.config.aio))
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"save {tag}", leave=False,
+               disable=rank != 0 or total < PROGRESS_BYTES)
+
+    def put(kind: str, unit_index: int, values: torch.Tensor) -> None:
+        name = shard_file(rank, kind)
+        offset = offsets.get(name, 0)
+        nbytes, crc = writer.write(os.path.join(partial, name), offset, values)
+        entry = entries.setdefault(name, {"bytes": 0, "extents": {}})
+        entry["extents"][str(unit_index)] = [offset, nbytes, crc]
+        entry["bytes"] = offsets[name] = offset + nbytes
+        bar.update(nbytes)
+
+    try:
+        with torch.profiler.record_function("infinity::save_checkpoint"):
+            for u in engine.units:
+                if u.trainable:
+                    for kind in OPTIM_KINDS:
+                        put(kind, u.index, engine.optim_state.read(u, kind))
+                if u.frozen_shard_numel:
+                    put(FROZEN, u.index, u.split(engine.params.host_copy(u)).frozen)
+            writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        bar.close()
+    path = os.path.join(partial, state_file(rank))
+    with open(path, "wb") as f:
+        f.write(state)
+        f.flush()
+        os.fsync(f.fileno())
+    size, crc = files.crc_of_file(path)
+    entries[state_file(rank)] = {"bytes": size, "crc32": crc}
+    if rank == 0:
+        buffers = persistent_buffers(engine.module)
+        path = os.path.join(partial, BUFFERS)
+        w = StreamWriter(path, [(n, b.dtype, list(b.shape)) for n, b in buffers.items()])
+        for n, b in buffers.items():
+            w.add(n, b)
+        w.close()
+        size, crc = files.crc_of_file(path)
+        entries[BUFFERS] = {"bytes": size, "crc32": crc}
+        hf_config = getattr(engine.module, "config", None)
+        if hasattr(hf_config, "to_json_string"):  # a Hugging Face model: export makes a model directory
+            path = os.path.join(partial, HF_CONFIG)
+            files.write_atomic(path, hf_config.to_json_string().encode())
+            size, crc = files.crc_of_file(path)
+            entries[HF_CONFIG] = {"bytes": size, "crc32": crc}
+    return entries
+
+
+def _publish(engine: "Engine", save_dir: str, tag: str, partial: str, final: str, entries: dict[str, dict],
+             save_latest: bool) -> None:
+    """[Note: publishing a checkpoint] in files.py."""
+    zero = engine.config.zero
+    manifest = {
+        "format": FORMAT, "version": VERSION, "tag": tag, "world_size": engine.world_size, "stage": zero.stage,
+        "compute_dtype": dtype_name(engine.dtype), "offload_param": zero.offload_param.device,
+        "offload_optimizer": zero.offload_optimizer.device, "global_steps": engine.global_steps,
+        "param_groups": len(engine.optimizer.param_groups), "units": unit_entries(engine.units),
+        "aliases": aliases(engine), "hf_config": HF_CONFIG in entries,
+        "files": dict(sorted(entries.items())),
+    }
+    manifest[MANIFEST_CRC] = manifest_crc(manifest)
+    files.write_atomic(os.path.join(partial, MANIFEST), json.dumps(manifest, indent=1).encode())
+    files.fsync_dir(partial)
+    replaced = os.path.join(save_dir, f".{tag}.replaced")
+    if os.path.isdir(replaced) and not os.path.exists(final):
+        os.rename(replaced, final)  # an earlier replace died between its renames: that was the tag
+    if os.path.exists(final):
+        files.remove_tree(replaced)
+        os.rename(final, replaced)
+    os.rename(partial, final)
+    files.fsync_dir(save_dir)
+    files.remove_tree(replaced)
+    if save_latest:
+        files.write_atomic(os.path.join(save_dir, LATEST), f"{tag}\n".encode())
