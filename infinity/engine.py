@@ -91,6 +91,7 @@ class Engine:
                 self.optim_state.add(u, shard[:u.train_shard_numel])
             self.params.add(u, shard)
             u.bind_params()
+        self.optimizer.bind(self.optim_state, self.units, self._set_trainable_values)
         self.trainable_numel = sum(s.numel for u in self.units for s in u.slots if s.group >= 0)
         self.frozen_numel = sum(s.numel for u in self.units for s in u.slots if s.group < 0)
         self.fetcher = Fetcher(self.units, self.params, zero)
@@ -461,6 +462,12 @@ class Engine:
         shard = self.accelerator.host(shard)
         if unit.trainable:  # the values were written in the compute dtype; fp32 keeps them exactly
             self.optim_state.set_master(unit, unit.split(shard).train.to(torch.float32))
+        self.policy.write_params(unit, new_shard=shard)
+
+    def _set_trainable_values(self, unit: Unit, master: torch.Tensor) -> None:
+        """The trainable part of the unit's shard becomes `master` (this rank's, fp32) rounded."""
+        shard = self.params.host_copy(unit)
+        unit.split(shard).train.copy_(master)
         self.policy.write_params(unit, new_shard=shard)
 
     def set_fp32_values(self, unit: Unit, full: torch.Tensor) -> None:

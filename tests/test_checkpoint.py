@@ -555,3 +555,47 @@ def test_a_load_that_fails_part_way_is_said_and_blocks_saving(tmp_path):
             engine.save_checkpoint(tmp_path / "other")
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("stage,param,optim", [(1, "none", "cpu"), (1, "none", "none"), (2, "none", "cpu")])
+def test_resume_is_exact_for_stages_1_and_2(tmp_path, stage, param, optim):
+    from gpt import TinyGPT, batches, config, engine_run
+
+    def build():
+        cfg = config(stage, param, optim)
+        if optim == "nvme":
+            cfg["zero_optimization"]["offload_optimizer"].update(nvme_path=str(tmp_path), buffer_count=9)
+        torch.manual_seed(0)
+        return infinity.initialize(TinyGPT(), config=cfg)[0]
+
+    data = batches(4, 4)
+    engine = build()
+    whole = engine_run(engine, data, gas=1)
+    expected = engine.consolidated_state_dict()
+    engine.close()
+    engine = build()
+    first = engine_run(engine, data[:2], gas=1)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    engine.close()
+    engine = build()
+    engine.load_checkpoint(tmp_path / "ckpt")
+    second = engine_run(engine, data[2:], gas=1)
+    got = engine.consolidated_state_dict()
+    engine.close()
+    assert first + second == whole
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_optimizer_state_dict_holds_the_state_and_loads_back(tmp_path):
+    from gpt import batches, engine_run
+    engine = _tiny_engine()
+    engine_run(engine, batches(2, 4), gas=1)
+    state = engine.optimizer.state_dict()
+    assert state["step_count"] == 2 and state["state"]
+    assert all(s["exp_avg"].abs().sum() > 0 for s in state["state"].values())
+    expected = engine_run(engine, batches(2, 4, seed=5), gas=1)
+    engine.close()
+    engine = _tiny_engine()
+    engine.optimizer.load_state_dict(state)
+    assert engine_run(engine, batches(2, 4, seed=5), gas=1) == expected
+    engine.close()

@@ -45,6 +45,44 @@ class ZeroOptimizer(torch.optim.Optimizer):
         defaults.setdefault("bias_correction", True)
         super().__init__(groups, defaults)
         self.step_count = 0
+        self._shards = None  # the engine's optimizer tier and units, for state_dict()
+
+    def bind(self, tier, units, set_params) -> None:
+        """The optimizer tier (infinity.zero.protocols.OptimizerTier) holding the state of `units`,
+        and `set_params(unit, master)`, which makes a unit's compute-dtype values the masters'."""
+        self._shards = (tier, [u for u in units if u.trainable], set_params)
+
+    def state_dict(self) -> dict:
+        """This rank's whole Adam state in host memory: per unit, the fp32 master, exp_avg and
+        exp_avg_sq of its shard, with the param groups and the step count. For models whose state
+        does not fit in memory use `engine.save_checkpoint`, which streams it to disk."""
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        state = {}
+        if self._shards is not None:
+            tier, units, _ = self._shards
+            state = {u.name: {kind: tier.read(u, kind).clone() for kind in ("master", "exp_avg", "exp_avg_sq")}
+                     for u in units}
+        return {"state": state, "param_groups": groups, "step_count": self.step_count}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """The inverse of `state_dict()`, for the same model, world size and rank."""
+        groups = state_dict.get("param_groups", [])
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"state_dict: has {len(groups)} param groups, this optimizer {len(self.param_groups)}")
+        if self._shards is not None:
+            tier, units, set_params = self._shards
+            state = state_dict.get("state", {})
+            for u in units:
+                saved = state.get(u.name)
+                if saved is None or saved["master"].numel() != u.train_shard_numel:
+                    raise ValueError(f"state_dict: no state of this rank's shard of unit {u.name!r} (another model or "
+                                     "world size?); engine.load_checkpoint re-shards checkpoints")
+            for u in units:
+                tier.load_state(u, state[u.name])
+                set_params(u, state[u.name]["master"])
+        for group, saved in zip(self.param_groups, groups):
+            group.update(saved)
+        self.step_count = state_dict.get("step_count", self.step_count)
 
     def hypers(self) -> list[AdamHyper]:
         out = []
