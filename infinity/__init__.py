@@ -1,8 +1,10 @@
 """infinity: train models larger than GPU and CPU memory on one node (ZeRO-Infinity style)."""
 
+from infinity.checkpoint.pretrained import load_pretrained
 from infinity.engine import Engine, initialize
+from infinity.zero.init import Init
 from infinity.zero.registry import GatheredParameters
 
 __version__ = "0.1.0"
 
-__all__ = ["Engine", "GatheredParameters", "initialize", "__version__"]
+__all__ = ["Engine", "GatheredParameters", "Init", "initialize", "load_pretrained", "__version__"]

@@ -24,6 +24,7 @@ from infinity.signals import SignalGate
 from infinity.zero import dist as zdist
 from infinity.zero.fetcher import Fetcher
 from infinity.zero.hooks import UnitHooks
+from infinity.zero.init import DeferredInit, is_deferred
 from infinity.zero.loss_scaler import LossScaler
 from infinity.zero.optim_shards import ResidentOptimizerState
 from infinity.zero.param_shards import ResidentParams
@@ -85,12 +86,18 @@ class Engine:
         self.units, modules = self._build_units(model, groups, units)
         self.params = self._param_tier()
         self.optim_state = self._optimizer_tier()
+        deferred = DeferredInit(model) if is_deferred(model) else None  # [Note: deferred initialisation]
         for u in self.units:
+            if deferred is not None:
+                deferred.materialize([s.param for s in u.slots])
             shard = u.initial_shard()
             if u.trainable:  # [Note: frozen parameters] in unit.py: no optimizer state
                 self.optim_state.add(u, shard[:u.train_shard_numel])
             self.params.add(u, shard)
             u.bind_params()
+            del shard
+        if deferred is not None:
+            deferred.finish()
         self.optimizer.bind(self.optim_state, self.units, self._set_trainable_values)
         self.trainable_numel = sum(s.numel for u in self.units for s in u.slots if s.group >= 0)
         self.frozen_numel = sum(s.numel for u in self.units for s in u.slots if s.group < 0)

@@ -58,10 +58,17 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.head.weight = self.emb.weight
         for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=0.02)
-            if isinstance(m, nn.Linear) and m.bias is not None:
-                nn.init.zeros_(m.bias)
+            self._init_weights(m)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """One module's initial values (Hugging Face's convention, which `infinity.Init` calls
+        module by module as it builds each unit)."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+        if isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         pos = torch.arange(idx.size(1), device=idx.device)

@@ -1,0 +1,142 @@
+"""`infinity.load_pretrained(engine, path)`: pretrained weights streamed from safetensors (one
+file, or a Hugging Face directory with `model.safetensors.index.json`) straight into the
+partitions, one unit at a time: each unit's tensors are read from their files (only those
+bytes), converted to fp32, and become the unit's fp32 masters and compute-dtype shard on every
+rank; host memory holds about one unit. Nothing is executed to read them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm import tqdm
+
+from infinity.checkpoint.layout import CheckpointError
+from infinity.checkpoint.safetensors_io import _DTYPES, INDEX_SUFFIX, read_header
+from infinity.checkpoint.save import PROGRESS_BYTES, agree, persistent_buffers
+
+if TYPE_CHECKING:
+    from infinity.engine import Engine
+
+WEIGHTS = "model.safetensors"
+
+
+def _listing(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+class TensorIndex:
+    """Where each tensor of a safetensors checkpoint is: file, dtype, shape, byte range."""
+
+    def __init__(self, path: str):
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            index = os.path.join(path, WEIGHTS + INDEX_SUFFIX)
+            if os.path.isfile(index):
+                with open(index, encoding="utf-8") as f:
+                    weight_map = json.load(f)["weight_map"]
+                files = sorted(set(weight_map.values()))
+            elif os.path.isfile(os.path.join(path, WEIGHTS)):
+                files = [WEIGHTS]
+            else:
+                raise FileNotFoundError(f"path: {path} holds neither {WEIGHTS} nor {WEIGHTS + INDEX_SUFFIX} (only "
+                                        "safetensors checkpoints are read: they load without executing code)")
+            paths = [os.path.join(path, f) for f in files]
+        elif os.path.isfile(path):
+            paths = [path]
+        else:
+            raise FileNotFoundError(f"path: no file or directory {path}")
+        self.where: dict[str, tuple[str, int, dict]] = {}
+        for p in paths:
+            header, start = read_header(p)
+            for name, info in header.items():
+                self.where[name] = (p, start, info)
+
+    def shape(self, name: str) -> list[int]:
+        return self.where[name][2]["shape"]
+
+    def read(self, name: str) -> torch.Tensor:
+        path, start, info = self.where[name]
+        lo, hi = info["data_offsets"]
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{path}: {name} has dtype {info['dtype']}, which infinity cannot load")
+        out = torch.empty(hi - lo, dtype=torch.uint8)
+        with open(path, "rb", buffering=0) as f:
+            f.seek(start + lo)
+            if f.readinto(out.numpy()) != hi - lo:
+                raise CheckpointError(f"{path}: {name} runs past the end of the file (truncated?)")
+        return out.view(dtype).reshape(info["shape"])
+
+
+def load_pretrained(engine: "Engine", path: str, *, strict: bool = True) -> None:
+    """Loads a safetensors checkpoint (file or Hugging Face directory) into `engine`'s partitions;
+    every rank calls it. A missing or unexpected tensor, or a shape that differs, is an error
+    naming it (`strict=False`: missing ones keep their values, unexpected ones are ignored)."""
+    error = index = None
+    try:
+        engine.check_step_boundary("load_pretrained")
+        index = TensorIndex(path)
+        plan = _plan(engine, index, strict)
+    except Exception as e:  # noqa: BLE001 (every rank hears of it, then it is raised)
+        error = e
+    agree(error, "load_pretrained")
+    total = sum(u.numel for u, _ in plan) * 4
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="load_pretrained", leave=False,
+               disable=engine.rank != 0 or total < PROGRESS_BYTES)
+    try:
+        for unit, sources in plan:
+            full = engine.full_fp32_values(unit) if len(sources) < len(unit.slots) else \
+                torch.zeros(unit.padded_numel, dtype=torch.float32)
+            for slot, name in sources:
+                values = index.read(name)
+                full[slot.offset:slot.offset + slot.numel].copy_(values.reshape(-1))
+                bar.update(slot.numel * 4)
+            engine.set_fp32_values(unit, full)
+            del full
+        buffers = persistent_buffers(engine.module)
+        for name, buf in buffers.items():
+            if name in index.where:
+                buf.copy_(index.read(name))
+    finally:
+        bar.close()
+    engine.after_load()
+
+
+def _plan(engine: "Engine", index: TensorIndex, strict: bool) -> list:
+    """For each unit, its slots and the checkpoint name each is read from; checks names and shapes."""
+    names_of: dict[int, list[str]] = {}
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    known = {n for ns in names_of.values() for n in ns}
+    known |= {n for n, _ in engine.module.named_buffers(remove_duplicate=False)}
+    plan, missing, shapes = [], [], []
+    for u in engine.units:
+        sources = []
+        for s in u.slots:
+            found = next((n for n in [s.name, *names_of.get(id(s.param), [])] if n in index.where), None)
+            if found is None:
+                missing.append(s.name)
+                continue
+            if list(index.shape(found)) != list(s.shape):
+                shapes.append(f"{found} (checkpoint {index.shape(found)}, model {list(s.shape)})")
+                continue
+            sources.append((s, found))
+        plan.append((u, sources))
+    for name, buf in persistent_buffers(engine.module).items():
+        if name in index.where and list(index.shape(name)) != list(buf.shape):
+            shapes.append(f"{name} (checkpoint {index.shape(name)}, model {list(buf.shape)})")
+    unexpected = [n for n in index.where if n not in known]
+    problems = []
+    if shapes:
+        problems.append(f"shape mismatch: {_listing(shapes)}")
+    if strict and missing:
+        problems.append(f"missing from the checkpoint: {_listing(missing)}")
+    if strict and unexpected:
+        problems.append(f"in the checkpoint but not in the model: {_listing(unexpected)}")
+    if problems:
+        raise CheckpointError("load_pretrained: the checkpoint does not fit this model: " + "; ".join(problems))
+    return plan

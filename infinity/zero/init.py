@@ -1,0 +1,113 @@
+"""Building a model too large for host memory: `infinity.Init` (DeepSpeed's `zero.Init`).
+
+[Note: deferred initialisation]
+Inside `with infinity.Init():` modules are created on the meta device (torch's own
+`torch.device("meta")` mode: no global of torch or nn.Module is patched), so constructing a
+model of any size costs no memory. `initialize` then builds it one unit at a time
+(`DeferredInit.materialize`): the modules that hold the unit's parameters get real host memory,
+filled with NaN; the model's own initialisation runs on them (a Hugging Face model's
+`_init_weights(module)`, else the module's `reset_parameters()`); the unit's shard is cut and
+handed to its tiers, and the unit's memory is freed before the next unit is built. Peak host
+memory is about one unit plus the tiers' pools. A parameter that nothing initialised is still
+NaN, and that is an error naming it, never a silent garbage weight. Buffers of modules that hold
+no parameters (rotary tables) are built the same way at the end. Parameters keep their identity
+(`torch.utils.swap_tensors`), so tied weights stay tied and the units' references stay valid.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class Init:
+    """`with infinity.Init(config=...): model = Model(...)`: the model is built on the meta
+    device; `infinity.initialize` materialises it unit by unit ([Note: deferred initialisation]).
+    `config` (a DeepSpeed config, dict or path) and DeepSpeed's other arguments are accepted for
+    compatibility; what they describe is decided by the config given to `initialize`."""
+
+    def __init__(self, module: nn.Module | None = None, config: Any = None, enabled: bool = True,
+                 config_dict_or_path: Any = None, **deepspeed_options: Any):
+        if module is not None:
+            raise TypeError("module: infinity.Init builds models created inside its `with` block; an existing "
+                            "module is partitioned by infinity.initialize itself")
+        self.enabled = enabled
+        self._device: torch.device | None = None
+
+    def __enter__(self) -> "Init":
+        if self.enabled:
+            self._device = torch.device("meta")
+            self._device.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._device is not None:
+            self._device.__exit__(*exc)
+            self._device = None
+
+
+def is_deferred(model: nn.Module) -> bool:
+    return any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers())
+
+
+class DeferredInit:
+    """Materialises a meta-device model's modules on the host as their units are built."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.names = {id(m): name or type(model).__name__ for name, m in model.named_modules()}
+        self.owners: dict[int, list[nn.Module]] = {}
+        for m in model.modules():
+            for p in m.parameters(recurse=False):
+                self.owners.setdefault(id(p), []).append(m)
+        hf_init = getattr(model, "_init_weights", None)
+        self._init = hf_init if callable(hf_init) else None
+
+    def materialize(self, params: list[nn.Parameter]) -> None:
+        """Builds and initialises every module holding one of `params` that is still on meta."""
+        modules = {id(m): m for p in params for m in self.owners.get(id(p), ())}
+        for m in modules.values():
+            self._build(m)
+
+    def finish(self) -> None:
+        """The modules left on meta (those holding only buffers), then a check that none is."""
+        for m in self.model.modules():
+            self._build(m)
+
+    def _build(self, module: nn.Module) -> None:
+        fresh: list[tuple[str, torch.Tensor]] = []
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.is_meta:
+                new = nn.Parameter(_nan_empty(p), requires_grad=p.requires_grad)
+                torch.utils.swap_tensors(p, new)  # the same object: units and ties still point at it
+                fresh.append((name, p))
+        for name, b in list(module.named_buffers(recurse=False)):
+            if b is not None and b.is_meta:
+                module._buffers[name] = _nan_empty(b)  # noqa: SLF001 (what Module.to_empty does)
+                fresh.append((name, module._buffers[name]))  # noqa: SLF001
+        if not fresh:
+            return
+        with torch.no_grad():
+            if self._init is not None:
+                self._init(module)
+            elif hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+            elif hasattr(module, "_reset_parameters"):  # nn.MultiheadAttention
+                module._reset_parameters()  # noqa: SLF001
+        for name, t in fresh:
+            if t.is_floating_point() and torch.isnan(t).any():
+                where = self.names.get(id(module), type(module).__name__)
+                how = ("the model's _init_weights(module) left it unset" if self._init is not None
+                       else f"{type(module).__name__} has no reset_parameters()")
+                raise ValueError(f"{where}.{name}: built under infinity.Init, but nothing initialised it ({how}); "
+                                 "give the module a reset_parameters() method or the model an "
+                                 "_init_weights(module) method, or build the model without Init")
+
+
+def _nan_empty(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    if out.is_floating_point():
+        out.fill_(float("nan"))
+    return out
