@@ -24,9 +24,14 @@ def test_finetune_on_nvme_runs_and_cleans_up(tmp_path, capsys):
 
 
 def test_estimate(capsys):
-    assert infinity_main(["estimate", "--params", "7e9"]) == 0
+    assert infinity_main(["estimate", "--params", "7e9"]) == 0  # this machine's memory and disk
     out = capsys.readouterr().out
-    assert "nvme" in out and "7.00B parameters" in out
+    assert "nvme" in out and "7.00B parameters" in out and "host memory read here" in out
+    # --world-size, the older name of --gpus: every tier is sharded over the ranks
+    assert infinity_main(["estimate", "--params", "7e9", "--world-size", "4", "--gpu-mem", "80G", "--cpu-mem", "1T",
+                          "--nvme-free", "4T"]) == 0
+    out = capsys.readouterr().out
+    assert "4 GPUs of 80.0 GiB, a rank each" in out and "world size 4" in out and "read here" not in out
 
 
 def test_sweep_writes_a_config_block_the_engine_reads(tmp_path, capsys):

@@ -1,0 +1,226 @@
+"""`infinity estimate`: the byte accounting by hand, frozen parameters, what the engine really
+keeps on NVMe, fit decisions, presets against transformers, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import infinity
+from gpt import TinyGPT, config
+from infinity.cli import main as infinity_main
+from infinity.config import load_config
+from infinity.models import PRESETS, param_count, preset
+from infinity.tools.estimate import (
+    Machine,
+    ModelSize,
+    UnitSize,
+    model_from_config,
+    model_from_count,
+    nvme_gbps_needed,
+    placements,
+    recommend,
+    shortfalls,
+)
+from infinity.zero.unit import SHARD_ALIGN_BYTES
+
+GiB, TiB = 1 << 30, 1 << 40
+
+
+def _row(options, param: str, optimizer: str):
+    return next(p for p in options if (p.param, p.optimizer) == (param, optimizer))
+
+
+def _page(nbytes: int) -> int:
+    """Pool buffers are whole pages."""
+    return -(-nbytes // 4096) * 4096
+
+
+def _machine(gpus=1, gpu=80 * GiB, cpu=256 * GiB, nvme=2 * TiB, tflops=100.0) -> Machine:
+    return Machine(gpus=gpus, gpu_bytes=gpu, cpu_bytes=cpu, nvme_free=nvme, nvme_path="/nvme", nvme_gbps=None,
+                   tflops=tflops)
+
+
+def test_one_billion_parameters_on_nvme_by_hand():
+    # 1e9 parameters, 1 GPU, bf16, everything trainable; with --params alone the units are
+    # assumed equal: 32 of U = 31_250_000 elements, no root unit left over.
+    model = model_from_count(10 ** 9)
+    assert (model.num_layers, model.layer, model.root) == (32, UnitSize(31_250_000, 0), UnitSize(0, 0))
+    p = _row(placements(model, 1, "/nvme"), "nvme", "nvme")
+
+    # NVMe: bf16 parameter shards 2 B x 1e9 + fp32 master, exp_avg, exp_avg_sq 12 B x 1e9. The
+    # gradient accumulators (4 B a parameter) stay in host memory: max_grad_in_cpu (1e9 elements
+    # by default) holds all 32 units' 31.25M, so nothing spills.
+    assert p.nvme == 2 * 10 ** 9 + 12 * 10 ** 9
+    # Host: accumulators 4e9; offload_param pool: buffer_count 5 + max_in_cpu's cache
+    # (1e9 elements x 2 B / 62.5 MB a shard = 32 shards, all of them) buffers of the largest
+    # shard, 62.5 MB rounded up to a page; offload_optimizer pool: 9 buffers (3 kinds x reading,
+    # updating, writing) of the largest piece in fp32 (sub_group_size 1e9 > U: one piece per
+    # unit), 125 MB; two gradient landing buffers of a bf16 shard, 62.5 MB.
+    assert p.host == 4 * 10 ** 9 + 37 * _page(62_500_000) + 9 * _page(125_000_000) + 2 * _page(62_500_000)
+    assert p.host == 7_562_549_248
+    # Device: two gathered units in bf16 (2 x 2 B x U), and bf16 gradients: the reduce buffer of
+    # the one unit size plus autograd's .grad of the unit in backward (2 x 2 B x U).
+    assert p.device == 2 * 2 * 31_250_000 + 2 * 2 * 31_250_000 == 250_000_000
+    # The step moves 2 B x 1e9 read in forward, again in backward, 2 B x 1e9 written back, and
+    # 12 B x 1e9 of state read and written: 30e9 bytes. 16384 tokens x 6 FLOPs x 1e9 at
+    # 100 TFLOP/s is 0.98304 s of compute, so the disk must sustain 30e9 / 0.98304 B/s.
+    assert p.step_nvme_bytes == 30 * 10 ** 9
+    assert nvme_gbps_needed(p, model, _machine(), 16384) == pytest.approx(30 / 0.98304)
+
+
+def test_frozen_parameters_cost_only_their_bf16_shard():
+    trainable = model_from_count(10 ** 9)
+    with_frozen = ModelSize(name="", layer=UnitSize(31_250_000, 31_250_000), num_layers=32, root=UnitSize(0, 0),
+                            exact=False)  # the same trainable units plus as many frozen elements
+    assert with_frozen.frozen == 10 ** 9
+    for p, q in zip(placements(trainable, 1, "/nvme"), placements(with_frozen, 1, "/nvme")):
+        shards = [next(i.nbytes for i in r.items if i.what == "bf16 parameter shards") for r in (p, q)]
+        assert shards[1] - shards[0] == 2 * 10 ** 9, (p.param, p.optimizer)  # 2 bytes a frozen parameter
+        fp32 = [{i for i in r.items if "fp32" in i.what} for r in (p, q)]  # master, moments, gradients
+        assert fp32[0] == fp32[1], (p.param, p.optimizer)  # and nothing else
+
+
+def test_lora_freezes_the_base_model():
+    cfg = preset("llama-tiny")
+    model = model_from_config("llama-tiny", cfg, lora_rank=8)
+    # Adapters A (8 x in) and B (out x 8) on q, k, v, o (hidden 256, 4 kv heads of 32: k, v
+    # out 128), gate, up (256 -> 704) and down (704 -> 256), in each of 4 layers.
+    per_layer = 8 * ((256 + 256) + 2 * (256 + 128) + (256 + 256) + 2 * (256 + 704) + (704 + 256))
+    assert model.trainable == 4 * per_layer == 149_504
+    assert model.frozen == param_count(cfg)  # the whole base model, embeddings included
+    nvme = _row(placements(model, 1, "/nvme"), "nvme", "nvme")
+    assert nvme.nvme == 2 * (model.trainable + model.frozen) + 12 * model.trainable
+
+
+@pytest.mark.parametrize("frozen_block", [False, True])
+def test_nvme_bytes_match_what_the_engine_keeps_on_disk(tmp_path, frozen_block):
+    torch.manual_seed(0)
+    model = TinyGPT(layers=3)
+    if frozen_block:
+        model.blocks[0].requires_grad_(False)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    cfg = config(param="nvme", optim="nvme")
+    cfg["bf16"] = {"enabled": True}
+    zero = cfg["zero_optimization"]
+    zero["offload_param"].update(nvme_path=str(tmp_path), buffer_count=9, max_in_cpu=0)
+    zero["offload_optimizer"].update(nvme_path=str(tmp_path), buffer_count=9)
+    engine, *_ = infinity.initialize(model=model, config=cfg)
+    try:
+        units = len(engine.units)
+        assert units == 3 + 1  # a unit per block and the root
+        # The data files the store preallocated (not the lock files beside them, which hold an
+        # owner record): real sizes on disk, not the engine's counters.
+        on_disk = sum(os.stat(os.path.join(d, f)).st_size for d, _, files in os.walk(tmp_path)
+                      for f in files if f.endswith(".bin"))
+    finally:
+        engine.close()
+    estimate = ModelSize(name="", layer=UnitSize(trainable, frozen), num_layers=1, root=UnitSize(0, 0), exact=False)
+    predicted = _row(placements(estimate, 1, str(tmp_path)), "nvme", "nvme").nvme
+    assert predicted == 2 * (trainable + frozen) + 12 * trainable
+    if not frozen_block:  # what `infinity estimate --params P` prints for this model
+        assert _row(placements(model_from_count(trainable), 1, str(tmp_path)), "nvme", "nvme").nvme == predicted
+
+    # The only slack allowed: each region of a unit's shard is padded to SHARD_ALIGN_BYTES per
+    # rank ([Note: flat layout] in unit.py), under 2048 bf16 elements: < 4 KiB of parameters a
+    # unit and region (trainable, frozen), and the trainable padding also has fp32 master,
+    # exp_avg and exp_avg_sq (< 3 x 8 KiB). Extents are whole pages, which these already are;
+    # the store's MiB alignment applies to extents of 1 MiB or more, which this model has none of.
+    assert 4 * (trainable + frozen) < 1 << 20
+    half_pad = SHARD_ALIGN_BYTES // 2  # elements of bf16 padding, at most, per region
+    slack = units * (2 * SHARD_ALIGN_BYTES + 3 * 4 * half_pad)  # 2 regions in bf16, 3 fp32 kinds
+    assert predicted <= on_disk < predicted + slack
+
+
+def test_fit_decisions_follow_the_preference_order():
+    model = model_from_config("llama-7b", preset("llama-7b"))
+    options = placements(model, 1, "/nvme")
+
+    def chosen(**machine) -> tuple[str, str] | None:
+        p = recommend(options, _machine(**machine))
+        return p and (p.param, p.optimizer)
+
+    assert chosen() == ("none", "cpu")  # 80G GPU, 256G host: the optimizer state goes to host memory
+    assert chosen(cpu=64 * GiB) == ("none", "nvme")  # 114 GiB of fp32 state no longer fits the host
+    assert chosen(gpu=12 * GiB, cpu=64 * GiB) == ("cpu", "nvme")  # 13 GiB of bf16 shards off the GPU too
+    assert chosen(gpu=12 * GiB, cpu=24 * GiB) == ("nvme", "nvme")
+    assert chosen(gpu=12 * GiB, cpu=24 * GiB, nvme=100 * GiB) is None  # 110 GiB on NVMe needed
+
+    # Exactly at a tier's capacity fits, a byte less does not; host and NVMe are the node's,
+    # shared by its ranks; on a CPU-only machine the device is host memory too.
+    p = _row(placements(model, 4, "/nvme"), "nvme", "nvme")
+    assert shortfalls(p, _machine(gpus=4, gpu=p.device, cpu=4 * p.host, nvme=4 * p.nvme)) == []
+    assert shortfalls(p, _machine(gpus=4, gpu=p.device - 1, cpu=4 * p.host - 1, nvme=4 * p.nvme - 1)) == [
+        "device", "host", "nvme"]
+    q = _row(placements(model, 1, "/nvme"), "cpu", "cpu")
+    assert shortfalls(q, _machine(gpus=0, gpu=None, cpu=q.device + q.host)) == []
+    assert shortfalls(q, _machine(gpus=0, gpu=None, cpu=q.device + q.host - 1)) == ["memory"]
+
+
+def test_cli_prints_the_table_and_a_config_the_engine_reads(tmp_path, capsys):
+    argv = ["estimate", "--model", "llama-7b", "--gpus", "1", "--gpu-mem", "12G", "--cpu-mem", "64G",
+            "--nvme-free", "2T", "--nvme-gbps", "6", "--nvme-path", str(tmp_path)]
+    assert infinity_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "llama-7b: 6.74B parameters" in out and "activations not counted" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["none"], ["cpu"], ["nvme"])]
+    assert len(rows) == 9 and rows[0][:2] == ["none", "none"] and rows[-1][:2] == ["nvme", "nvme"]
+    assert "recommended: offload_param cpu, offload_optimizer nvme" in out
+    block = json.loads(out[out.index("\n{") + 1:out.index("\n}\n") + 2])
+    zero = block["zero_optimization"]
+    # 12 buffers: 3 kinds and the spilled gradient (6.74B > max_grad_in_cpu), each reading, updating, writing
+    assert zero["offload_param"] == {"device": "cpu"} and zero["offload_optimizer"]["buffer_count"] == 12
+    parsed = load_config({"train_micro_batch_size_per_gpu": 1, **block})  # no warning: the pools are sized
+    assert parsed.zero.offload_optimizer.device == "nvme" and str(parsed.zero.offload_optimizer.nvme_path) == str(
+        tmp_path)
+
+
+def test_cli_on_a_cpu_only_machine(capsys):
+    assert infinity_main(["estimate", "--params", "125M", "--gpus", "0", "--cpu-mem", "16G", "--nvme-free", "100G",
+                          "--tflops", "0.5", "--frozen-fraction", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "CPU only: the CPU computes, device and host share 16.0 GiB" in out
+    assert "125.00M parameters (62.50M trainable, 62.50M frozen)" in out
+    assert "recommended: offload_param none, offload_optimizer none" in out
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "llama-125m", "llama-3b", "llama-70b", "odd"])
+def test_param_count_matches_transformers(name):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # "odd": a head_dim of its own, biases, an untied head, and no num_key_value_heads (one per head).
+    cfg = PRESETS.get(name) or dict(vocab_size=1000, hidden_size=96, intermediate_size=200, num_hidden_layers=3,
+                                    num_attention_heads=6, head_dim=24, attention_bias=True, mlp_bias=True)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**cfg))
+    assert param_count(cfg) == sum(p.numel() for p in model.parameters())
+
+
+def test_model_directory_is_read_as_json(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({**preset("llama-tiny"), "model_type": "llama"}))
+    assert infinity_main(["estimate", "--model", str(tmp_path), "--gpus", "1", "--gpu-mem", "8G", "--cpu-mem", "8G",
+                          "--nvme-free", "8G"]) == 0
+    assert f"{tmp_path}: 4.00M parameters" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, named, says", [
+    (["--params", "70X"], "--params", "expected a count"),
+    (["--params", "7B", "--gpu-mem", "lots"], "--gpu-mem", "expected a size"),
+    (["--params", "7B", "--frozen-fraction", "1"], "--frozen-fraction", "below 1"),
+    (["--params", "7B", "--gpus", "-1"], "--gpus", "expected"),
+    (["--params", "7B", "--lora", "8"], "--lora", "needs --model"),
+    (["--model", "llama-9b"], "--model", "known presets: llama-tiny"),
+    (["--model", "llama-tiny", "--largest-unit", "1M"], "--largest-unit", "only with --params"),
+    (["--params", "7B", "--gpus", "0", "--gpu-mem", "80G"], "--gpu-mem", "CPU-only"),
+    (["--params", "7B", "--gpus", "1", "--world-size", "2"], "--world-size", "not allowed"),
+])
+def test_bad_input_is_an_argparse_error_naming_the_argument(argv, named, says, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        infinity_main(["estimate", *argv, "--cpu-mem", "1G", "--nvme-free", "1G"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert named in err and says in err
