@@ -72,15 +72,16 @@ class TensorIndex:
         return out.view(dtype).reshape(info["shape"])
 
 
-def load_pretrained(engine: "Engine", path: str, *, strict: bool = True) -> None:
+def load_pretrained(engine: "Engine", path: str, *, strict: bool = True, missing_ok=None) -> None:
     """Loads a safetensors checkpoint (file or Hugging Face directory) into `engine`'s partitions;
     every rank calls it. A missing or unexpected tensor, or a shape that differs, is an error
-    naming it (`strict=False`: missing ones keep their values, unexpected ones are ignored)."""
+    naming it (`strict=False`: missing ones keep their values, unexpected ones are ignored;
+    `missing_ok(name)`: those parameters may be missing, such as adapters added for fine-tuning)."""
     error = index = None
     try:
         engine.check_step_boundary("load_pretrained")
         index = TensorIndex(path)
-        plan = _plan(engine, index, strict)
+        plan = _plan(engine, index, strict, missing_ok or (lambda name: False))
     except Exception as e:  # noqa: BLE001 (every rank hears of it, then it is raised)
         error = e
     agree(error, "load_pretrained")
@@ -106,7 +107,7 @@ def load_pretrained(engine: "Engine", path: str, *, strict: bool = True) -> None
     engine.after_load()
 
 
-def _plan(engine: "Engine", index: TensorIndex, strict: bool) -> list:
+def _plan(engine: "Engine", index: TensorIndex, strict: bool, missing_ok) -> list:
     """For each unit, its slots and the checkpoint name each is read from; checks names and shapes."""
     names_of: dict[int, list[str]] = {}
     for name, p in engine.module.named_parameters(remove_duplicate=False):
@@ -119,7 +120,8 @@ def _plan(engine: "Engine", index: TensorIndex, strict: bool) -> list:
         for s in u.slots:
             found = next((n for n in [s.name, *names_of.get(id(s.param), [])] if n in index.where), None)
             if found is None:
-                missing.append(s.name)
+                if not missing_ok(s.name):
+                    missing.append(s.name)
                 continue
             if list(index.shape(found)) != list(s.shape):
                 shapes.append(f"{found} (checkpoint {index.shape(found)}, model {list(s.shape)})")

@@ -1,0 +1,344 @@
+"""`infinity finetune`: fine-tune a causal language model with parameters and optimizer state
+offloaded, from a Hugging Face model directory or a preset architecture, on a text/JSONL file or
+the Python standard library's own source, with checkpoints, resume, LoRA and export.
+
+With no arguments it runs the embedded default: a small Llama-architecture model with a byte
+tokenizer, parameters and optimizer state on NVMe in a temporary directory, a sample generated
+before and after, and a table of what lived where and what moved per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+DEFAULT_MODEL = {"vocab_size": 257, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 8,
+                 "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 1024}
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROMPT = "def "
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="a Hugging Face model directory (needs transformers) or a preset name "
+                                   "(default: a small built-in Llama-style model)")
+    p.add_argument("--data", help="a text or JSONL file (default: the Python standard library's source)")
+    p.add_argument("--config", help="DeepSpeed JSON config (default: a built-in one, NVMe offload)")
+    p.add_argument("--lora", type=_non_negative, default=0, help="LoRA rank on the attention and MLP projections "
+                                                                 "(0: train every weight)")
+    p.add_argument("--steps", type=_positive, default=120)
+    p.add_argument("--batch", type=_positive, default=4, help="sequences per step")
+    p.add_argument("--seq-len", type=_positive, default=128)
+    p.add_argument("--lr", type=float, default=None, help="default 2e-3, or 1e-4 for a pretrained model")
+    p.add_argument("--save", help="checkpoint directory: every --save-every steps, on SIGTERM, and at the end")
+    p.add_argument("--save-every", type=_positive, default=50)
+    p.add_argument("--resume", help="a checkpoint directory to continue from (its `latest` tag)")
+    p.add_argument("--export", help="write the fine-tuned model here (Hugging Face layout)")
+    p.add_argument("--plot", help="draw the loss and per-step I/O into this image (needs matplotlib)")
+    p.add_argument("--nvme-path", default=tempfile.gettempdir(), help="directory for the offload files")
+    p.add_argument("--offload", choices=["cpu", "nvme"], default="nvme", help="tier for the built-in config")
+    p.add_argument("--sample-tokens", type=_non_negative, default=48)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text}")
+    return value
+
+
+class LoRALinear(nn.Linear):
+    """A frozen nn.Linear plus a trainable low-rank update B @ A (scaled by alpha / r); the
+    weight keeps its name, so pretrained checkpoints load into it."""
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        self.lora_A = nn.Parameter(torch.empty(r, self.in_features, device="cpu"))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, device="cpu"))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.scale = alpha / r
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + (x @ self.lora_A.t() @ self.lora_B.t()) * self.scale
+
+
+def add_lora(model: nn.Module, r: int) -> list[str]:
+    """Wraps every target projection; freezes everything else. Returns the wrapped modules' names."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    wrapped = []
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if child_name in LORA_TARGETS and type(child) is nn.Linear:
+                setattr(module, child_name, LoRALinear(child, r, alpha=2.0 * r))
+                wrapped.append(f"{name}.{child_name}" if name else child_name)
+    if not wrapped:
+        raise ValueError(f"--lora: the model has no nn.Linear named any of {', '.join(LORA_TARGETS)}")
+    return wrapped
+
+
+def _default_config(nvme_path: str, offload: str, batch: int, lr: float) -> dict:
+    device = {"device": offload, "nvme_path": nvme_path} if offload == "nvme" else {"device": offload}
+    return {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "steps_per_print": 10 ** 9,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
+                                                     "warmup_num_steps": 10}},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "offload_param": dict(device, buffer_count=6, max_in_cpu=0),
+            "offload_optimizer": dict(device, buffer_count=9),
+        },
+        "aio": {"block_size": 1 << 20, "queue_depth": 16},
+    }
+
+
+def build_model(args) -> tuple[nn.Module, object, str | None]:
+    """(model on the meta device, tokenizer, Hugging Face directory to load weights from)."""
+    import infinity
+    from infinity.data import ByteTokenizer
+    from infinity.models.llama import Llama
+
+    if args.model and os.path.isdir(args.model):
+        try:
+            import transformers
+        except ImportError:
+            raise SystemExit("--model: a Hugging Face model directory needs transformers: "
+                             "pip install 'infinity[hf]'") from None
+        config = transformers.AutoConfig.from_pretrained(args.model)
+        with infinity.Init():
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        has_tokenizer = any(os.path.exists(os.path.join(args.model, f))
+                            for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+        tokenizer = transformers.AutoTokenizer.from_pretrained(args.model) if has_tokenizer else ByteTokenizer()
+        if not has_tokenizer and config.vocab_size < ByteTokenizer.vocab_size:
+            raise SystemExit(f"--model: {args.model} has no tokenizer and a vocabulary of {config.vocab_size}, "
+                             "too small for the byte tokenizer (257)")
+        return model, tokenizer, args.model
+    if args.model:
+        from infinity.models.presets import preset
+        cfg = dict(preset(args.model))
+    else:
+        cfg = dict(DEFAULT_MODEL)
+    cfg["vocab_size"] = max(cfg["vocab_size"], ByteTokenizer.vocab_size)
+    with infinity.Init():
+        model = Llama(cfg)
+    return model, ByteTokenizer(), None
+
+
+def _logits(out):
+    return getattr(out, "logits", out)
+
+
+def _loss(out):
+    return getattr(out, "loss", out)
+
+
+def generate(engine, tokenizer, prompt: str, n: int) -> str:
+    """Greedy continuation of `prompt` (no cache: one forward per token)."""
+    ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.int64)
+    engine.eval()
+    with torch.no_grad():
+        for _ in range(n):
+            logits = _logits(engine(input_ids=ids[:, -256:]))
+            ids = torch.cat([ids, logits[:, -1].float().argmax(-1, keepdim=True).cpu()], dim=1)
+    engine.train()
+    return tokenizer.decode(ids[0].tolist())
+
+
+def export_model(engine, directory: str, lora: list[str]) -> None:
+    """The model's weights in Hugging Face's layout, with each LoRA update merged into its weight."""
+    if not lora:
+        engine.save_16bit_model(directory)
+    else:
+        _export_merged(engine, directory, set(lora))
+    if engine.rank == 0:
+        hf_config = getattr(engine.module, "config", None)
+        if hasattr(engine.module, "save_config"):  # infinity.models.llama.Llama
+            engine.module.save_config(directory)
+        elif hasattr(hf_config, "to_json_file"):  # a Hugging Face model
+            hf_config.to_json_file(os.path.join(directory, "config.json"))
+
+
+def _export_merged(engine, directory: str, lora: set[str]) -> None:
+    from infinity.checkpoint.safetensors_io import ShardedWriter
+    modules = dict(engine.module.named_modules())
+    lora_names = {f"{m}.lora_{x}" for m in lora for x in "AB"}
+    entries = [(s.name, u.dtype, list(s.shape)) for u in engine.units for s in u.slots if s.name not in lora_names]
+    writer = ShardedWriter(directory, "model.safetensors", entries, 5 * 10 ** 9) if engine.rank == 0 else None
+    for u in engine.units:
+        full = engine.full_compute_values(u)
+        if writer is None:
+            continue
+        values = {s.name: u.param_values(full, s) for s in u.slots}
+        for s in u.slots:
+            if s.name in lora_names:
+                continue
+            owner = s.name.rsplit(".", 1)[0]
+            value = values[s.name]
+            if owner in lora and s.name.endswith(".weight"):
+                m = modules[owner]
+                delta = values[f"{owner}.lora_B"].float() @ values[f"{owner}.lora_A"].float() * m.scale
+                value = (value.float() + delta).to(value.dtype)
+            writer.add(s.name, value)
+    if writer is not None:
+        writer.close()
+
+
+def _table(engine, work: str | None, steps_s: list[float], moved: list[int]) -> str:
+    from infinity.tiers._messages import human_bytes
+    elsize = torch.empty((), dtype=engine.dtype).element_size()
+    device = engine.fetcher.peak_live_numel * elsize
+    host = sum(p.buffer_count * p.buffer_size for p in (getattr(engine.params, "pool", None),
+                                                        getattr(engine.optim_state, "pool", None)) if p is not None)
+    nvme = 0
+    if work:
+        for root, _, files in os.walk(work):
+            nvme += sum(os.stat(os.path.join(root, f)).st_blocks * 512 for f in files)
+    last = engine.report.last
+    read_gbps = last.get("nvme_read_gbps", 0.0) + last.get("optimizer_nvme_read_gbps", 0.0)
+    rows = [("device (gathered units, peak)", human_bytes(device)),
+            ("host (pinned pools)", human_bytes(host)),
+            ("NVMe (parameter and optimizer files)", human_bytes(nvme)),
+            ("moved per step (NVMe read + write, median)", human_bytes(sorted(moved)[len(moved) // 2]) if moved else "-"),
+            ("NVMe read / write GB/s (last step)",
+             f"{read_gbps:.2f} / {last.get('optimizer_nvme_write_gbps', 0.0):.2f}"),
+            ("I/O hidden behind compute (last step)", f"{last.get('overlap_fraction', 1.0):.0%}"),
+            ("step time (median)", f"{sorted(steps_s)[len(steps_s) // 2]:.3f} s" if steps_s else "-")]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def run(args) -> int:
+    import infinity
+    from infinity.data import batch, pack, read_texts, stdlib_corpus
+
+    torch.manual_seed(args.seed)
+    model, tokenizer, pretrained = build_model(args)
+    lora = add_lora(model, args.lora) if args.lora else []
+    lr = args.lr if args.lr is not None else (1e-4 if pretrained else 2e-3)
+    work = None
+    if args.config:
+        config = args.config
+    else:
+        work = tempfile.mkdtemp(prefix="infinity-finetune-", dir=args.nvme_path)
+        config = _default_config(work, args.offload, args.batch, lr)
+    try:
+        engine, *_ = infinity.initialize(model=model, config=config)
+        if pretrained:
+            infinity.load_pretrained(engine, pretrained, missing_ok=lambda name: ".lora_" in name)
+        texts = read_texts(args.data) if args.data else stdlib_corpus(4 << 20)
+        rows = pack(texts, tokenizer, args.seq_len)
+        size = engine.config.batch.train_micro_batch_size_per_gpu * engine.config.batch.gradient_accumulation_steps
+        print(f"model: {engine.trainable_numel / 1e6:.2f}M trainable and {engine.frozen_numel / 1e6:.2f}M frozen "
+              f"parameters in {len(engine.units)} units; offload param={engine.config.zero.offload_param.device}, "
+              f"optimizer={engine.config.zero.offload_optimizer.device}; data: {rows.numel() / 1e6:.2f}M tokens")
+        start = 0
+        if args.resume:
+            _, client = engine.load_checkpoint(args.resume)
+            if client is None:
+                raise SystemExit(f"--resume: {args.resume} has no checkpoint (no 'latest' file)")
+            start = client["next_step"]
+            print(f"resumed from {args.resume} at step {start}")
+        if args.save:
+            def preempted(signum, frame):  # runs at the end of the step it arrived in
+                engine.save_checkpoint(args.save, client_state={"next_step": engine.global_steps})
+                print(f"\nsignal {signum}: saved {engine.last_checkpoint['path']}; exiting", flush=True)
+                engine.close()
+                sys.exit(128 + signum)
+            signal.signal(signal.SIGTERM, preempted)
+        if args.sample_tokens:
+            print(f"sample before: {generate(engine, tokenizer, PROMPT, args.sample_tokens)!r}")
+        losses, steps_s, moved = [], [], []
+        gas = engine.config.batch.gradient_accumulation_steps
+        micro = engine.config.batch.train_micro_batch_size_per_gpu
+        bar = tqdm(range(start, args.steps), desc="finetune", unit="step", initial=start, total=args.steps)
+        for step in bar:
+            t0 = time.perf_counter()
+            ids = batch(rows, step, size)
+            total = 0.0
+            for k in range(gas):
+                part = ids[k * micro:(k + 1) * micro]
+                loss = _loss(engine(input_ids=part, labels=part))
+                engine.backward(loss)
+                engine.step()
+                total += loss.item() / gas
+            dt = time.perf_counter() - t0
+            last = engine.report.last
+            io = sum(last.get(k, 0) for k in ("nvme_read_bytes", "nvme_write_bytes", "optimizer_nvme_read_bytes",
+                                              "optimizer_nvme_write_bytes"))
+            losses.append(total)
+            steps_s.append(dt)
+            moved.append(io)
+            bar.set_postfix(loss=f"{total:.3f}", tok_s=f"{ids.numel() / dt:.0f}", step_s=f"{dt:.2f}")
+            if args.save and engine.global_steps % args.save_every == 0:
+                engine.save_checkpoint(args.save, client_state={"next_step": engine.global_steps})
+        bar.close()
+        if losses:
+            print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over steps {start}-{args.steps - 1}")
+        if args.sample_tokens:
+            print(f"sample after:  {generate(engine, tokenizer, PROMPT, args.sample_tokens)!r}")
+        if args.save and losses:
+            engine.save_checkpoint(args.save, client_state={"next_step": engine.global_steps})
+            ck = engine.last_checkpoint
+            print(f"checkpoint {ck['path']}: {ck['bytes'] / 1e6:.1f} MB in {ck['seconds']:.2f} s")
+        print("what lived where and what moved:")
+        print(_table(engine, work, steps_s, moved))
+        if args.plot and losses:
+            _plot(args.plot, list(range(start, start + len(losses))), losses, moved)
+        if args.export:
+            export_model(engine, args.export, lora)
+            print(f"exported to {args.export}")
+        if args.save:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        engine.close()
+    finally:
+        if work:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def _plot(path: str, steps: list[int], losses: list[float], moved: list[int]) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot: needs matplotlib (pip install 'infinity[plot]'); skipped", file=sys.stderr)
+        return
+    fig, (a, b) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    a.plot(steps, losses)
+    a.set_ylabel("loss")
+    b.bar(steps, [m / 2 ** 20 for m in moved])
+    b.set_ylabel("NVMe MiB per step")
+    b.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path)
