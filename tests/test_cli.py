@@ -13,14 +13,19 @@ from infinity.tools.aio_bench_sweep import main as sweep_main
 from infinity.tools.aio_bench_sweep import parse_size
 
 
-def test_finetune_on_nvme_runs_and_cleans_up(tmp_path, capsys):
-    rc = infinity_main(["finetune", "--steps", "4", "--layers", "2", "--dim", "64", "--vocab", "128",
-                        "--seq-len", "16", "--nvme-path", str(tmp_path)])
+def test_finetune_a_preset_on_nvme_runs_and_cleans_up(tmp_path, capsys):
+    rc = infinity_main(["finetune", "--model", "llama-tiny", "--steps", "2", "--seq-len", "16", "--sample-tokens", "0",
+                        "--nvme-path", str(tmp_path)])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "offload: param=nvme, optimizer=nvme" in out
-    assert '"nvme_read_bytes"' in out and "loss" in out
+    assert "offload param=nvme, optimizer=nvme" in out
+    assert "moved per step" in out and "loss" in out
     assert os.listdir(tmp_path) == []  # the job's NVMe files are gone
+
+
+def test_finetune_names_an_unknown_preset(tmp_path):
+    with pytest.raises(ValueError, match="llama-tiny"):
+        infinity_main(["finetune", "--model", "no-such-model", "--nvme-path", str(tmp_path)])
 
 
 def test_estimate(capsys):
