@@ -25,7 +25,7 @@ from tqdm import tqdm
 DEFAULT_MODEL = {"vocab_size": 257, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 8,
                  "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 1024}
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-PROMPT = "def "
+PROMPT = "import os\n\n\ndef "
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,10 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="DeepSpeed JSON config (default: a built-in one, NVMe offload)")
     p.add_argument("--lora", type=_non_negative, default=0, help="LoRA rank on the attention and MLP projections "
                                                                  "(0: train every weight)")
-    p.add_argument("--steps", type=_positive, default=120)
+    p.add_argument("--steps", type=_positive, default=200)
     p.add_argument("--batch", type=_positive, default=4, help="sequences per step")
     p.add_argument("--seq-len", type=_positive, default=128)
-    p.add_argument("--lr", type=float, default=None, help="default 2e-3, or 1e-4 for a pretrained model")
+    p.add_argument("--lr", type=float, default=None, help="default 3e-3, or 1e-4 for a pretrained model")
     p.add_argument("--save", help="checkpoint directory: every --save-every steps, on SIGTERM, and at the end")
     p.add_argument("--save-every", type=_positive, default=50)
     p.add_argument("--resume", help="a checkpoint directory to continue from (its `latest` tag)")
@@ -162,14 +162,17 @@ def _loss(out):
     return getattr(out, "loss", out)
 
 
-def generate(engine, tokenizer, prompt: str, n: int) -> str:
-    """Greedy continuation of `prompt` (no cache: one forward per token)."""
+def generate(engine, tokenizer, prompt: str, n: int, temperature: float = 0.7) -> str:
+    """A continuation of `prompt`, sampled at `temperature` from a fixed seed (no cache: one
+    forward per token), so the samples before and after training are comparable."""
     ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.int64)
+    g = torch.Generator().manual_seed(0)
     engine.eval()
     with torch.no_grad():
         for _ in range(n):
-            logits = _logits(engine(input_ids=ids[:, -256:]))
-            ids = torch.cat([ids, logits[:, -1].float().argmax(-1, keepdim=True).cpu()], dim=1)
+            logits = _logits(engine(input_ids=ids[:, -256:]))[:, -1].float().cpu()
+            token = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=g)
+            ids = torch.cat([ids, token], dim=1)
     engine.train()
     return tokenizer.decode(ids[0].tolist())
 
@@ -177,15 +180,12 @@ def generate(engine, tokenizer, prompt: str, n: int) -> str:
 def export_model(engine, directory: str, lora: list[str]) -> None:
     """The model's weights in Hugging Face's layout, with each LoRA update merged into its weight."""
     if not lora:
-        engine.save_16bit_model(directory)
+        engine.save_16bit_model(directory)  # config.json too
     else:
         _export_merged(engine, directory, set(lora))
-    if engine.rank == 0:
-        hf_config = getattr(engine.module, "config", None)
-        if hasattr(engine.module, "save_config"):  # infinity.models.llama.Llama
-            engine.module.save_config(directory)
-        elif hasattr(hf_config, "to_json_file"):  # a Hugging Face model
-            hf_config.to_json_file(os.path.join(directory, "config.json"))
+        if engine.rank == 0:
+            from infinity.checkpoint.export import write_model_config
+            write_model_config(engine.module, directory)
 
 
 def _export_merged(engine, directory: str, lora: set[str]) -> None:
@@ -244,7 +244,7 @@ def run(args) -> int:
     torch.manual_seed(args.seed)
     model, tokenizer, pretrained = build_model(args)
     lora = add_lora(model, args.lora) if args.lora else []
-    lr = args.lr if args.lr is not None else (1e-4 if pretrained else 2e-3)
+    lr = args.lr if args.lr is not None else (1e-4 if pretrained else 3e-3)
     work = None
     if args.config:
         config = args.config

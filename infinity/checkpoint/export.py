@@ -99,6 +99,16 @@ def consolidate(checkpoint: str, out_dir: str, *, dtype: torch.dtype = torch.flo
     return written
 
 
+def write_model_config(module, directory: str) -> None:
+    """config.json for `from_pretrained`: a Hugging Face model's own, or what `save_config` of
+    infinity.models.llama.Llama writes; nothing for other models."""
+    hf_config = getattr(module, "config", None)
+    if hasattr(module, "save_config"):
+        module.save_config(directory)
+    elif hasattr(hf_config, "to_json_file"):
+        hf_config.to_json_file(os.path.join(directory, HF_CONFIG))
+
+
 def save_16bit_model(engine: "Engine", save_dir: str, save_filename: str = "model.safetensors",
                      exclude_frozen_parameters: bool = False,
                      max_shard_size: str | int = DEFAULT_SHARD_BYTES) -> bool:
@@ -143,9 +153,8 @@ def save_16bit_model(engine: "Engine", save_dir: str, save_filename: str = "mode
             for n, b in buffers.items():
                 writer.add(n, b)
             writer.close()
-            hf_config = getattr(engine.module, "config", None)
-            if hasattr(hf_config, "to_json_file") and not os.path.exists(os.path.join(save_dir, HF_CONFIG)):
-                hf_config.to_json_file(os.path.join(save_dir, HF_CONFIG))
+            if not os.path.exists(os.path.join(save_dir, HF_CONFIG)):
+                write_model_config(engine.module, save_dir)
         except Exception as e:  # noqa: BLE001
             error = e
     if writer is not None and error is not None:
