@@ -54,3 +54,10 @@ def make_device(kind: str | None = None) -> Device:
     if kind == "async-test":  # INFINITY_ASYNC_DELAY_S: how late a copy may land and be reported
         return AsyncTestDevice(max_delay_s=float(os.environ.get("INFINITY_ASYNC_DELAY_S", "0.004")))
     raise ValueError(f"INFINITY_DEVICE: expected one of {', '.join(KINDS)}, got {kind!r}")
+
+
+def gpu_memory() -> list[int]:
+    """Total memory in bytes of each GPU this process can see (empty without CUDA)."""
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]

@@ -67,8 +67,15 @@ import psutil
 import torch
 
 from infinity.config import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+from infinity.device import gpu_memory
 from infinity.io import PAGE_SIZE
-from infinity.models.presets import SHAPE_KEYS, layer_linears, layer_param_count, preset, root_param_count
+from infinity.models.presets import (
+    SHAPE_KEYS,
+    layer_linears,
+    layer_param_count,
+    preset,
+    root_param_count,
+)
 from infinity.tiers._messages import human_bytes
 from infinity.zero.nvme_io import MIN_BUFFERS
 from infinity.zero.nvme_optim import KINDS, PIECE_ALIGN
@@ -231,12 +238,12 @@ def machine_from_args(args: argparse.Namespace) -> Machine:
     notes = []
     gpus = args.gpus
     if gpus is None:
-        gpus = 1 if args.gpu_mem else torch.cuda.device_count() if torch.cuda.is_available() else 0
+        gpus = 1 if args.gpu_mem else len(gpu_memory())
         if not args.gpu_mem:
             notes.append(f"{gpus} GPUs found here" if gpus else "no GPU here: a CPU-only machine")
     gpu_bytes = args.gpu_mem
-    if gpus and gpu_bytes is None and torch.cuda.is_available():
-        gpu_bytes = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    if gpus and gpu_bytes is None and gpu_memory():
+        gpu_bytes = min(gpu_memory())
         notes.append("GPU memory read here")
     cpu_bytes = args.cpu_mem
     if cpu_bytes is None:
