@@ -213,15 +213,16 @@ def _export_merged(engine, directory: str, lora: set[str]) -> None:
         writer.close()
 
 
-def _table(engine, work: str | None, steps_s: list[float], moved: list[int]) -> str:
+def _table(engine, steps_s: list[float], moved: list[int]) -> str:
     from infinity.tiers._messages import human_bytes
     elsize = torch.empty((), dtype=engine.dtype).element_size()
     device = engine.fetcher.peak_live_numel * elsize
     host = sum(p.buffer_count * p.buffer_size for p in (getattr(engine.params, "pool", None),
                                                         getattr(engine.optim_state, "pool", None)) if p is not None)
     nvme = 0
-    if work:
-        for root, _, files in os.walk(work):
+    for tier in (engine.params, engine.optim_state):  # the disk the job's store directories take
+        store = getattr(tier, "store", None)
+        for root, _, files in os.walk(store.directory) if store is not None else ():
             nvme += sum(os.stat(os.path.join(root, f)).st_blocks * 512 for f in files)
     last = engine.report.last
     read_gbps = last.get("nvme_read_gbps", 0.0) + last.get("optimizer_nvme_read_gbps", 0.0)
@@ -311,7 +312,7 @@ def run(args) -> int:
             ck = engine.last_checkpoint
             print(f"checkpoint {ck['path']}: {ck['bytes'] / 1e6:.1f} MB in {ck['seconds']:.2f} s")
         print("what lived where and what moved:")
-        print(_table(engine, work, steps_s, moved))
+        print(_table(engine, steps_s, moved))
         if args.plot and losses:
             _plot(args.plot, list(range(start, start + len(losses))), losses, moved)
         if args.export:

@@ -7,7 +7,7 @@ Each preset is a dict of Hugging Face `LlamaConfig` keys: vocab_size, hidden_siz
 intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
 max_position_embeddings, tie_word_embeddings, plus rms_norm_eps and rope_theta so that a model
 built from it computes like the one it is named after. The larger ones have the shapes of
-published models (Llama 2 7B and 13B, Llama 3.2 1B and 3B, Llama 3 70B); "llama-tiny" and
+published models (Llama 2 7B and 13B, Llama 3.2 1B and 3B, OpenLLaMA 3B, Llama 3 70B); "llama-tiny" and
 "llama-125m" are small ones for tests and CPU runs. No weights, and nothing here imports
 transformers: `param_count` works from the shapes alone, so it also counts a Hugging Face
 config.json read with `json`.
@@ -34,6 +34,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-3b": dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
                      num_attention_heads=24, num_key_value_heads=8, max_position_embeddings=131072,
                      tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=500000.0),
+    # 3.43B, OpenLLaMA 3B's shapes (Llama 2's 32k vocabulary): about 55 GB of training state at 16
+    # bytes a parameter, twice a 24 GiB machine's memory, with a root unit half of llama-3b's.
+    "open-llama-3b": dict(vocab_size=32000, hidden_size=3200, intermediate_size=8640, num_hidden_layers=26,
+                          num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048,
+                          tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0),
     # 6.74B, Llama 2 7B's shapes.
     "llama-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                      num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
