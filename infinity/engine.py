@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -65,6 +66,7 @@ class Engine:
         self._in_pass = False
         self.closed = False
         self._grad_norm: float | None = None
+        self._step_applied = False
         self._grads_final = False  # accumulated gradients are complete (boundary backward done, step not yet)
         self._values_cache: dict[int, torch.Tensor] | None = None  # [Note: state dict values]
         # [Note: signals at step boundaries] in infinity/signals.py
@@ -284,6 +286,7 @@ class Engine:
         finally:  # a failed step is abandoned: the next micro-step starts a new accumulation
             self._grads_final = False
             self.policy.first_micro = True
+        self._step_applied = outcome.applied
         if outcome.applied:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
@@ -401,6 +404,35 @@ class Engine:
     @property
     def training(self) -> bool:
         return self.module.training
+
+    # DeepSpeed's getters
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.batch.train_micro_batch_size_per_gpu
+
+    def train_batch_size(self) -> int:
+        return self.config.batch.train_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.batch.gradient_accumulation_steps
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero.stage
+
+    def was_step_applied(self) -> bool:
+        """Whether the last `step()` at an accumulation boundary updated the parameters (False
+        when fp16 overflow skipped it)."""
+        return self._step_applied
+
+    @property
+    def global_rank(self) -> int:
+        return self.rank
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", 0))
 
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm of the last step (before clipping; None before the first)."""

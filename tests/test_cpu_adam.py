@@ -372,10 +372,10 @@ def test_deepspeed_alias_takes_deepspeed_arguments():
         assert torch.equal(bits(x), bits(y))
 
 
-def test_params_must_be_float32_cpu():
+def test_params_must_be_float_cpu():
     with pytest.raises(TypeError, match=r"param_groups\[0\]\['params'\]\[1\].*dtype"):
         CPUAdam([torch.nn.Parameter(torch.zeros(2)),
-                 torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))])
+                 torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))])
     with pytest.raises(TypeError, match="CPU tensor"):
         CPUAdam([torch.nn.Parameter(torch.zeros(2, device="meta"))])
 
@@ -485,3 +485,25 @@ def test_update_in_a_forked_child():
             raise AssertionError("the forked child hung in adam_update")
         time.sleep(0.05)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_deepspeed_cpu_adam_updates_half_precision_parameters(dtype):
+    """DeepSpeedCPUAdam takes bf16/fp16 parameters as DeepSpeed's does: fp32 state (moments and a
+    master), and the parameter is the master rounded, matching fused AdamW run in fp32 from the
+    same half-precision start."""
+    from infinity.optim import DeepSpeedCPUAdam
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(3000).to(dtype))
+    ref = torch.nn.Parameter(p.detach().float())
+    ours = DeepSpeedCPUAdam([p], lr=1e-2, weight_decay=0.01)
+    torch_opt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.01, fused=True)
+    for _ in range(4):
+        g = torch.randn(3000).to(dtype)
+        p.grad, ref.grad = g, g.float()
+        ours.step()
+        torch_opt.step()
+    state = ours.state[p]
+    assert state["exp_avg"].dtype == torch.float32 and state["master"].dtype == torch.float32
+    assert torch.equal(state["master"], ref.detach())
+    assert torch.equal(p.detach(), ref.detach().to(dtype))

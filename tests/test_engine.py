@@ -230,3 +230,16 @@ def test_the_next_unit_is_gathered_before_the_current_one_computes(model, room):
     ahead = seen[1:].count("gathered")  # the first block follows the root, gathered for the whole forward
     assert (ahead > 0) == room, seen
     engine.close()
+
+
+def test_deepspeed_getters(model):
+    cfg = config(3, "cpu", "cpu", gas=2, micro=2, clip=0.5)
+    engine, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
+    assert engine.train_micro_batch_size_per_gpu() == 2 and engine.gradient_accumulation_steps() == 2
+    assert engine.train_batch_size() == 4 and engine.gradient_clipping() == 0.5
+    assert engine.zero_optimization_stage() == 3
+    assert engine.global_rank == 0 and engine.local_rank == 0 and engine.world_size == 1
+    assert not engine.was_step_applied()
+    engine_run(engine, batches(2, 2), gas=2)
+    assert engine.was_step_applied() and engine.is_gradient_accumulation_boundary()
+    engine.close()

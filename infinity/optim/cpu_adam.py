@@ -20,6 +20,14 @@ from infinity.optim.functional import check_hyper_params, check_tensor, run_upda
 
 __all__ = ["CPUAdam", "DeepSpeedCPUAdam"]
 
+# [Note: half-precision parameters]
+# bf16 and fp16 parameters (as DeepSpeedCPUAdam takes them) get an fp32 copy in their state
+# ("master"), made at their first step; the kernel updates master and moments in fp32 and writes
+# the rounded value into the parameter in the same pass, so no precision is lost between steps.
+# DeepSpeed instead updates the half-precision value itself, rounding it every step: the two
+# agree on the first step and drift apart by rounding after it.
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 class CPUAdam(torch.optim.Optimizer):
     """Adam / AdamW on the CPU with torch's arithmetic: the same bits as torch.optim.AdamW /
@@ -59,8 +67,7 @@ class CPUAdam(torch.optim.Optimizer):
         try:
             _check_group(self.param_groups[index])
             for i, p in enumerate(self.param_groups[index]["params"]):
-                check_tensor(f"CPUAdam: param_groups[{index}]['params'][{i}]", p,
-                             (torch.float32,), None)
+                check_tensor(f"CPUAdam: param_groups[{index}]['params'][{i}]", p, _PARAM_DTYPES, None)
         except (TypeError, ValueError):
             self.param_groups.pop()  # leave the optimizer as it was
             raise
@@ -94,19 +101,23 @@ class CPUAdam(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 state = self.state[p]
+                half = p.dtype != torch.float32  # [Note: half-precision parameters]
                 if not state:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32,
+                                                           memory_format=torch.preserve_format)
+                    if half:
+                        state["master"] = p.detach().to(torch.float32, copy=True)
                 n = p.numel()
-                check_tensor("CPUAdam: param.grad", p.grad, (torch.float32,), n)
+                check_tensor("CPUAdam: param.grad", p.grad, (p.dtype, torch.float32), n)
                 check_tensor("CPUAdam: state['exp_avg']", state["exp_avg"], (torch.float32,), n)
                 check_tensor("CPUAdam: state['exp_avg_sq']", state["exp_avg_sq"],
                              (torch.float32,), n)
                 state["step"] += 1
                 hyper.step = int(state["step"].item())
-                run_update(self._updater, hyper, p, p.grad, state["exp_avg"],
-                           state["exp_avg_sq"], half_out=None, offset=0, count=n,
+                run_update(self._updater, hyper, state["master"] if half else p, p.grad, state["exp_avg"],
+                           state["exp_avg_sq"], half_out=p if half else None, offset=0, count=n,
                            num_threads=num_threads, simd=None)
         return loss
 
@@ -115,9 +126,8 @@ class DeepSpeedCPUAdam(CPUAdam):
     """CPUAdam under DeepSpeed's name and argument order, so that `from infinity.optim import
     DeepSpeedCPUAdam` replaces `from deepspeed.ops.adam import DeepSpeedCPUAdam`.
 
-    Parameters must be fp32 (DeepSpeed also updates bf16/fp16 parameters in place; the engine
-    keeps fp32 masters instead). fp32_optimizer_states only matters for such half-precision
-    parameters, so with fp32 ones both values behave as in DeepSpeed.
+    Parameters may be fp32, bf16 or fp16 ([Note: half-precision parameters]); the optimizer
+    state is fp32 whatever fp32_optimizer_states says (it is kept for DeepSpeed's signature).
     """
 
     def __init__(
