@@ -324,8 +324,8 @@ def test_unknown_key_without_a_close_match_lists_the_valid_ones() -> None:
 @pytest.mark.parametrize(("path", "value"), [
     ("activation_checkpointing", {"partition_activations": True}),
     ("tensorboard", {"enabled": True}),
-    ("flops_profiler", {"enabled": False}),
-    ("comms_logger", {"enabled": False}),
+    ("flops_profiler", {"enabled": True}),
+    ("comms_logger", {"enabled": True}),  # disabled, they are accepted: test_a_disabled_section_is_accepted
     ("amp", {"enabled": True}),
     ("compression_training", {}),
     ("pipeline", {}),
@@ -731,3 +731,11 @@ def test_config_must_be_an_object_or_a_path(tmp_path: Path) -> None:
     path.write_text("[1, 2]")
     with pytest.raises(TypeError, match=re.escape("config: expected an object ({...})")):
         load_config(path)
+
+
+@pytest.mark.parametrize("section", ["amp", "flops_profiler", "tensorboard", "wandb", "activation_checkpointing"])
+def test_a_disabled_section_is_accepted(section):
+    base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    load_config({**base, section: {"enabled": False, "opt_level": "O1"}})
+    with pytest.raises(ValueError, match=f"{section}: DeepSpeed key not implemented"):
+        load_config({**base, section: {"enabled": True}})

@@ -238,6 +238,8 @@ def _take(raw: Any, path: str, accepted: tuple[str, ...], *,
             no_effect[key](value, key_path)
         elif key in default_only:
             _require_default(value, key_path, default_only[key])
+        elif key in not_implemented and isinstance(value, Mapping) and value.get("enabled", True) is False:
+            continue  # a disabled feature is not an unimplemented one: {"amp": {"enabled": false}}
         elif key in not_implemented:
             hint = not_implemented[key]
             raise ValueError(f"{key_path}: {NOT_IMPLEMENTED}" + (f"; {hint}" if hint else ""))
