@@ -243,3 +243,43 @@ def test_deepspeed_getters(model):
     engine_run(engine, batches(2, 2), gas=2)
     assert engine.was_step_applied() and engine.is_gradient_accumulation_boundary()
     engine.close()
+
+
+def test_initialize_takes_deepspeeds_arguments(model, tmp_path):
+    import argparse
+    cfg = config(3, "cpu", "cpu", micro=2)
+    path = tmp_path / "ds.json"
+    path.write_text(__import__("json").dumps(cfg))
+    data = [(torch.randint(0, 64, (8,)), torch.randint(0, 64, (8,))) for _ in range(6)]
+    engine, opt, loader, sched = infinity.initialize(
+        args=argparse.Namespace(deepscale_config=str(path)), model=copy.deepcopy(model), training_data=data,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01),
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda step: 0.5), dist_init_required=False)
+    idx, tgt = next(iter(loader))
+    assert idx.shape == (2, 8)  # train_micro_batch_size_per_gpu
+    assert sched.optimizer is opt and opt.param_groups[0]["lr"] == pytest.approx(1.5e-3)
+    engine.backward(engine(idx, tgt))
+    engine.step()
+    engine.close()
+    user = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    other = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="lr_scheduler: it steps an optimizer that is not the one"):
+        infinity.initialize(model=copy.deepcopy(model), optimizer=user, config=cfg,
+                            lr_scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
+    with pytest.raises(ValueError, match="mpu"):
+        infinity.initialize(model=copy.deepcopy(model), config=cfg, mpu=object())
+
+
+def test_a_scheduler_of_the_users_optimizer_sets_the_engines_lr(model):
+    m = copy.deepcopy(model)
+    user = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(user, step_size=1, gamma=0.5)
+    cfg = config(3, "cpu", "cpu")
+    del cfg["optimizer"]
+    engine, opt, _, got = infinity.initialize(model=m, optimizer=user, lr_scheduler=sched, config=cfg)
+    assert got is sched
+    idx, tgt = batches(1, 4)[0]
+    engine.backward(engine(idx, tgt))
+    engine.step()
+    assert engine.get_lr() == [pytest.approx(5e-4)]  # the engine's groups are the user optimizer's
+    engine.close()

@@ -24,7 +24,8 @@ def _from_user_optimizer(optimizer: torch.optim.Optimizer) -> tuple[list[dict], 
         raise TypeError(f"optimizer: infinity runs Adam or AdamW over its shards, got {name}")
     if optimizer.defaults.get("amsgrad"):
         raise ValueError("optimizer: amsgrad=True is not supported")
-    groups = [dict(g) for g in optimizer.param_groups]
+    # The user's own group dicts: a scheduler built on that optimizer sets the lr we read.
+    groups = list(optimizer.param_groups)
     defaults = dict(optimizer.defaults, adamw_mode=adamw)
     return groups, defaults
 
@@ -45,6 +46,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         defaults.setdefault("bias_correction", True)
         super().__init__(groups, defaults)
         self.step_count = 0
+        self._user_optimizer = user_optimizer  # its schedulers step our (shared) groups
         self._shards = None  # the engine's optimizer tier and units, for state_dict()
 
     def bind(self, tier, units, set_params) -> None:
@@ -98,3 +100,5 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def mark_stepped(self) -> None:
         """Tells torch LR schedulers an update happened (they warn otherwise)."""
         self._opt_called = True  # noqa: SLF001 (torch's own flag)
+        if self._user_optimizer is not None:
+            self._user_optimizer._opt_called = True  # noqa: SLF001
