@@ -136,7 +136,7 @@ class WarmupLR(_WarmupSchedule):
     warmup_num_steps steps, then hold it at warmup_max_lr.
 
     warmup_min_lr and warmup_max_lr take one number, or a list with one per param group;
-    warmup_max_lr None takes the lr of the optimizer's first param group.
+    warmup_max_lr None takes each param group's own lr.
     """
 
     def __init__(self, optimizer: Any, warmup_min_lr: float | list[float] = 0.0,
@@ -144,8 +144,8 @@ class WarmupLR(_WarmupSchedule):
                  warmup_type: str = "log", last_batch_iteration: int = -1) -> None:
         super().__init__(optimizer, warmup_num_steps=warmup_num_steps, warmup_type=warmup_type,
                          last_batch_iteration=last_batch_iteration)
-        if warmup_max_lr is None:
-            warmup_max_lr = float(self._groups[0]["lr"])
+        if warmup_max_lr is None:  # each group warms up to its own lr, as DeepSpeed 0.19.8 does
+            warmup_max_lr = [float(g["lr"]) for g in self._groups]
         self.min_lrs = _per_group(warmup_min_lr, "warmup_min_lr", len(self._groups))
         self.max_lrs = _per_group(warmup_max_lr, "warmup_max_lr", len(self._groups))
         self.delta_lrs = [high - low for high, low in zip(self.max_lrs, self.min_lrs)]

@@ -311,3 +311,11 @@ def test_build_scheduler_without_a_section() -> None:
     assert build_scheduler(None, make_optimizer()) is None
     with pytest.raises(TypeError, match="scheduler: expected a SchedulerConfig"):
         build_scheduler({"type": "WarmupLR"}, make_optimizer())  # type: ignore[arg-type]
+
+
+def test_warmup_without_max_lr_keeps_each_groups_own_lr() -> None:
+    optimizer = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.1},
+                                 {"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.02}], lr=0.1)
+    schedule = WarmupLR(optimizer, warmup_min_lr=0.0, warmup_num_steps=2, warmup_type="linear")
+    schedule.step(5)  # warmup over
+    assert [g["lr"] for g in optimizer.param_groups] == [0.1, 0.02]
