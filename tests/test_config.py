@@ -147,7 +147,7 @@ def test_defaults_are_deepspeeds() -> None:
     assert config.fp16.min_loss_scale == 1 and not config.fp16.consecutive_hysteresis
     assert config.compute_dtype == torch.float32
     assert config.optimizer is None and config.scheduler is None
-    assert config.gradient_clipping == 0.0 and config.steps_per_print == 10
+    assert config.gradient_clipping == 1.0 and config.steps_per_print == 10  # 0.19.8 clips at 1.0
     assert not config.wall_clock_breakdown
     zero = config.zero
     assert zero.stage == 0 and zero.overlap_comm is False and zero.contiguous_gradients

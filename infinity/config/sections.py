@@ -455,7 +455,7 @@ class InfinityConfig:
     """ZeRO stage and offload (JSON section `zero_optimization`)."""
     aio: AIOConfig = _spec(_instance, AIOConfig, factory=AIOConfig)
     """NVMe I/O tuning."""
-    gradient_clipping: float = _spec(_float, minimum=0.0, default=0.0)
+    gradient_clipping: float = _spec(_float, minimum=0.0, default=1.0)
     """Clip the global gradient norm to this value; 0 disables clipping."""
     steps_per_print: int | None = _spec(_optional(_int), minimum=1, default=10)
     """Report progress every this many optimizer steps; None never does."""
