@@ -144,12 +144,15 @@ def status(key):
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key))
 cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, num_hidden_layers=16,
                                num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=64)
+# Clipping on, and every fp32 gradient accumulator on NVMe (max_grad_in_cpu 0): their host
+# budget (4 bytes a parameter by default) is the optimizer tier's, not the model's construction.
 ds = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-      "bf16": {"enabled": True},
+      "bf16": {"enabled": True}, "gradient_clipping": 1.0,
       "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
           "offload_param": {"device": "nvme", "nvme_path": sys.argv[1], "buffer_count": 4, "buffer_size": 3e6,
                             "max_in_cpu": 0},
-          "offload_optimizer": {"device": "nvme", "nvme_path": sys.argv[1], "buffer_count": 9},
+          "offload_optimizer": {"device": "nvme", "nvme_path": sys.argv[1], "buffer_count": 12,
+                                "max_grad_in_cpu": 0},
           "sub_group_size": 1e6}}
 torch.manual_seed(0)
 transformers.LlamaForCausalLM  # the lazy import of the modeling code is not the model's memory
