@@ -238,9 +238,43 @@ def _table(engine, steps_s: list[float], moved: list[int]) -> str:
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
+def _train(engine, rows: torch.Tensor, start: int, args) -> tuple[list[float], list[float], list[int]]:
+    """Steps `start` to `args.steps`, checkpointing every `--save-every`; returns per-step losses,
+    seconds and NVMe bytes moved."""
+    from infinity.data import batch
+
+    size = engine.config.batch.train_micro_batch_size_per_gpu * engine.config.batch.gradient_accumulation_steps
+    losses, steps_s, moved = [], [], []
+    gas = engine.config.batch.gradient_accumulation_steps
+    micro = engine.config.batch.train_micro_batch_size_per_gpu
+    bar = tqdm(range(start, args.steps), desc="finetune", unit="step", initial=start, total=args.steps)
+    for step in bar:
+        t0 = time.perf_counter()
+        ids = batch(rows, step, size)
+        total = 0.0
+        for k in range(gas):
+            part = ids[k * micro:(k + 1) * micro]
+            loss = _loss(engine(input_ids=part, labels=part))
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / gas
+        dt = time.perf_counter() - t0
+        last = engine.report.last
+        io = sum(last.get(k, 0) for k in ("nvme_read_bytes", "nvme_write_bytes", "optimizer_nvme_read_bytes",
+                                          "optimizer_nvme_write_bytes"))
+        losses.append(total)
+        steps_s.append(dt)
+        moved.append(io)
+        bar.set_postfix(loss=f"{total:.3f}", tok_s=f"{ids.numel() / dt:.0f}", step_s=f"{dt:.2f}")
+        if args.save and engine.global_steps % args.save_every == 0:
+            engine.save_checkpoint(args.save, client_state={"next_step": engine.global_steps})
+    bar.close()
+    return losses, steps_s, moved
+
+
 def run(args) -> int:
     import infinity
-    from infinity.data import batch, pack, read_texts, stdlib_corpus
+    from infinity.data import pack, read_texts, stdlib_corpus
 
     torch.manual_seed(args.seed)
     model, tokenizer, pretrained = build_model(args)
@@ -258,7 +292,6 @@ def run(args) -> int:
             infinity.load_pretrained(engine, pretrained, missing_ok=lambda name: ".lora_" in name)
         texts = read_texts(args.data) if args.data else stdlib_corpus(4 << 20)
         rows = pack(texts, tokenizer, args.seq_len)
-        size = engine.config.batch.train_micro_batch_size_per_gpu * engine.config.batch.gradient_accumulation_steps
         print(f"model: {engine.trainable_numel / 1e6:.2f}M trainable and {engine.frozen_numel / 1e6:.2f}M frozen "
               f"parameters in {len(engine.units)} units; offload param={engine.config.zero.offload_param.device}, "
               f"optimizer={engine.config.zero.offload_optimizer.device}; data: {rows.numel() / 1e6:.2f}M tokens")
@@ -278,31 +311,7 @@ def run(args) -> int:
             signal.signal(signal.SIGTERM, preempted)
         if args.sample_tokens:
             print(f"sample before: {generate(engine, tokenizer, PROMPT, args.sample_tokens)!r}")
-        losses, steps_s, moved = [], [], []
-        gas = engine.config.batch.gradient_accumulation_steps
-        micro = engine.config.batch.train_micro_batch_size_per_gpu
-        bar = tqdm(range(start, args.steps), desc="finetune", unit="step", initial=start, total=args.steps)
-        for step in bar:
-            t0 = time.perf_counter()
-            ids = batch(rows, step, size)
-            total = 0.0
-            for k in range(gas):
-                part = ids[k * micro:(k + 1) * micro]
-                loss = _loss(engine(input_ids=part, labels=part))
-                engine.backward(loss)
-                engine.step()
-                total += loss.item() / gas
-            dt = time.perf_counter() - t0
-            last = engine.report.last
-            io = sum(last.get(k, 0) for k in ("nvme_read_bytes", "nvme_write_bytes", "optimizer_nvme_read_bytes",
-                                              "optimizer_nvme_write_bytes"))
-            losses.append(total)
-            steps_s.append(dt)
-            moved.append(io)
-            bar.set_postfix(loss=f"{total:.3f}", tok_s=f"{ids.numel() / dt:.0f}", step_s=f"{dt:.2f}")
-            if args.save and engine.global_steps % args.save_every == 0:
-                engine.save_checkpoint(args.save, client_state={"next_step": engine.global_steps})
-        bar.close()
+        losses, steps_s, moved = _train(engine, rows, start, args)
         if losses:
             print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over steps {start}-{args.steps - 1}")
         if args.sample_tokens:

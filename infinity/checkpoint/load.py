@@ -141,7 +141,8 @@ def fill_region(cache: ExtentCache, unit, region: str, kind: str, out: torch.Ten
         target.zero_() if run is None else target.copy_(run)
 
 
-def _listing(names: list[str]) -> str:
+def listing(names: list[str]) -> str:
+    """Up to five names, and how many more."""
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
@@ -154,18 +155,18 @@ def check_model(manifest: Manifest, engine: "Engine", *, strict: bool, optimizer
     missing = [n for n in ours if n not in theirs]
     unexpected = [n for n in theirs if n not in ours]
     if strict and missing:
-        problems.append(f"missing from the checkpoint: {_listing(missing)}")
+        problems.append(f"missing from the checkpoint: {listing(missing)}")
     if strict and unexpected:
-        problems.append(f"in the checkpoint but not in the model: {_listing(unexpected)}")
+        problems.append(f"in the checkpoint but not in the model: {listing(unexpected)}")
     shapes = [f"{n} (checkpoint {theirs[n].shape}, model {list(s.shape)})" for n, s in ours.items()
               if n in theirs and theirs[n].shape != list(s.shape)]
     if shapes:
-        problems.append(f"shape mismatch: {_listing(shapes)}")
+        problems.append(f"shape mismatch: {listing(shapes)}")
     if optimizer_states:
         newly = [n for n, s in ours.items() if s.group >= 0 and n in theirs and theirs[n].region == FROZEN]
         if newly:
             problems.append(f"trainable here but frozen in the checkpoint, which has no optimizer state for them: "
-                            f"{_listing(newly)} (load with load_optimizer_states=False to start their moments at 0)")
+                            f"{listing(newly)} (load with load_optimizer_states=False to start their moments at 0)")
         groups = manifest.data.get("param_groups")
         if groups is not None and groups != len(engine.optimizer.param_groups):
             problems.append(f"optimizer.param_groups: the checkpoint has {groups}, this optimizer "
@@ -331,7 +332,7 @@ def _check_buffers(engine: "Engine", saved: dict[str, torch.Tensor], *, strict: 
     ours = persistent_buffers(engine.module)
     missing = [n for n in ours if n not in saved]
     if strict and missing:
-        raise CheckpointError(f"load_checkpoint: {where} has no values for the buffers {_listing(missing)}")
+        raise CheckpointError(f"load_checkpoint: {where} has no values for the buffers {listing(missing)}")
     for name, buf in ours.items():
         if name in saved and list(saved[name].shape) != list(buf.shape):
             raise CheckpointError(f"load_checkpoint: buffer {name} has shape {list(saved[name].shape)} in {where}, "

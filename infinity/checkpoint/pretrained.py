@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from infinity.checkpoint.layout import CheckpointError
+from infinity.checkpoint.load import listing as _listing
 from infinity.checkpoint.safetensors_io import _DTYPES, INDEX_SUFFIX, read_header
 from infinity.checkpoint.save import PROGRESS_BYTES, agree, persistent_buffers
 
@@ -22,10 +23,6 @@ if TYPE_CHECKING:
     from infinity.engine import Engine
 
 WEIGHTS = "model.safetensors"
-
-
-def _listing(names: list[str]) -> str:
-    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 class TensorIndex:
