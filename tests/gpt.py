@@ -111,7 +111,7 @@ def engine_run(engine, data, *, gas: int, rank: int = 0, world: int = 1):
             loss = engine(idx[rank * n:(rank + 1) * n], tgt[rank * n:(rank + 1) * n])
             engine.backward(loss)
             engine.step()
-            total += loss.detach() / gas
+            total += loss.detach().float().cpu() / gas
         if world > 1:
             torch.distributed.all_reduce(total)
             total /= world

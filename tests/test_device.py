@@ -163,7 +163,13 @@ def test_each_rank_takes_its_local_gpu(monkeypatch):
     from infinity.device.cuda import local_index
 
     monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert local_index() == 3
+    # More ranks than GPUs (two ranks on a one-GPU machine, seen on a lent H100): named, not
+    # CUDA's "invalid device ordinal" from deep inside set_device.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(RuntimeError, match="LOCAL_RANK=3: .* 1 GPU"):
+        local_index()
 
 
 def _imports(path: pathlib.Path, package: str) -> set[str]:

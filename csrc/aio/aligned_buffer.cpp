@@ -54,7 +54,12 @@ int AlignedBuffer::lock() {
 }
 
 AlignedBuffer::~AlignedBuffer() {
-  if (hook_) hook_();
+  // A destructor must not throw (std::terminate): a hook that fails leaves the memory registered,
+  // which matters only to a process that is ending anyway (the failure seen: Python shutting down).
+  try {
+    if (hook_) hook_();
+  } catch (...) {
+  }
   if (locked_) munlock(data_, capacity_);
   munmap(data_, capacity_);
 }

@@ -13,7 +13,14 @@ def local_index() -> int:
     """The GPU of this process: LOCAL_RANK under torchrun (whoever created the process group;
     an engine started after the caller initialised NCCL must not put every rank on cuda:0)."""
     local = os.environ.get("LOCAL_RANK")
-    return int(local) if local is not None else torch.cuda.current_device()
+    if local is None:
+        return torch.cuda.current_device()
+    count = torch.cuda.device_count()
+    if not 0 <= int(local) < count:
+        raise RuntimeError(f"LOCAL_RANK={local}: this process would use GPU {local}, but {count} GPU(s) are visible; "
+                           "start one process per GPU (torchrun --nproc-per-node at most the GPU count), or run "
+                           "on the CPU with INFINITY_DEVICE=cpu")
+    return int(local)
 
 
 class CudaDevice(Device):
@@ -30,11 +37,12 @@ class CudaDevice(Device):
         self.copy_out = torch.cuda.Stream(self.compute)  # gradient shards and new values out, under compute
 
     def to_device(self, src: torch.Tensor, dst: torch.Tensor | None = None) -> InFlight:
+        compute = torch.cuda.current_stream(self.compute)  # before the `with`, inside which copy_in is current
         with torch.profiler.record_function("infinity::h2d"), torch.cuda.stream(self.copy_in):
             if dst is None:
                 dst = torch.empty(src.shape, dtype=src.dtype, device=self.compute)
             else:  # the compute stream may still read dst's old values
-                self.copy_in.wait_stream(torch.cuda.current_stream(self.compute))
+                self.copy_in.wait_stream(compute)
                 dst.record_stream(self.copy_in)  # the allocator must not reuse dst under the copy
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()

@@ -38,7 +38,14 @@ def _cuda_host_register(buf: _aio.AlignedBuffer) -> None:
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister of {buf.nbytes} bytes failed with CUDA error {int(err)}")
     ptr = buf.ptr
-    buf.set_release_hook(lambda: cudart.cudaHostUnregister(ptr))
+
+    def unregister() -> None:  # runs in the buffer's destructor, possibly while Python shuts down
+        try:
+            cudart.cudaHostUnregister(ptr)
+        except Exception:  # the process is ending: its memory goes with it
+            pass
+
+    buf.set_release_hook(unregister)
 
 
 def _mlock(buf: _aio.AlignedBuffer) -> None:
@@ -70,7 +77,13 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, pin: bool | None
     except MemoryError:
         raise OSError(errno.ENOMEM, f"numel: cannot allocate {numel} elements of {dtype} ({nbytes} bytes) of "
                       "page-aligned host memory") from None
-    if pin is not False:
-        _cuda_host_register(buf) if cuda else _mlock(buf)
+    if pin is not False and cuda:
+        try:
+            _cuda_host_register(buf)
+        except RuntimeError as e:  # e.g. more than the host can page-lock: the mapping itself succeeded
+            raise OSError(errno.ENOMEM, f"numel: cannot allocate {numel} elements of {dtype} ({nbytes} bytes) of "
+                          f"pinned host memory ({e})") from None
+    elif pin is not False:
+        _mlock(buf)
     # frombuffer keeps `buf` alive for as long as the tensor's storage lives.
     return torch.frombuffer(buf, dtype=dtype, count=numel)

@@ -1,0 +1,202 @@
+"""On a CUDA GPU: host <-> device bandwidth from our pinned pool against plain pinned memory, and
+a bf16 training step with and without offload.
+
+    python bench/bench_gpu.py copies --output copies.json
+    python bench/bench_gpu.py step --mode plain --layers 20 --dim 2048
+    python bench/bench_gpu.py step --mode nvme --layers 40 --dim 4096 --nvme-path /data
+
+`copies`: 1 GiB host -> device and device -> host, through `CudaDevice` from a buffer of our
+`BufferPool` (page-aligned, cudaHostRegister'ed) and through `Tensor.copy_` from
+`torch.empty(pin_memory=True)` (cudaHostAlloc), in interleaved rounds; medians and ranges.
+
+`step` (one mode per process, so each starts with an empty GPU):
+  * plain: plain PyTorch, bf16 model on the GPU, fp32 masters and AdamW (fused) on the GPU,
+    clip_grad_norm_ 1.0: no offload;
+  * none: the engine, stage 3, nothing offloaded (fp32 state on the GPU, CPU Adam not used);
+  * cpu / nvme: the engine with parameters and optimizer state in CPU memory / on NVMe
+    (`--optim cpu` keeps the optimizer in CPU memory while parameters go to NVMe).
+The model is built under `infinity.Init` for the engine's modes, so host memory never holds it whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def _spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "rounds": xs}
+
+
+def copies(args) -> dict:
+    from infinity.device.cuda import CudaDevice
+    from infinity.tiers.pool import BufferPool
+
+    size = args.copy_mib << 20
+    dev = CudaDevice()
+    pool = BufferPool(1, size, name="offload_param")
+    ours = pool.acquire(size)
+    plain = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    ours.fill_(1)
+    plain.fill_(1)
+    gpu = torch.empty(size, dtype=torch.uint8, device="cuda")
+    results: dict[str, list[float]] = {"h2d_pool": [], "h2d_plain": [], "d2h_pool": [], "d2h_plain": []}
+
+    def timed(fn) -> float:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return size / (time.perf_counter() - t) / 1e9
+
+    for _ in range(2):  # warm-up
+        dev.wait_host(dev.to_device(ours, gpu))
+        gpu.copy_(plain, non_blocking=True)
+    for _ in range(args.rounds):
+        results["h2d_pool"].append(timed(lambda: dev.wait_host(dev.to_device(ours, gpu))))
+        results["h2d_plain"].append(timed(lambda: gpu.copy_(plain, non_blocking=True)))
+        results["d2h_pool"].append(timed(lambda: dev.wait_host(dev.to_host(gpu, ours))))
+        results["d2h_plain"].append(timed(lambda: plain.copy_(gpu, non_blocking=True)))
+    out = {k: _spread(v) for k, v in results.items()}
+    out["h2d_ratio"] = out["h2d_pool"]["median"] / out["h2d_plain"]["median"]
+    out["d2h_ratio"] = out["d2h_pool"]["median"] / out["d2h_plain"]["median"]
+    out["bytes"] = size
+    pool.release(ours)
+    return out
+
+
+def _gpt(args, meta: bool):
+    import infinity
+    from infinity.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, dim=args.dim, layers=args.layers, heads=args.dim // 128)
+    torch.manual_seed(0)
+    if meta:
+        with infinity.Init():
+            return GPT(cfg), cfg
+    return GPT(cfg), cfg
+
+
+def _batch(args, step: int):
+    g = torch.Generator().manual_seed(step)
+    idx = torch.randint(0, args.vocab, (args.micro, args.seq + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def step_plain(args) -> dict:
+    model, cfg = _gpt(args, meta=False)
+    model = model.cuda()
+    masters = [p.detach().float().requires_grad_(True) for p in model.parameters()]
+    model.to(torch.bfloat16)
+    opt = torch.optim.AdamW(masters, lr=1e-4, weight_decay=0.01, fused=True)
+    times, losses = [], []
+    for s in range(args.steps + 1):
+        idx, tgt = _batch(args, s)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        loss = model(idx.cuda(), tgt.cuda())
+        loss.backward()
+        for p, m in zip(model.parameters(), masters):
+            m.grad = p.grad.float()
+            p.grad = None
+        torch.nn.utils.clip_grad_norm_(masters, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, m in zip(model.parameters(), masters):
+                p.copy_(m)
+        torch.cuda.synchronize()
+        losses.append(loss.item())
+        if s:
+            times.append(time.perf_counter() - t)
+        print(f"  plain step {s}: {time.perf_counter() - t:.3f} s, loss {loss.item():.4f}", flush=True)
+    return {"params": cfg.num_params(), "step": _spread(times), "losses": losses,
+            "gpu_peak_bytes": torch.cuda.max_memory_allocated()}
+
+
+def step_engine(args) -> dict:
+    import infinity
+
+    work = tempfile.mkdtemp(prefix="bench-gpu-", dir=args.nvme_path)
+    optim = args.optim or args.mode
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": args.sub_group_size,
+            "offload_param": {"device": args.mode, "nvme_path": work, "buffer_count": 8, "buffer_size": 2e8,
+                              "max_in_cpu": 0},
+            "offload_optimizer": {"device": optim, "nvme_path": work, "buffer_count": args.optim_buffers}}
+    config = {"train_micro_batch_size_per_gpu": args.micro, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+              "steps_per_print": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+              "zero_optimization": zero,
+              "aio": {"block_size": 8 << 20, "queue_depth": 32, "thread_count": 2}}
+    try:
+        t = time.perf_counter()
+        model, cfg = _gpt(args, meta=True)
+        engine, *_ = infinity.initialize(model=model, config=config)
+        setup = time.perf_counter() - t
+        print(f"  engine set up in {setup:.1f} s", flush=True)
+        times, losses = [], []
+        for s in range(args.steps + 1):
+            idx, tgt = _batch(args, s)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            loss = engine(idx, tgt)
+            engine.backward(loss)
+            engine.step()
+            torch.cuda.synchronize()
+            losses.append(loss.item())
+            if s:
+                times.append(time.perf_counter() - t)
+            print(f"  {args.mode}/{optim} step {s}: {time.perf_counter() - t:.3f} s, loss {loss.item():.4f}",
+                  flush=True)
+        report = dict(engine.report.last)
+        engine.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"params": cfg.num_params(), "setup_s": setup, "step": _spread(times), "losses": losses,
+            "gpu_peak_bytes": torch.cuda.max_memory_allocated(), "report": report, "optim": optim}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    c = sub.add_parser("copies")
+    c.add_argument("--copy-mib", type=int, default=1024)
+    c.add_argument("--rounds", type=int, default=7)
+    s = sub.add_parser("step")
+    s.add_argument("--mode", choices=["plain", "none", "cpu", "nvme"], required=True)
+    s.add_argument("--optim", choices=["none", "cpu", "nvme"], help="optimizer placement (default: --mode's)")
+    s.add_argument("--layers", type=int, default=20)
+    s.add_argument("--dim", type=int, default=2048)
+    s.add_argument("--vocab", type=int, default=32000)
+    s.add_argument("--seq", type=int, default=1024)
+    s.add_argument("--micro", type=int, default=4)
+    s.add_argument("--steps", type=int, default=3)
+    s.add_argument("--sub-group-size", type=float, default=1e8)
+    s.add_argument("--optim-buffers", type=int, default=16)
+    s.add_argument("--nvme-path", default=".")
+    for q in (c, s):
+        q.add_argument("--output")
+    args = p.parse_args()
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
+    if args.what == "copies":
+        result = copies(args)
+    elif args.mode == "plain":
+        result = step_plain(args)
+    else:
+        result = step_engine(args)
+    result.update(info)
+    print(json.dumps({k: v for k, v in result.items() if k != "report"}, default=float))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=2, default=float)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# What a lent GPU machine runs (bench/results/gpu.md records what it showed): build, the `gpu`
+# tests, host <-> device copies, bf16 steps, then the whole suite on the CUDA device.
+#   bash bench/gpu_session.sh OUT_DIR [STEP_LAYERS] [STEP_DIM]
+set -uo pipefail
+out=${1:?output directory}
+layers=${2:-8}
+dim=${3:-2048}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  nproc; free -g; df -h . /tmp
+  python3 -c "import torch, sys; print(sys.version, torch.__version__, torch.version.cuda)"
+} 2>&1 | tee "$out/machine.txt"
+if ! python3 -c "import infinity._aio" 2>/dev/null; then
+  if ls .whl-infinity/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-deps --no-index .whl-infinity/*.whl
+  else
+    python3 -m pip wheel -q --no-deps --no-build-isolation -w "$out" . && python3 -m pip install -q --no-deps "$out"/*.whl
+  fi || { echo "build failed"; exit 1; }
+fi
+cd tests && python3 -m pytest -m gpu -q -p no:cacheprovider -p no:benchmark 2>&1 | tee "$out/gpu_tests.txt"; cd ..
+python3 bench/bench_gpu.py copies --output "$out/copies.json" 2>&1 | tail -3
+for mode in plain nvme; do
+  python3 bench/bench_gpu.py step --mode $mode --layers "$layers" --dim "$dim" --nvme-path /tmp \
+    --output "$out/step_${mode}.json" 2>&1 | grep -v '^step ' | tail -8
+done
+# The whole suite on the CUDA device (its parity tests compare with plain PyTorch on the CPU).
+[ "${FULL_SUITE:-0}" = 1 ] && (cd tests && timeout "${SUITE_TIMEOUT:-300}" python3 -m pytest -v -n 8 -p no:cacheprovider \
+  -p no:benchmark . > "$out/suite.txt" 2>&1; grep -E "FAILED|ERROR" "$out/suite.txt" | sort | uniq | head -80)
