@@ -1,10 +1,12 @@
 """infinity: train models larger than GPU and CPU memory on one node (ZeRO-Infinity style)."""
 
 from infinity.checkpoint.pretrained import load_pretrained
+from infinity.compat import add_config_arguments, init_distributed
 from infinity.engine import Engine, initialize
 from infinity.zero.init import Init
 from infinity.zero.registry import GatheredParameters
 
 __version__ = "0.1.0"
 
-__all__ = ["Engine", "GatheredParameters", "Init", "initialize", "load_pretrained", "__version__"]
+__all__ = ["Engine", "GatheredParameters", "Init", "add_config_arguments", "init_distributed", "initialize",
+           "load_pretrained", "__version__"]

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from infinity.config import InfinityConfig, load_config
+from infinity.compat import TrainingDataLoader
 from infinity.device import Device, make_device
 from infinity.lr_schedules import build_scheduler
 from infinity.signals import SignalGate
@@ -661,10 +662,6 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         engine.lr_scheduler = scheduler_factory(engine.optimizer)
     loader = None
     if training_data is not None:
-        sampler = None
-        if engine.world_size > 1:
-            sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=engine.world_size,
-                                                          rank=engine.rank)
-        loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.batch.train_micro_batch_size_per_gpu,
-                                             sampler=sampler, collate_fn=collate_fn)
+        loader = TrainingDataLoader(training_data, cfg.batch.train_micro_batch_size_per_gpu, engine.rank,
+                                    engine.world_size, collate_fn=collate_fn)
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -1,0 +1,99 @@
+"""DeepSpeed's launcher-side helpers that training scripts call around `initialize`:
+`add_config_arguments` (the `--deepspeed*` command-line flags) and `init_distributed`."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["add_config_arguments", "init_distributed"]
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds DeepSpeed's flags to `parser` and returns it: `--deepspeed` and `--deepscale`
+    (flags for the script's own use) and `--deepspeed_config` / `--deepscale_config` (the JSON
+    config that `initialize(args=...)` reads)."""
+    if not isinstance(parser, argparse.ArgumentParser):
+        raise TypeError(f"parser: expected an argparse.ArgumentParser, got {type(parser).__name__}")
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed-compatible configuration (infinity)")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="mark the run as a DeepSpeed/infinity one (for the script; the engine ignores it)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="path of the DeepSpeed JSON config")
+    group.add_argument("--deepscale", default=False, action="store_true", help="older name of --deepspeed")
+    group.add_argument("--deepscale_config", default=None, type=str, help="older name of --deepspeed_config")
+    return parser
+
+
+def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True, distributed_port: int = 29500,
+                     verbose: bool = True, timeout: datetime.timedelta | None = None, init_method: str | None = None,
+                     dist_init_required: bool | None = None, config: Any = None, rank: int = -1,
+                     world_size: int = -1) -> None:
+    """Creates torch.distributed's default process group, as `deepspeed.init_distributed` does.
+
+    A launcher's environment (torchrun: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) is used
+    when present; without one, this is a single process (rank 0 of 1 on 127.0.0.1:
+    `distributed_port`). The backend is `dist_backend`, else NCCL with CUDA and gloo without.
+    Nothing happens when a group exists already, unless `dist_init_required` is True, which is
+    then an error. MPI discovery is not done (`auto_mpi_discovery` is accepted and ignored):
+    start several processes with torchrun."""
+    if dist.is_initialized():
+        if dist_init_required:
+            raise RuntimeError("dist_init_required: true, but torch.distributed is initialised already")
+        return
+    if dist_init_required is False:
+        return
+    the_rank = str(rank) if rank >= 0 else os.environ.get("RANK")
+    the_world = str(world_size) if world_size > 0 else os.environ.get("WORLD_SIZE")
+    if the_rank is None or the_world is None:
+        if world_size > 1:
+            raise ValueError(f"world_size: {world_size} processes need a launcher's environment (RANK, MASTER_ADDR, "
+                             "MASTER_PORT); start them with torchrun")
+        the_rank, the_world = "0", "1"
+        os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = the_rank, the_world
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":  # the device layer takes LOCAL_RANK's GPU too; NCCL needs it set first
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    kwargs: dict[str, Any] = {"init_method": init_method} if init_method else {}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    dist.init_process_group(backend, **kwargs)
+
+
+class _Sampler(torch.utils.data.DistributedSampler):
+    """A DistributedSampler that knows whether its user set the epoch since the last pass."""
+
+    user_set_epoch = False
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self.user_set_epoch = True
+
+
+class TrainingDataLoader(torch.utils.data.DataLoader):
+    """The third value `initialize(training_data=...)` returns, batched as DeepSpeed's is:
+    `train_micro_batch_size_per_gpu` samples a batch, a shuffled DistributedSampler (seed 0)
+    over the data-parallel ranks, and each new pass over it a new epoch (another order) unless
+    the script calls `loader.sampler.set_epoch` itself. Batches stay on the host; the engine
+    moves them. Unlike DeepSpeed's loader it loads in the calling process (no worker processes)."""
+
+    def __init__(self, dataset: Any, batch_size: int, rank: int, world_size: int, collate_fn: Any = None,
+                 drop_last: bool = False):
+        sampler = _Sampler(dataset, num_replicas=world_size, rank=rank)
+        super().__init__(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last)
+        self._passes = 0
+
+    def __iter__(self):
+        sampler = self.sampler
+        if self._passes and not sampler.user_set_epoch:
+            sampler.epoch += 1
+        sampler.user_set_epoch = False
+        self._passes += 1
+        return super().__iter__()
