@@ -69,6 +69,9 @@ class Engine:
         self._grad_norm: float | None = None
         self._step_applied = False
         self._grads_final = False  # accumulated gradients are complete (boundary backward done, step not yet)
+        self._backward_done = False  # this micro-step's backward has run, its step() not yet
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary's, until the step
+        self.global_samples = 0  # samples over all ranks in the steps taken (DeepSpeed's counter)
         self._values_cache: dict[int, torch.Tensor] | None = None  # [Note: state dict values]
         # [Note: signals at step boundaries] in infinity/signals.py
         self._signals = SignalGate(agree=self._agree_on_signals if self.world_size > 1 else None)
@@ -241,29 +244,52 @@ class Engine:
             if failed:
                 self._end_step_hold(boundary=False)
         self.policy.first_micro = False
-        self.micro_steps += 1
-        self._grads_final = self.is_gradient_accumulation_boundary()
+        self._grads_final = self.policy.last_micro
+        self._backward_done = True
         self.report.add_time("backward", time.perf_counter() - t0)
         return loss
 
     def _last_micro(self) -> bool:
         """Whether the micro-step running (or about to) ends an accumulation."""
-        return (self.micro_steps + 1) % self.config.batch.gradient_accumulation_steps == 0
+        return self.is_gradient_accumulation_boundary()
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return self.micro_steps % self.config.batch.gradient_accumulation_steps == 0
+        """Whether the micro-step under way (from its forward to its `step()`) ends an
+        accumulation, as DeepSpeed counts: `micro_steps` counts `step()` calls, so this is True
+        from the last micro-batch's forward until its step, unless
+        `set_gradient_accumulation_boundary` decided."""
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.config.batch.gradient_accumulation_steps == 0
 
-    def step(self) -> None:
-        """Applies the update at the accumulation boundary; counts the micro-step otherwise."""
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Overrides the count (Accelerate calls it with its `sync_gradients`): whether the next
+        micro-step ends an accumulation. Decide it before that micro-batch's forward, which is
+        when the engine plans what the backward reduces and updates."""
+        if not isinstance(is_boundary, bool):
+            raise TypeError(f"is_boundary: expected a bool, got {is_boundary!r}")
+        if (self._in_pass or self._backward_done) and is_boundary != self.policy.last_micro:
+            raise RuntimeError("set_gradient_accumulation_boundary: the forward of this micro-batch has run as "
+                               f"{'the last' if self.policy.last_micro else 'not the last'} of its accumulation; "
+                               "set the boundary before the forward")
+        self._boundary_override = is_boundary
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Ends the micro-step: at an accumulation boundary applies the update (and steps the
+        LR scheduler, with `lr_kwargs` as keyword arguments); counts the micro-step always."""
         self._check_open()
-        if not self.is_gradient_accumulation_boundary():
+        self._backward_done = False
+        if not self._grads_final:
+            self.micro_steps += 1
             return
         try:
-            self._step()
+            self._step(lr_kwargs)
         except BaseException as e:
             self._broken = f"step {self.global_steps + 1} failed ({type(e).__name__}: {e})"
+            self.micro_steps += 1
             self._end_step_hold(boundary=False)
             raise
+        self.micro_steps += 1
         self._broken = None
         self._end_step_hold(boundary=True)  # held signal handlers run now ([Note: signals at step boundaries])
 
@@ -280,21 +306,23 @@ class Engine:
         zdist.all_reduce_max(flags)
         return {s for s, f in zip(HELD, self.accelerator.host(flags).tolist()) if f}
 
-    def _step(self) -> None:
+    def _step(self, lr_kwargs: dict | None = None) -> None:
         t0 = time.perf_counter()
         try:
             outcome = self.policy.step(self.global_steps)
         finally:  # a failed step is abandoned: the next micro-step starts a new accumulation
             self._grads_final = False
+            self._boundary_override = None
             self.policy.first_micro = True
         self._step_applied = outcome.applied
         if outcome.applied:
             if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+                self.lr_scheduler.step(**(lr_kwargs or {}))
         else:
             self.skipped_steps += 1
         self._grad_norm = outcome.grad_norm
         self.global_steps += 1
+        self.global_samples += self.train_batch_size()
         self.report.add_time("step", time.perf_counter() - t0)
         facts = {"grad_norm": outcome.grad_norm, "loss_scale": self.get_loss_scale(), "lr": self.get_lr(),
                  "peak_live_numel": self.fetcher.peak_live_numel,

@@ -1,4 +1,5 @@
-"""DeepSpeed's warmup learning-rate schedules: WarmupLR, WarmupDecayLR and WarmupCosineLR.
+"""DeepSpeed's learning-rate schedules: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle and
+LRRangeTest.
 
 Same parameter names, defaults and numbers as DeepSpeed's `deepspeed.runtime.lr_schedules`, so
 a job that moves over keeps its learning-rate curve, and resumes from DeepSpeed's scheduler
@@ -7,11 +8,12 @@ state (`{"last_batch_iteration": n}`).
 [Note: DeepSpeed's step counting]
 `last_batch_iteration` is the index of the last step taken. A schedule built with the default
 -1 writes the lr of "iteration -1" into the optimizer at once (warmup_min_lr; 0 for the cosine
-schedule) and does not step; each `step()` then advances one iteration and writes that
-iteration's lr. Iteration i < warmup_num_steps is in warmup, with progress
-log(i + 1) / log(warmup_num_steps) ("log") or i / warmup_num_steps ("linear"), and DeepSpeed
-warms up over at least 2 steps (so that the log is defined). A schedule built with another
-last_batch_iteration resumes there: it leaves the optimizer's lr alone until the next `step()`.
+schedule; cycle_min_lr and lr_range_test_min_lr) and does not step; each `step()` then advances
+one iteration and writes that iteration's lr. Iteration i < warmup_num_steps is in warmup, with
+progress log(i + 1) / log(warmup_num_steps) ("log") or i / warmup_num_steps ("linear"), and
+DeepSpeed warms up over at least 2 steps (so that the log is defined). OneCycle and LRRangeTest
+count from i + 1, the steps done. A schedule built with another last_batch_iteration resumes
+there: it leaves the optimizer's lr (and betas) alone until the next `step()`.
 
 [Note: why these are not torch LRScheduler subclasses]
 torch's LRScheduler steps once inside its constructor, counts epochs from 0, needs
@@ -20,15 +22,37 @@ Following it would change either DeepSpeed's numbers or its state dict, so these
 objects with LRScheduler's everyday surface: `optimizer`, `step()`, `get_lr()`,
 `get_last_lr()`, `state_dict()` and `load_state_dict()`.
 
+[Note: OneCycle's cycle and momentum]
+With n = i + 1 steps done at iteration i and a cycle of first + second steps, the lr moves
+from cycle_min_lr up to cycle_max_lr over the first n = 0..first, then back down over the
+second, by the fraction n / first (rising) or (first + second - n) / second (falling); stair
+counts floor that fraction to whole stairs. From iteration first + second on (d = i - first -
+second + 1 steps after the cycle) the lr is cycle_min_lr / (1 + decay_lr_rate * d /
+decay_step_size), or cycle_min_lr when either is 0. With cycle_momentum, Adam's beta1 moves the
+other way, from cycle_max_mom down to cycle_min_mom, and after the cycle is cycle_max_mom * (1 +
+decay_mom_rate * d / decay_step_size): it rises, as in DeepSpeed. As DeepSpeed does, OneCycle
+writes the betas of every param group as (beta1, 0.99), replacing the optimizer's own beta2,
+and a schedule built at iteration -1 starts beta1 at cycle_min_mom (although the cycle is at
+cycle_max_mom there, as `get_mom()` says). An optimizer whose param groups have no
+"betas" (SGD) keeps its momentum: cycle_momentum is turned off with a warning. LRRangeTest's lr
+is lr_range_test_min_lr * (1 + lr_range_test_step_rate * n / lr_range_test_step_size), with
+n / lr_range_test_step_size floored when lr_range_test_staircase.
+
 Deliberate differences from DeepSpeed: an unknown warmup_type is an error (DeepSpeed warns and
 uses "log"), and `get_last_lr()` returns Python floats even where the optimizer keeps its lr
-in a tensor (which is updated in place).
+in a tensor (which is updated in place). OneCycle's step sizes, stair counts and
+decay_step_size are integers (DeepSpeed also takes floats for the step sizes), a negative stair
+count is an error (DeepSpeed treats it as 0), its lr and beta1 are computed from the integer
+position in the cycle, so they agree with DeepSpeed's to float rounding and the peak is exactly
+cycle_max_lr, and `get_last_lr()` answers right after it is built (DeepSpeed's only after the
+first step).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from dataclasses import fields
 from typing import Any
 
@@ -36,12 +60,22 @@ import torch
 
 from infinity.config import WARMUP_TYPES, SchedulerConfig
 
-__all__ = ["WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "build_scheduler"]
+__all__ = ["LRRangeTest", "OneCycle", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR",
+           "build_scheduler"]
+
+# The beta2 OneCycle writes next to its beta1 (see [Note: OneCycle's cycle and momentum]).
+_ONE_CYCLE_BETA2 = 0.99
 
 
 def _positive_int(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    return int(value)
+
+
+def _non_negative_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{name}: expected a non-negative integer, got {value!r}")
     return int(value)
 
 
@@ -66,36 +100,22 @@ def _per_group(value: Any, name: str, num_groups: int) -> list[float]:
     return [float(value)] * num_groups
 
 
-class _WarmupSchedule:
-    """What the three schedules share: the optimizer, the step counter and the warmup curve."""
+class _Schedule:
+    """What every schedule shares: the optimizer, the step counter, writing the lr, the state."""
 
-    def __init__(self, optimizer: Any, *, warmup_num_steps: int, warmup_type: str,
-                 last_batch_iteration: int) -> None:
-        warmup_num_steps = _positive_int(warmup_num_steps, "warmup_num_steps")
-        if warmup_type not in WARMUP_TYPES:
-            raise ValueError(f"warmup_type: expected one of {', '.join(map(repr, WARMUP_TYPES))}, "
-                             f"got {warmup_type!r}")
+    def __init__(self, optimizer: Any, last_batch_iteration: int) -> None:
         if isinstance(last_batch_iteration, bool) or not isinstance(last_batch_iteration, int):
             raise TypeError(f"last_batch_iteration: expected an integer, "
                             f"got {last_batch_iteration!r}")
         self.optimizer = optimizer
         _param_groups(optimizer)  # fail now rather than at the first step
-        self.warmup_num_steps = max(2, warmup_num_steps)  # see [Note: DeepSpeed's step counting]
-        self.warmup_type = warmup_type
         self.last_batch_iteration = last_batch_iteration
-        self._inverse_log_warmup = 1.0 / math.log(self.warmup_num_steps)
         self._last_lr: list[float] | None = None
 
     @property
     def _groups(self) -> list[dict[str, Any]]:
         # Looked up every time: torch's Optimizer.load_state_dict replaces the list.
         return _param_groups(self.optimizer)
-
-    def _warmup_progress(self, iteration: int) -> float:
-        """Fraction of warmup done at 0 <= iteration < warmup_num_steps."""
-        if self.warmup_type == "log":
-            return self._inverse_log_warmup * math.log(iteration + 1)
-        return iteration / self.warmup_num_steps
 
     def get_lr(self) -> list[float]:
         """The lr of every param group at iteration `last_batch_iteration`."""
@@ -129,6 +149,27 @@ class _WarmupSchedule:
             else:
                 group["lr"] = lr
         self._last_lr = list(lrs)
+
+
+class _WarmupSchedule(_Schedule):
+    """What the three warmup schedules share: the warmup curve."""
+
+    def __init__(self, optimizer: Any, *, warmup_num_steps: int, warmup_type: str,
+                 last_batch_iteration: int) -> None:
+        warmup_num_steps = _positive_int(warmup_num_steps, "warmup_num_steps")
+        if warmup_type not in WARMUP_TYPES:
+            raise ValueError(f"warmup_type: expected one of {', '.join(map(repr, WARMUP_TYPES))}, "
+                             f"got {warmup_type!r}")
+        super().__init__(optimizer, last_batch_iteration)
+        self.warmup_num_steps = max(2, warmup_num_steps)  # see [Note: DeepSpeed's step counting]
+        self.warmup_type = warmup_type
+        self._inverse_log_warmup = 1.0 / math.log(self.warmup_num_steps)
+
+    def _warmup_progress(self, iteration: int) -> float:
+        """Fraction of warmup done at 0 <= iteration < warmup_num_steps."""
+        if self.warmup_type == "log":
+            return self._inverse_log_warmup * math.log(iteration + 1)
+        return iteration / self.warmup_num_steps
 
 
 class WarmupLR(_WarmupSchedule):
@@ -225,14 +266,147 @@ class WarmupCosineLR(_WarmupSchedule):
         return [lr * ratio for lr in self.org_lrs]
 
 
-_SCHEDULES: dict[str, type[_WarmupSchedule]] = {
+class OneCycle(_Schedule):
+    """One cycle of the lr from cycle_min_lr up to cycle_max_lr and back, then an optional
+    decay; Adam's beta1 cycles the other way, from cycle_max_mom down to cycle_min_mom (see
+    [Note: OneCycle's cycle and momentum]).
+
+    cycle_min_lr, cycle_max_lr, cycle_min_mom and cycle_max_mom take one number, or a list with
+    one per param group. The second half lasts cycle_first_step_size steps and has
+    cycle_first_stair_count stairs unless given its own.
+    """
+
+    def __init__(self, optimizer: Any, cycle_min_lr: float | list[float],
+                 cycle_max_lr: float | list[float], decay_lr_rate: float = 0.0,
+                 cycle_first_step_size: int = 2000, cycle_second_step_size: int | None = None,
+                 cycle_first_stair_count: int = 0, cycle_second_stair_count: int | None = None,
+                 decay_step_size: int = 0, cycle_momentum: bool = True,
+                 cycle_min_mom: float | list[float] = 0.8,
+                 cycle_max_mom: float | list[float] = 0.9, decay_mom_rate: float = 0.0,
+                 last_batch_iteration: int = -1) -> None:
+        super().__init__(optimizer, last_batch_iteration)
+        num_groups = len(self._groups)
+        self.first_step_size = _positive_int(cycle_first_step_size, "cycle_first_step_size")
+        self.second_step_size = self.first_step_size if cycle_second_step_size is None else (
+            _non_negative_int(cycle_second_step_size, "cycle_second_step_size"))
+        self.total_size = self.first_step_size + self.second_step_size
+        self.first_stair_count = _non_negative_int(cycle_first_stair_count,
+                                                   "cycle_first_stair_count")
+        self.second_stair_count = self.first_stair_count if cycle_second_stair_count is None else (
+            _non_negative_int(cycle_second_stair_count, "cycle_second_stair_count"))
+        self.decay_step_size = _non_negative_int(decay_step_size, "decay_step_size")
+        self.min_lrs = _per_group(cycle_min_lr, "cycle_min_lr", num_groups)
+        self.max_lrs = _per_group(cycle_max_lr, "cycle_max_lr", num_groups)
+        self.decay_lr_rate = float(decay_lr_rate)
+        self.min_moms = _per_group(cycle_min_mom, "cycle_min_mom", num_groups)
+        self.max_moms = _per_group(cycle_max_mom, "cycle_max_mom", num_groups)
+        self.decay_mom_rate = float(decay_mom_rate)
+        self.cycle_momentum = bool(cycle_momentum)
+        if self.cycle_momentum and not all("betas" in group for group in self._groups):
+            warnings.warn("cycle_momentum: turned off, the optimizer's param groups have no "
+                          "'betas' (OneCycle cycles only Adam's beta1)", stacklevel=2)
+            self.cycle_momentum = False
+        if last_batch_iteration == -1:  # everything is checked: now write
+            self._write(self.get_lr())
+            if self.cycle_momentum:
+                self._write_betas([(mom, _ONE_CYCLE_BETA2) for mom in self.min_moms])
+
+    def _height(self, iteration: int) -> float:
+        """Where iteration (< the cycle's end) is between the cycle's ends (0) and its top (1)."""
+        done = (iteration + 1) % self.total_size  # 0 at iteration -1 and at the cycle's end
+        if done <= self.first_step_size:  # rising
+            steps, size, stairs = done, self.first_step_size, self.first_stair_count
+        else:  # falling: steps left to the cycle's end
+            steps = self.total_size - done
+            size, stairs = self.second_step_size, self.second_stair_count
+        if stairs > 0:
+            return (steps * stairs // size) / stairs
+        return steps / size
+
+    def _decay_interval(self, rate: float) -> float | None:
+        """rate * (steps since the cycle's end / decay_step_size); None when there is no decay."""
+        if self.decay_step_size == 0 or rate == 0.0:
+            return None
+        return rate * ((self.last_batch_iteration - self.total_size + 1) / self.decay_step_size)
+
+    def get_lr(self) -> list[float]:
+        if self.last_batch_iteration < self.total_size:
+            height = self._height(self.last_batch_iteration)
+            return [low + (high - low) * height for low, high in zip(self.min_lrs, self.max_lrs)]
+        interval = self._decay_interval(self.decay_lr_rate)
+        if interval is None:
+            return list(self.min_lrs)
+        return [low / (1.0 + interval) for low in self.min_lrs]
+
+    def get_mom(self) -> list[tuple[float, float]] | None:
+        """The betas of every param group at iteration `last_batch_iteration`; None without
+        cycle_momentum."""
+        if not self.cycle_momentum:
+            return None
+        if self.last_batch_iteration < self.total_size:
+            height = self._height(self.last_batch_iteration)
+            beta1s = [high - (high - low) * height
+                      for low, high in zip(self.min_moms, self.max_moms)]
+        else:
+            interval = self._decay_interval(self.decay_mom_rate)
+            beta1s = list(self.max_moms) if interval is None else [
+                high * (1.0 + interval) for high in self.max_moms]
+        return [(beta1, _ONE_CYCLE_BETA2) for beta1 in beta1s]
+
+    def step(self, batch_iteration: int | None = None) -> None:
+        """Advance one iteration (or jump to `batch_iteration`, DeepSpeed's name for it here)
+        and write its lr and betas."""
+        super().step(batch_iteration)
+        betas = self.get_mom()
+        if betas is not None:
+            self._write_betas(betas)
+
+    def _write_betas(self, betas: list[tuple[float, float]]) -> None:
+        for group, pair in zip(self._groups, betas):
+            group["betas"] = pair
+
+
+class LRRangeTest(_Schedule):
+    """Raise the lr of each param group from lr_range_test_min_lr by lr_range_test_step_rate
+    times that every lr_range_test_step_size steps, smoothly or (lr_range_test_staircase) in
+    stairs; to find the largest lr that still trains.
+
+    lr_range_test_min_lr takes one number, or a list with one per param group.
+    """
+
+    def __init__(self, optimizer: Any, lr_range_test_min_lr: float | list[float] = 1e-3,
+                 lr_range_test_step_size: int = 2000, lr_range_test_step_rate: float = 1.0,
+                 lr_range_test_staircase: bool = False, last_batch_iteration: int = -1) -> None:
+        super().__init__(optimizer, last_batch_iteration)
+        self.min_lrs = _per_group(lr_range_test_min_lr, "lr_range_test_min_lr", len(self._groups))
+        self.step_size = _positive_int(lr_range_test_step_size, "lr_range_test_step_size")
+        self.step_rate = float(lr_range_test_step_rate)
+        self.staircase = bool(lr_range_test_staircase)
+        if last_batch_iteration == -1:
+            self._write(self.get_lr())
+
+    def get_lr(self) -> list[float]:
+        done = self.last_batch_iteration + 1
+        intervals = done // self.step_size if self.staircase else done / self.step_size
+        growth = 1.0 + self.step_rate * intervals
+        return [lr * growth for lr in self.min_lrs]
+
+    def step(self, batch_iteration: int | None = None) -> None:
+        """Advance one iteration (or jump to `batch_iteration`, DeepSpeed's name for it here)
+        and write its lr."""
+        super().step(batch_iteration)
+
+
+_SCHEDULES: dict[str, type[_Schedule]] = {
     "WarmupLR": WarmupLR,
     "WarmupDecayLR": WarmupDecayLR,
     "WarmupCosineLR": WarmupCosineLR,
+    "OneCycle": OneCycle,
+    "LRRangeTest": LRRangeTest,
 }
 
 
-def build_scheduler(config: SchedulerConfig | None, optimizer: Any) -> _WarmupSchedule | None:
+def build_scheduler(config: SchedulerConfig | None, optimizer: Any) -> _Schedule | None:
     """The schedule a `scheduler` config section describes, driving `optimizer`'s lr; None for
     no section. Built with the default last_batch_iteration -1, it sets the optimizer's lr at
     once (see [Note: DeepSpeed's step counting])."""

@@ -240,8 +240,27 @@ def test_deepspeed_getters(model):
     assert engine.zero_optimization_stage() == 3
     assert engine.global_rank == 0 and engine.local_rank == 0 and engine.world_size == 1
     assert not engine.was_step_applied()
-    engine_run(engine, batches(2, 2), gas=2)
-    assert engine.was_step_applied() and engine.is_gradient_accumulation_boundary()
+    # DeepSpeed's boundary: True from the last micro-batch's forward until its step().
+    seen = []
+    for idx, tgt in batches(4, 2):
+        seen.append(engine.is_gradient_accumulation_boundary())
+        loss = engine(idx, tgt)
+        seen.append(engine.is_gradient_accumulation_boundary())
+        engine.backward(loss)
+        seen.append(engine.is_gradient_accumulation_boundary())
+        engine.step()
+    assert seen == [False] * 3 + [True] * 3 + [False] * 3 + [True] * 3
+    assert engine.was_step_applied() and not engine.is_gradient_accumulation_boundary()
+    assert engine.global_steps == 2 and engine.micro_steps == 4 and engine.global_samples == 8
+    # Accelerate's override: every micro-step a boundary, decided before its forward.
+    engine.set_gradient_accumulation_boundary(True)
+    idx, tgt = batches(1, 2)[0]
+    engine.backward(engine(idx, tgt))
+    engine.step()
+    assert engine.global_steps == 3 and engine.global_samples == 12
+    engine(idx, tgt)  # planned as the last micro-batch ((3 + 1) % 2 == 0)
+    with pytest.raises(RuntimeError, match="set_gradient_accumulation_boundary: the forward of this micro-batch"):
+        engine.set_gradient_accumulation_boundary(False)
     engine.close()
 
 

@@ -1,21 +1,32 @@
-"""DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR: numbers, counting, state, building.
+"""DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle and LRRangeTest: numbers,
+counting, state, building.
 
-Expected learning rates are worked out by hand from DeepSpeed's formulas (see the comments);
-iteration i is the value of last_batch_iteration after i + 1 calls to step().
+Expected learning rates (and OneCycle's beta1) are worked out by hand from DeepSpeed's formulas
+(see the comments); iteration i is the value of last_batch_iteration after i + 1 calls to step().
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
+from gpt import TinyGPT, batches, config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import infinity
 from infinity.config import load_config
-from infinity.lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
+from infinity.lr_schedules import (
+    LRRangeTest,
+    OneCycle,
+    WarmupCosineLR,
+    WarmupDecayLR,
+    WarmupLR,
+    build_scheduler,
+)
 
 LOG10_2 = 0.30102999566398120   # ln 2 / ln 10: log warmup over 10 steps at iteration 1
 LOG10_5 = 0.69897000433601886   # ln 5 / ln 10: ... at iteration 4
@@ -158,6 +169,234 @@ def test_warmup_cosine_lr_scales_each_groups_lr() -> None:
     assert schedule.get_last_lr() == pytest.approx([0.5, 1.5])
 
 
+# --- OneCycle
+
+def make_adam(lr: float = 1.0, num_groups: int = 1) -> torch.optim.Optimizer:
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(2))]} for _ in range(num_groups)]
+    return torch.optim.AdamW(groups, lr=lr)  # betas (0.9, 0.999)
+
+
+def lrs_and_beta1s(schedule, last: int) -> dict[int, tuple[float, float]]:
+    """Step from iteration 0 to `last`; the first group's (lr, beta1) at each. beta2 is always
+    DeepSpeed's 0.99."""
+    seen = {}
+    for _ in range(last + 1):
+        schedule.step()
+        group = schedule.optimizer.param_groups[0]
+        assert group["betas"][1] == 0.99
+        seen[schedule.last_batch_iteration] = (group["lr"], group["betas"][0])
+    return seen
+
+
+def assert_lrs_and_beta1s(seen: dict, expected: dict[int, tuple[float, float]]) -> None:
+    for iteration, (lr, beta1) in expected.items():
+        assert seen[iteration][0] == pytest.approx(lr, rel=1e-12, abs=1e-15), iteration
+        assert seen[iteration][1] == pytest.approx(beta1, rel=1e-12, abs=1e-15), iteration
+
+
+def test_one_cycle_lr_and_momentum() -> None:
+    # n = i + 1 steps done in a cycle of 4 up + 2 down: height n / 4 while n <= 4, then
+    # (6 - n) / 2; lr = 0.1 + 0.9 * height, beta1 = 0.9 - 0.1 * height. From i = 6 on
+    # (no decay configured): lr 0.1, beta1 0.9.
+    optimizer = make_adam()
+    schedule = OneCycle(optimizer, cycle_min_lr=0.1, cycle_max_lr=1.0, cycle_first_step_size=4,
+                        cycle_second_step_size=2, cycle_min_mom=0.8, cycle_max_mom=0.9)
+    # Iteration -1: cycle_min_lr, and DeepSpeed's starting betas (cycle_min_mom, 0.99).
+    assert optimizer.param_groups[0]["lr"] == 0.1
+    assert optimizer.param_groups[0]["betas"] == (0.8, 0.99)
+    assert schedule.get_last_lr() == [0.1]
+    seen = lrs_and_beta1s(schedule, 20)
+    assert_lrs_and_beta1s(seen, {
+        0: (0.325, 0.875), 1: (0.55, 0.85), 2: (0.775, 0.825), 3: (1.0, 0.8),  # up
+        4: (0.55, 0.85), 5: (0.1, 0.9),                                         # down
+        6: (0.1, 0.9), 20: (0.1, 0.9),                                          # after
+    })
+    assert seen[3][0] == 1.0  # the peak is exactly cycle_max_lr
+
+
+def test_one_cycle_decay_after_the_cycle() -> None:
+    # Cycle 2 up + 2 down; then with d = i - 3: lr = 0.2 / (1 + 0.5 * d / 2) and
+    # beta1 = 0.9 * (1 + 0.1 * d / 2) (DeepSpeed's momentum "decay" raises beta1).
+    schedule = OneCycle(make_adam(), 0.2, 1.0, decay_lr_rate=0.5, cycle_first_step_size=2,
+                        decay_step_size=2, cycle_min_mom=0.8, cycle_max_mom=0.9,
+                        decay_mom_rate=0.1)
+    assert schedule.second_step_size == 2  # defaults to cycle_first_step_size
+    seen = lrs_and_beta1s(schedule, 5)
+    assert_lrs_and_beta1s(seen, {
+        0: (0.6, 0.85), 1: (1.0, 0.8), 2: (0.6, 0.85), 3: (0.2, 0.9),
+        4: (0.2 / 1.25, 0.9 * 1.05), 5: (0.2 / 1.5, 0.9 * 1.1),
+    })
+
+
+@pytest.mark.parametrize(("decay_step_size", "decay_lr_rate", "decay_mom_rate"), [
+    (0, 0.5, 0.1),  # decay_step_size 0 turns both decays off
+    (2, 0.0, 0.0),  # so does a rate of 0, for its own decay only
+])
+def test_one_cycle_without_decay_rests_at_the_cycles_end(decay_step_size, decay_lr_rate,
+                                                         decay_mom_rate) -> None:
+    schedule = OneCycle(make_adam(), 0.2, 1.0, decay_lr_rate=decay_lr_rate,
+                        cycle_first_step_size=2, decay_step_size=decay_step_size,
+                        decay_mom_rate=decay_mom_rate)
+    assert_lrs_and_beta1s(lrs_and_beta1s(schedule, 30), {4: (0.2, 0.9), 30: (0.2, 0.9)})
+
+
+def test_one_cycle_stairs() -> None:
+    # Up 6 steps in 3 stairs: height floor(n * 3 / 6) / 3; down 4 steps in 2 stairs:
+    # floor((10 - n) * 2 / 4) / 2. lr = 0.6 * height.
+    schedule = OneCycle(make_adam(), 0.0, 0.6, cycle_first_step_size=6, cycle_second_step_size=4,
+                        cycle_first_stair_count=3, cycle_second_stair_count=2)
+    seen = lrs_and_beta1s(schedule, 11)
+    expected = {0: 0.0, 1: 0.2, 2: 0.2, 3: 0.4, 4: 0.4, 5: 0.6, 6: 0.3, 7: 0.3, 8: 0.0, 9: 0.0,
+                11: 0.0}
+    assert_lrs({i: lr for i, (lr, _) in seen.items()}, expected)
+    assert seen[5][1] == pytest.approx(0.8) and seen[6][1] == pytest.approx(0.85)
+
+
+def test_one_cycle_second_stair_count_defaults_to_the_first() -> None:
+    # 4 up + 4 down in 2 stairs each: height floor(n / 2) / 2, then floor((8 - n) / 2) / 2.
+    schedule = OneCycle(make_adam(), 0.0, 1.0, cycle_first_step_size=4, cycle_first_stair_count=2)
+    assert schedule.second_stair_count == 2
+    seen = lrs_and_beta1s(schedule, 7)
+    assert_lrs({i: lr for i, (lr, _) in seen.items()},
+               {0: 0.0, 1: 0.5, 2: 0.5, 3: 1.0, 4: 0.5, 5: 0.5, 6: 0.0, 7: 0.0})
+
+
+def test_one_cycle_per_group_values() -> None:
+    optimizer = make_adam(num_groups=2)
+    schedule = OneCycle(optimizer, cycle_min_lr=[0.1, 0.2], cycle_max_lr=[1.0, 0.4],
+                        cycle_first_step_size=2, cycle_min_mom=[0.8, 0.85],
+                        cycle_max_mom=[0.9, 0.95])
+    assert [g["lr"] for g in optimizer.param_groups] == [0.1, 0.2]
+    assert [g["betas"] for g in optimizer.param_groups] == [(0.8, 0.99), (0.85, 0.99)]
+    schedule.step()  # iteration 0: height 1 / 2
+    assert schedule.get_last_lr() == pytest.approx([0.55, 0.3])
+    assert [g["lr"] for g in optimizer.param_groups] == schedule.get_last_lr()
+    betas = [g["betas"] for g in optimizer.param_groups]
+    assert [b[0] for b in betas] == pytest.approx([0.85, 0.9])
+    assert [b[1] for b in betas] == [0.99, 0.99]
+    assert schedule.get_mom() == betas
+    with pytest.raises(ValueError, match=r"cycle_max_mom: expected 2 values .* got 1"):
+        OneCycle(optimizer, 0.1, 1.0, cycle_max_mom=[0.9])
+
+
+def test_one_cycle_without_cycle_momentum_leaves_the_betas() -> None:
+    optimizer = make_adam()
+    schedule = OneCycle(optimizer, 0.1, 1.0, cycle_first_step_size=2, cycle_momentum=False)
+    schedule.step()
+    assert optimizer.param_groups[0]["betas"] == (0.9, 0.999)
+    assert schedule.get_mom() is None and schedule.get_last_lr() == [pytest.approx(0.55)]
+
+
+def test_one_cycle_turns_momentum_off_for_an_optimizer_without_betas() -> None:
+    optimizer = make_optimizer()  # SGD
+    with pytest.warns(UserWarning, match="cycle_momentum: turned off"):
+        schedule = OneCycle(optimizer, 0.1, 1.0, cycle_first_step_size=2)
+    schedule.step()
+    assert "betas" not in optimizer.param_groups[0] and schedule.get_mom() is None
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.55)
+
+
+def test_one_cycle_state_dict_resumes_lr_and_betas() -> None:
+    def build(optimizer, **kwargs):
+        return OneCycle(optimizer, 0.1, 1.0, decay_lr_rate=0.5, cycle_first_step_size=3,
+                        cycle_second_step_size=2, decay_step_size=1, decay_mom_rate=0.05,
+                        **kwargs)
+
+    reference = build(make_adam())
+    for _ in range(4):
+        reference.step()
+    state = reference.state_dict()
+    assert state == {"last_batch_iteration": 3}
+
+    optimizer = make_adam()
+    resumed = build(optimizer, last_batch_iteration=3)  # DeepSpeed's way to resume ...
+    assert optimizer.param_groups[0]["lr"] == 1.0  # ... leaves the optimizer until step()
+    assert optimizer.param_groups[0]["betas"] == (0.9, 0.999)
+    with pytest.raises(RuntimeError, match="call step"):
+        resumed.get_last_lr()
+    other = build(make_adam())
+    other.load_state_dict(state)  # ... and so does load_state_dict
+    for _ in range(4):  # through the cycle's end into the decay
+        reference.step()
+        resumed.step()
+        other.step()
+        for schedule in (resumed, other):
+            assert schedule.get_last_lr() == reference.get_last_lr()
+            assert schedule.optimizer.param_groups[0]["betas"] == \
+                reference.optimizer.param_groups[0]["betas"]
+    assert reference.last_batch_iteration == 7  # d = 3: lr 0.1 / (1 + 0.5 * 3)
+    assert reference.get_last_lr() == [pytest.approx(0.1 / 2.5)]
+
+
+def test_one_cycle_step_takes_deepspeeds_batch_iteration() -> None:
+    schedule = OneCycle(make_adam(), 0.0, 1.0, cycle_first_step_size=4)
+    schedule.step(batch_iteration=2)  # height 3 / 4
+    assert schedule.last_batch_iteration == 2 and schedule.get_last_lr() == [0.75]
+
+
+@settings(max_examples=200, deadline=None)
+@given(first=st.integers(1, 40), second=st.integers(0, 40), iteration=st.integers(-1, 100),
+       stairs=st.integers(0, 5))
+def test_one_cycle_lr_and_beta1_move_together(first, second, iteration, stairs) -> None:
+    # Within the cycle the lr's height above cycle_min_lr is beta1's depth below cycle_max_mom.
+    schedule = OneCycle(make_adam(), 0.01, 0.11, cycle_first_step_size=first,
+                        cycle_second_step_size=second, cycle_first_stair_count=stairs,
+                        cycle_min_mom=0.8, cycle_max_mom=0.9)
+    schedule.step(iteration)
+    lr, beta1 = schedule.get_last_lr()[0], schedule.get_mom()[0][0]
+    assert 0.01 - 1e-15 <= lr <= 0.11 + 1e-15 and 0.8 - 1e-15 <= beta1 <= 0.9 + 1e-15
+    assert (lr - 0.01) / 0.1 == pytest.approx((0.9 - beta1) / 0.1, abs=1e-9)
+    if iteration == first - 1 and second > 0:  # (with no second half the cycle ends there)
+        assert lr == 0.11  # the peak, exactly
+    if iteration >= first + second - 1:
+        assert lr == pytest.approx(0.01) and beta1 == pytest.approx(0.9)
+
+
+# --- LRRangeTest
+
+def test_lr_range_test_continuous() -> None:
+    # lr = 0.01 * (1 + 2 * (i + 1) / 4)
+    optimizer = make_optimizer()
+    schedule = LRRangeTest(optimizer, lr_range_test_min_lr=0.01, lr_range_test_step_size=4,
+                           lr_range_test_step_rate=2.0)
+    assert optimizer.param_groups[0]["lr"] == 0.01 and schedule.get_last_lr() == [0.01]
+    seen = lrs_by_iteration(schedule, 9)
+    assert_lrs(seen, {0: 0.015, 1: 0.02, 3: 0.03, 9: 0.06})
+
+
+def test_lr_range_test_staircase() -> None:
+    # lr = 0.01 * (1 + 2 * floor((i + 1) / 4))
+    schedule = LRRangeTest(make_optimizer(), 0.01, 4, 2.0, lr_range_test_staircase=True)
+    seen = lrs_by_iteration(schedule, 11)
+    assert_lrs(seen, {0: 0.01, 2: 0.01, 3: 0.03, 6: 0.03, 7: 0.05, 10: 0.05, 11: 0.07})
+
+
+def test_lr_range_test_defaults_and_per_group_values() -> None:
+    # Defaults: 1e-3 * (1 + 1.0 * (i + 1) / 2000).
+    schedule = LRRangeTest(make_optimizer())
+    schedule.step(999)
+    assert schedule.get_last_lr() == [pytest.approx(1.5e-3)]
+    optimizer = make_optimizer(num_groups=2)
+    schedule = LRRangeTest(optimizer, [0.01, 0.1], lr_range_test_step_size=4,
+                           lr_range_test_step_rate=2.0)
+    schedule.step(batch_iteration=3)
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.03, 0.3])
+    with pytest.raises(ValueError, match=r"lr_range_test_min_lr: expected 2 values .* got 3"):
+        LRRangeTest(optimizer, [0.1, 0.2, 0.3])
+
+
+def test_lr_range_test_state_dict_resumes() -> None:
+    reference = LRRangeTest(make_optimizer(), 0.01, 4, 2.0, lr_range_test_staircase=True)
+    for _ in range(3):
+        reference.step()
+    resumed = LRRangeTest(make_optimizer(), 0.01, 4, 2.0, lr_range_test_staircase=True)
+    resumed.load_state_dict(reference.state_dict())
+    assert reference.state_dict() == {"last_batch_iteration": 2}
+    reference.step()
+    resumed.step()
+    assert resumed.get_last_lr() == reference.get_last_lr() == [pytest.approx(0.03)]
+
+
 # --- counting and state
 
 def test_step_can_jump_to_an_iteration() -> None:
@@ -217,7 +456,7 @@ def test_tensor_learning_rates_are_updated_in_place() -> None:
 
 def test_a_wrapper_holding_the_optimizer_is_accepted() -> None:
     inner = make_optimizer()
-    schedule = WarmupLR(SimpleNamespace(optimizer=inner), warmup_min_lr=0.2)
+    WarmupLR(SimpleNamespace(optimizer=inner), warmup_min_lr=0.2)
     assert inner.param_groups[0]["lr"] == 0.2
     with pytest.raises(TypeError, match="optimizer: expected an optimizer with param_groups"):
         WarmupLR(object())
@@ -241,6 +480,19 @@ def test_training_loop_with_a_torch_optimizer_raises_no_warnings() -> None:
     (lambda o: WarmupLR(o, warmup_type="cosine"), "warmup_type: expected one of 'log', 'linear'"),
     (lambda o: WarmupDecayLR(o, 0), "total_num_steps: expected a positive integer"),
     (lambda o: WarmupCosineLR(o, -5), "total_num_steps: expected a positive integer"),
+    (lambda o: OneCycle(o, 0.1, 1.0, cycle_first_step_size=0),
+     "cycle_first_step_size: expected a positive integer, got 0"),
+    (lambda o: OneCycle(o, 0.1, 1.0, cycle_first_step_size=100.0),
+     "cycle_first_step_size: expected a positive integer, got 100.0"),
+    (lambda o: OneCycle(o, 0.1, 1.0, cycle_second_step_size=-1),
+     "cycle_second_step_size: expected a non-negative integer, got -1"),
+    (lambda o: OneCycle(o, 0.1, 1.0, cycle_second_stair_count=-1),
+     "cycle_second_stair_count: expected a non-negative integer"),
+    (lambda o: OneCycle(o, 0.1, 1.0, decay_step_size=-2),
+     "decay_step_size: expected a non-negative integer"),
+    (lambda o: OneCycle(o, [0.1, 0.2], 1.0), r"cycle_min_lr: expected 1 values .* got 2"),
+    (lambda o: LRRangeTest(o, lr_range_test_step_size=0),
+     "lr_range_test_step_size: expected a positive integer, got 0"),
 ])
 def test_bad_arguments(build, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -289,6 +541,20 @@ def test_cosine_ratio_stays_in_range(warmup, total, iteration, cos_min, warmup_m
     ({"type": "WarmupLR", "params": {"warmup_min_lr": [0.0], "warmup_max_lr": [0.01],
                                      "warmup_num_steps": 10}},
      WarmupLR, {4: 0.01 * LOG10_5}),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0,
+                                     "cycle_first_step_size": 4, "cycle_second_step_size": 2,
+                                     "cycle_momentum": False}},
+     OneCycle, {0: 0.325, 3: 1.0, 4: 0.55, 5: 0.1, 9: 0.1}),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": [0.2], "cycle_max_lr": [1.0],
+                                     "cycle_first_step_size": 2, "decay_step_size": 2,
+                                     "decay_lr_rate": 0.5, "cycle_momentum": False}},
+     OneCycle, {1: 1.0, 4: 0.2 / 1.25, 5: 0.2 / 1.5}),
+    ({"type": "LRRangeTest", "params": {"lr_range_test_min_lr": 0.01,
+                                        "lr_range_test_step_size": 4,
+                                        "lr_range_test_step_rate": 2.0,
+                                        "lr_range_test_staircase": True}},
+     LRRangeTest, {2: 0.01, 3: 0.03, 7: 0.05}),
+    ({"type": "LRRangeTest", "params": {}}, LRRangeTest, {999: 1.5e-3}),
 ])
 def test_build_scheduler_from_config(section: dict, cls: type, expected: dict) -> None:
     config = load_config({"train_micro_batch_size_per_gpu": 1, "scheduler": section})
@@ -319,3 +585,132 @@ def test_warmup_without_max_lr_keeps_each_groups_own_lr() -> None:
     schedule = WarmupLR(optimizer, warmup_min_lr=0.0, warmup_num_steps=2, warmup_type="linear")
     schedule.step(5)  # warmup over
     assert [g["lr"] for g in optimizer.param_groups] == [0.1, 0.02]
+
+
+def test_build_one_cycle_from_config_cycles_the_betas() -> None:
+    section = {"type": "OneCycle", "params": {"cycle_min_lr": [0.1, 0.2], "cycle_max_lr": 1.0,
+                                              "cycle_first_step_size": 2,
+                                              "cycle_min_mom": [0.8, 0.7]}}
+    config = load_config({"train_micro_batch_size_per_gpu": 1, "scheduler": section})
+    optimizer = make_adam(num_groups=2)
+    schedule = build_scheduler(config.scheduler, optimizer)
+    assert [g["betas"] for g in optimizer.param_groups] == [(0.8, 0.99), (0.7, 0.99)]
+    schedule.step(1)  # the top of the cycle: cycle_max_lr and cycle_min_mom
+    assert [(g["lr"], g["betas"]) for g in optimizer.param_groups] == [
+        (1.0, (0.8, 0.99)), (1.0, (0.7, 0.99))]
+    schedule.step()  # back down: height 1 / 2 (cycle_max_mom is DeepSpeed's 0.9)
+    assert schedule.get_last_lr() == pytest.approx([0.55, 0.6])
+    assert [g["betas"][0] for g in optimizer.param_groups] == pytest.approx([0.85, 0.8])
+
+
+MICRO_BATCH = {"train_micro_batch_size_per_gpu": 1}
+
+
+@pytest.mark.parametrize(("section", "error", "message"), [
+    ({"type": "OneCycle", "params": {"cycle_max_lr": 1.0}}, ValueError,
+     "scheduler.params.cycle_min_lr: required key is missing"),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0,
+                                     "cycle_first_step_size": 0}}, ValueError,
+     "scheduler.params.cycle_first_step_size: expected an integer >= 1, got 0"),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0,
+                                     "cycle_second_step_size": -1}}, ValueError,
+     "scheduler.params.cycle_second_step_size: expected an integer >= 0, got -1"),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0,
+                                     "cycle_first_stair_count": 1.5}}, TypeError,
+     "scheduler.params.cycle_first_stair_count: expected an integer, got 1.5"),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0,
+                                     "decay_step_size": -1}}, ValueError,
+     "scheduler.params.decay_step_size: expected an integer >= 0"),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0,
+                                     "decay_lr_rate": -0.5}}, ValueError,
+     "scheduler.params.decay_lr_rate: expected a number >= 0.0"),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0,
+                                     "cycle_max_mom": 1.0}}, ValueError,
+     "scheduler.params.cycle_max_mom: expected a number in [0, 1), got 1.0"),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0,
+                                     "cycle_min_mom": [0.8, "x"]}}, TypeError,
+     'scheduler.params.cycle_min_mom[1]: expected a number, got "x"'),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0,
+                                     "cycle_momentum": "yes"}}, TypeError,
+     'scheduler.params.cycle_momentum: expected true or false, got "yes"'),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0,
+                                     "warmup_num_steps": 10}}, ValueError,
+     "scheduler.params.warmup_num_steps: unknown key"),
+    ({"type": "OneCycle", "cycle_min_lr": 0.1}, ValueError,
+     "scheduler.cycle_min_lr: unknown key here; it belongs in scheduler.params.cycle_min_lr"),
+    ({"type": "LRRangeTest", "params": {"lr_range_test_step_size": 0}}, ValueError,
+     "scheduler.params.lr_range_test_step_size: expected an integer >= 1, got 0"),
+    ({"type": "LRRangeTest", "params": {"lr_range_test_staircase": 1}}, TypeError,
+     "scheduler.params.lr_range_test_staircase: expected true or false, got 1"),
+    ({"type": "LRRangeTest", "params": {"lr_range_test_min_lr": -0.1}}, ValueError,
+     "scheduler.params.lr_range_test_min_lr: expected a number >= 0.0"),
+    ({"type": "LRRangeTest", "params": {"cycle_min_lr": 0.1}}, ValueError,
+     "scheduler.params.cycle_min_lr: unknown key"),
+])
+def test_one_cycle_and_lr_range_test_config_errors(section: dict, error: type,
+                                                   message: str) -> None:
+    with pytest.raises(error) as caught:
+        load_config({**MICRO_BATCH, "scheduler": section})
+    assert message in str(caught.value)
+
+
+# --- through infinity.initialize
+
+# OneCycle 1e-3 -> 5e-3 -> 1e-3 over 2 + 2 steps, beta1 0.9 -> 0.8 -> 0.9. Optimizer step k
+# runs with what the schedule wrote after step k - 1 (at construction for k = 0, where DeepSpeed
+# starts beta1 at cycle_min_mom): (lr, beta1) per step, worked out by hand; beta2 is 0.99.
+ONE_CYCLE = {"type": "OneCycle", "params": {"cycle_min_lr": 1e-3, "cycle_max_lr": 5e-3,
+                                            "cycle_first_step_size": 2,
+                                            "cycle_min_mom": 0.8, "cycle_max_mom": 0.9}}
+ONE_CYCLE_STEPS = [(1e-3, 0.8), (3e-3, 0.85), (5e-3, 0.8), (3e-3, 0.85), (1e-3, 0.9), (1e-3, 0.9)]
+
+
+def test_one_cycle_from_the_config_drives_the_engines_adam() -> None:
+    torch.manual_seed(0)
+    model = TinyGPT(layers=2)
+    data = batches(len(ONE_CYCLE_STEPS), 4)
+
+    reference = copy.deepcopy(model)  # plain AdamW, lr and betas set by hand each step
+    adam = torch.optim.AdamW(reference.parameters(), weight_decay=0.01)
+    ref_losses = []
+    for (idx, tgt), (lr, beta1) in zip(data, ONE_CYCLE_STEPS):
+        adam.param_groups[0].update(lr=lr, betas=(beta1, 0.99))
+        loss = reference(idx, tgt)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        adam.step()
+        adam.zero_grad()
+        ref_losses.append(loss.item())
+
+    cfg = {**config(3, "cpu", "cpu"), "scheduler": ONE_CYCLE}
+    engine, optimizer, _, schedule = infinity.initialize(model=copy.deepcopy(model), config=cfg)
+    assert type(schedule) is OneCycle and schedule.optimizer is optimizer
+    losses = []
+    for step, ((idx, tgt), (lr, beta1)) in enumerate(zip(data, ONE_CYCLE_STEPS)):
+        assert engine.get_lr() == [pytest.approx(lr, rel=1e-12)], step
+        assert optimizer.param_groups[0]["betas"] == (pytest.approx(beta1, rel=1e-12), 0.99), step
+        loss = engine(idx, tgt)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert schedule.state_dict() == {"last_batch_iteration": len(ONE_CYCLE_STEPS) - 1}
+    engine.close()
+    for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):
+        assert got == pytest.approx(want, rel=1e-5), step
+
+
+def test_lr_range_test_from_the_config_sets_the_engines_lr() -> None:
+    # lr = 1e-3 * (1 + 0.5 * (i + 1) / 2) after optimizer step i.
+    section = {"type": "LRRangeTest", "params": {"lr_range_test_min_lr": 1e-3,
+                                                 "lr_range_test_step_size": 2,
+                                                 "lr_range_test_step_rate": 0.5}}
+    torch.manual_seed(0)
+    engine, *_ = infinity.initialize(model=TinyGPT(layers=2),
+                                     config={**config(3, "cpu", "cpu"), "scheduler": section})
+    seen = [engine.get_lr()[0]]
+    for idx, tgt in batches(4, 4):
+        engine.backward(engine(idx, tgt))
+        engine.step()
+        seen.append(engine.get_lr()[0])
+    engine.close()
+    assert seen == pytest.approx([1e-3, 1.25e-3, 1.5e-3, 1.75e-3, 2e-3], rel=1e-12)

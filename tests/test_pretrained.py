@@ -4,7 +4,6 @@ against the same model built normally."""
 
 from __future__ import annotations
 
-import copy
 import json
 import subprocess
 import sys

@@ -256,6 +256,7 @@ def load_checkpoint(engine: "Engine", load_dir: str, tag: Any = None, *, load_mo
         client_state = state["client_state"]
         engine.global_steps, engine.skipped_steps = state["global_steps"], state["skipped_steps"]
         engine.micro_steps = state["micro_steps"]
+        engine.global_samples = state.get("global_samples", engine.global_steps * engine.train_batch_size())
         if optimizer_states:
             engine.optimizer.step_count = state["optimizer"]["step_count"]
             for group, saved in zip(engine.optimizer.param_groups, state["optimizer"]["param_groups"]):

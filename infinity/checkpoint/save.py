@@ -80,6 +80,7 @@ def engine_state(engine: "Engine", client_state: dict) -> dict:
     gas = engine.config.batch.gradient_accumulation_steps
     return {
         "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
+        "global_samples": engine.global_samples,
         "micro_steps": engine.micro_steps - engine.micro_steps % gas,  # a partial accumulation is not kept
         "optimizer": {"step_count": engine.optimizer.step_count,
                       "param_groups": [{k: v for k, v in g.items() if k != "params"}

@@ -36,15 +36,14 @@ from infinity.config._checks import (
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 WARMUP_TYPES = ("log", "linear")
 OPTIMIZER_TYPES = ("Adam", "AdamW")
-SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 
-# DeepSpeed optimizer and scheduler types that infinity does not provide (lower-cased for
-# optimizers, which DeepSpeed matches case-insensitively).
+# DeepSpeed optimizer types that infinity does not provide (lower-cased: DeepSpeed matches them
+# case-insensitively).
 _DEEPSPEED_ONLY_OPTIMIZERS = frozenset({
     "adagrad", "lamb", "onebitadam", "zerooneadam", "onebitlamb", "lion", "muon", "muadam",
     "muadamw", "musgd",
 })
-_DEEPSPEED_ONLY_SCHEDULERS = frozenset({"LRRangeTest", "OneCycle"})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -183,7 +182,7 @@ class OptimizerConfig:
         return self.type == "AdamW" or self.params.adam_w_mode
 
 
-# Fields shared by the three schedules, as keyword arguments of `_spec`.
+# Fields shared by the schedules, as keyword arguments of `_spec`.
 _WARMUP_NUM_STEPS = dict(minimum=1, default=1000)
 _LAST_BATCH_ITERATION = dict(minimum=-1, default=-1)
 
@@ -255,19 +254,95 @@ class WarmupCosineLRParams:
         _validate(self)
 
 
+def _momentum(value: Any, path: str) -> float:
+    momentum = _float(value, path)
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"{path}: expected a number in [0, 1), got {_show(value)}")
+    return momentum
+
+
+def _momenta(value: Any, path: str) -> float | tuple[float, ...]:
+    """One Adam beta1, or one per optimizer param group (a JSON list)."""
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError(f"{path}: expected a number or a non-empty list of numbers, got []")
+        return tuple(_momentum(item, f"{path}[{i}]") for i, item in enumerate(value))
+    return _momentum(value, path)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OneCycleParams:
+    """OneCycle: the lr rises from cycle_min_lr to cycle_max_lr and falls back in one cycle,
+    then decays; Adam's beta1 cycles the other way (`scheduler.params`)."""
+
+    _PATH: ClassVar[str] = "scheduler.params"
+
+    cycle_min_lr: float | tuple[float, ...] = _spec(_lrs)
+    """Learning rate at both ends of the cycle (required); a list gives one per param group."""
+    cycle_max_lr: float | tuple[float, ...] = _spec(_lrs)
+    """Learning rate at the top of the cycle (required); a list gives one per param group."""
+    decay_lr_rate: float = _spec(_float, minimum=0.0, default=0.0)
+    """After the cycle the lr is cycle_min_lr / (1 + decay_lr_rate * steps / decay_step_size)."""
+    cycle_first_step_size: int = _spec(_int, minimum=1, default=2000)
+    """Steps in which the lr rises (and beta1 falls)."""
+    cycle_second_step_size: int | None = _spec(_optional(_int), minimum=0, default=None)
+    """Steps in which the lr falls back; None (the default) takes cycle_first_step_size."""
+    cycle_first_stair_count: int = _spec(_int, minimum=0, default=0)
+    """Stairs the rise is cut into (lr and beta1 held flat on each); 0 rises every step."""
+    cycle_second_stair_count: int | None = _spec(_optional(_int), minimum=0, default=None)
+    """Stairs of the fall; None (the default) takes cycle_first_stair_count."""
+    decay_step_size: int = _spec(_int, minimum=0, default=0)
+    """Steps per unit of the decay after the cycle; 0 (the default) does not decay."""
+    cycle_momentum: bool = _spec(_bool, default=True)
+    """Cycle Adam's beta1 from cycle_max_mom down to cycle_min_mom and back (beta2 is set to
+    0.99, as DeepSpeed does)."""
+    cycle_min_mom: float | tuple[float, ...] = _spec(_momenta, default=0.8)
+    """beta1 at the top of the lr cycle; a list gives one per param group."""
+    cycle_max_mom: float | tuple[float, ...] = _spec(_momenta, default=0.9)
+    """beta1 at both ends of the lr cycle; a list gives one per param group."""
+    decay_mom_rate: float = _spec(_float, minimum=0.0, default=0.0)
+    """After the cycle beta1 is cycle_max_mom * (1 + decay_mom_rate * steps / decay_step_size)."""
+    last_batch_iteration: int = _spec(_int, **_LAST_BATCH_ITERATION)
+    """Index of the last step taken, to resume; -1 starts from the beginning."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LRRangeTestParams:
+    """LRRangeTest: the lr grows linearly from lr_range_test_min_lr, to find the largest that
+    trains (`scheduler.params`)."""
+
+    _PATH: ClassVar[str] = "scheduler.params"
+
+    lr_range_test_min_lr: float | tuple[float, ...] = _spec(_lrs, default=0.001)
+    """Learning rate at the first step; a list gives one per optimizer param group."""
+    lr_range_test_step_size: int = _spec(_int, minimum=1, default=2000)
+    """Steps over which the lr grows by lr_range_test_step_rate times lr_range_test_min_lr."""
+    lr_range_test_step_rate: float = _spec(_float, minimum=0.0, default=1.0)
+    """Growth per lr_range_test_step_size steps, as a multiple of lr_range_test_min_lr."""
+    lr_range_test_staircase: bool = _spec(_bool, default=False)
+    """Grow in whole steps of lr_range_test_step_size instead of every step."""
+    last_batch_iteration: int = _spec(_int, **_LAST_BATCH_ITERATION)
+    """Index of the last step taken, to resume; -1 starts from the beginning."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
 _SCHEDULER_PARAMS: dict[str, type] = {
     "WarmupLR": WarmupLRParams,
     "WarmupDecayLR": WarmupDecayLRParams,
     "WarmupCosineLR": WarmupCosineLRParams,
+    "OneCycle": OneCycleParams,
+    "LRRangeTest": LRRangeTestParams,
 }
 
 
 def _scheduler_type(value: Any, path: str) -> str:
     if not isinstance(value, str):
         raise TypeError(f"{path}: expected a string, got {_show(value)}")
-    if value in _DEEPSPEED_ONLY_SCHEDULERS:
-        raise ValueError(f"{path}: DeepSpeed scheduler {_show(value)} not implemented by "
-                         f"infinity; expected one of {', '.join(map(_show, SCHEDULER_TYPES))}")
     if value not in SCHEDULER_TYPES:
         close = difflib.get_close_matches(value, SCHEDULER_TYPES, n=1)
         hint = f"; did you mean {_show(close[0])}?" if close else ""
@@ -283,9 +358,10 @@ class SchedulerConfig:
     _PATH: ClassVar[str] = "scheduler"
 
     type: str = _spec(_scheduler_type)
-    """"WarmupLR", "WarmupDecayLR" or "WarmupCosineLR" (case-sensitive, as in DeepSpeed)."""
-    params: WarmupLRParams | WarmupDecayLRParams | WarmupCosineLRParams = _spec(
-        _instance, (WarmupLRParams, WarmupDecayLRParams, WarmupCosineLRParams))
+    """"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle" or "LRRangeTest"
+    (case-sensitive, as in DeepSpeed)."""
+    params: (WarmupLRParams | WarmupDecayLRParams | WarmupCosineLRParams | OneCycleParams
+             | LRRangeTestParams) = _spec(_instance, tuple(_SCHEDULER_PARAMS.values()))
     """Parameters of that schedule, with DeepSpeed's names and defaults."""
 
     def __post_init__(self) -> None:
