@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from infinity.device import default_dist_backend
+
 __all__ = ["add_config_arguments", "init_distributed"]
 
 
@@ -58,9 +60,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     os.environ["RANK"], os.environ["WORLD_SIZE"] = the_rank, the_world
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(distributed_port))
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":  # the device layer takes LOCAL_RANK's GPU too; NCCL needs it set first
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    backend = dist_backend or default_dist_backend()
     kwargs: dict[str, Any] = {"init_method": init_method} if init_method else {}
     if timeout is not None:
         kwargs["timeout"] = timeout

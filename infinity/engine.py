@@ -72,6 +72,7 @@ class Engine:
         self._backward_done = False  # this micro-step's backward has run, its step() not yet
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary's, until the step
         self.global_samples = 0  # samples over all ranks in the steps taken (DeepSpeed's counter)
+        self.training_dataloader: Any = None  # initialize(training_data=...)'s loader
         self._values_cache: dict[int, torch.Tensor] | None = None  # [Note: state dict values]
         # [Note: signals at step boundaries] in infinity/signals.py
         self._signals = SignalGate(agree=self._agree_on_signals if self.world_size > 1 else None)
@@ -109,7 +110,8 @@ class Engine:
         self.frozen_numel = sum(s.numel for u in self.units for s in u.slots if s.group < 0)
         self.fetcher = Fetcher(self.units, self.params, zero)
         self.policy = StepPolicy(self.units, self.params, self.optim_state, self.fetcher, self.optimizer,
-                                 self.accelerator, clip=config.gradient_clipping, scaler=self.scaler)
+                                 self.accelerator, clip=config.gradient_clipping, scaler=self.scaler,
+                                 skip_nonfinite=config.bf16.check_grad_overflow)
         self.hooks = UnitHooks(self.units, modules, self.fetcher, self.policy.on_unit_grads)
         self.report = StepReport(wall_clock_breakdown=config.wall_clock_breakdown,
                                  steps_per_print=config.steps_per_print, rank=self.rank)
@@ -208,8 +210,10 @@ class Engine:
         self.report.add_time("forward", time.perf_counter() - t0)
         return out
 
-    def backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """Backward of `loss` scaled for accumulation (and fp16 loss scale); reduces gradients."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of `loss` scaled for accumulation (unless `scale_wrt_gas` is false) and by the
+        fp16 loss scale; reduces gradients. Returns the loss as scaled for accumulation, as
+        DeepSpeed does."""
         self._check_open()
         if self._grads_final:
             gas = self.config.batch.gradient_accumulation_steps
@@ -218,13 +222,14 @@ class Engine:
                 f"accumulation boundary (gradient_accumulation_steps={gas}) have not been applied; call "
                 "engine.step() after every engine.backward(), as with DeepSpeed")
         t0 = time.perf_counter()
-        scale = 1.0 / self.config.batch.gradient_accumulation_steps
+        gas_scale = 1.0 / self.config.batch.gradient_accumulation_steps if scale_wrt_gas else 1.0
+        scale = gas_scale
         if self.scaler is not None:
             scale *= self.scaler.scale
         failed = False
         self.hooks.in_backward = True
         try:
-            (loss * scale if scale != 1.0 else loss).backward()
+            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
             self.hooks.finish_backward()
         except BaseException:
             # The accumulation is abandoned: the next micro-step starts a new one, and nothing of
@@ -247,7 +252,7 @@ class Engine:
         self._grads_final = self.policy.last_micro
         self._backward_done = True
         self.report.add_time("backward", time.perf_counter() - t0)
-        return loss
+        return loss * gas_scale if gas_scale != 1.0 else loss
 
     def _last_micro(self) -> bool:
         """Whether the micro-step running (or about to) ends an accumulation."""
@@ -426,6 +431,27 @@ class Engine:
 
     def get_loss_scale(self) -> float:
         return self.scaler.scale if self.scaler else 1.0
+
+    def get_mom(self) -> list[Any]:
+        """Each param group's Adam betas (DeepSpeed's name)."""
+        return [g["betas"] for g in self.optimizer.param_groups]
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def steps_per_print(self) -> int | None:
+        return self.config.steps_per_print
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.world_size
+
+    def destroy(self) -> None:
+        """DeepSpeed's name for `close()`."""
+        self.close()
 
     def parameters(self) -> Iterable[nn.Parameter]:
         return self.module.parameters()
@@ -692,4 +718,5 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if training_data is not None:
         loader = TrainingDataLoader(training_data, cfg.batch.train_micro_batch_size_per_gpu, engine.rank,
                                     engine.world_size, collate_fn=collate_fn)
+    engine.training_dataloader = loader
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -507,3 +507,25 @@ def test_deepspeed_cpu_adam_updates_half_precision_parameters(dtype):
     assert state["exp_avg"].dtype == torch.float32 and state["master"].dtype == torch.float32
     assert torch.equal(state["master"], ref.detach())
     assert torch.equal(p.detach(), ref.detach().to(dtype))
+
+
+def test_state_saved_by_deepspeeds_cpu_adam_loads_and_steps():
+    """DeepSpeedCPUAdam keeps `step` as a Python int; loading such a state must keep counting."""
+    from infinity.optim import DeepSpeedCPUAdam
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64))
+    ref = torch.nn.Parameter(p.detach().clone())
+    ours, torch_adam = DeepSpeedCPUAdam([p], lr=1e-2), torch.optim.AdamW([ref], lr=1e-2, weight_decay=0)
+    for param, opt in ((p, ours), (ref, torch_adam)):
+        for _ in range(3):
+            param.grad = torch.ones(64)
+            opt.step()
+    state = ours.state_dict()
+    state["state"][0]["step"] = int(state["state"][0]["step"])
+    ours.load_state_dict(state)
+    for param, opt in ((p, ours), (ref, torch_adam)):
+        param.grad = torch.full((64,), 0.5)
+        opt.step()
+    assert int(ours.state[p]["step"]) == 4
+    torch.testing.assert_close(p.detach(), ref.detach(), rtol=1e-6, atol=1e-7)

@@ -258,9 +258,14 @@ def test_deepspeed_getters(model):
     engine.backward(engine(idx, tgt))
     engine.step()
     assert engine.global_steps == 3 and engine.global_samples == 12
-    engine(idx, tgt)  # planned as the last micro-batch ((3 + 1) % 2 == 0)
+    assert engine.get_mom() == [(0.9, 0.999)] and not engine.fp16_enabled() and not engine.bfloat16_enabled()
+    assert engine.dp_world_size == 1 and engine.steps_per_print() == 1000 and engine.training_dataloader is None
+    loss = engine(idx, tgt)
+    assert engine.backward(loss).item() == loss.item() / 2  # scaled for accumulation, as DeepSpeed returns it
+    engine.step()
+    engine(idx, tgt)  # planned by the count
     with pytest.raises(RuntimeError, match="set_gradient_accumulation_boundary: the forward of this micro-batch"):
-        engine.set_gradient_accumulation_boundary(False)
+        engine.set_gradient_accumulation_boundary(not engine.is_gradient_accumulation_boundary())
     engine.close()
 
 

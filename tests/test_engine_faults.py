@@ -60,16 +60,27 @@ def test_one_failed_transfer_of_optimizer_state(tmp_path, clip, op):
     engine.close()
 
 
-def test_a_non_finite_weight_is_not_blamed_on_the_gradients_alone(tmp_path, caplog):
-    from infinity.utils import safe_set_full_fp32_param
+@pytest.mark.parametrize("check", [True, False])
+def test_a_non_finite_norm_skips_the_step_as_deepspeeds_zero3_does(tmp_path, caplog, check):
+    """bf16.check_grad_overflow (default true, as in DeepSpeed 0.19.8): a step whose global
+    gradient norm is nan is skipped, in fp32 too; false applies it."""
+    from infinity.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
 
     torch.manual_seed(0)
     model = TinyGPT()
     weight, shape = model.blocks[0].fc1.weight, model.blocks[0].fc1.weight.shape
-    engine, *_ = infinity.initialize(model, config=config(3, "cpu", "cpu"))
+    other = model.blocks[1].fc1.weight
+    cfg = config(3, "cpu", "cpu")
+    if not check:
+        cfg["bf16"] = {"enabled": False, "check_grad_overflow": False}
+    engine, *_ = infinity.initialize(model, config=cfg)
+    before = safe_get_full_fp32_param(other).clone()
     safe_set_full_fp32_param(weight, torch.full(tuple(shape), float("nan")))
     with caplog.at_level("WARNING", logger="infinity"):
         engine.backward(engine(*batches(1, 4)[0]))
         engine.step()
     assert any("a weight it came from" in r.message for r in caplog.records), caplog.text
+    assert engine.was_step_applied() is not check and engine.skipped_steps == int(check)
+    after = safe_get_full_fp32_param(other)
+    assert torch.equal(after, before) if check else not bool(torch.isfinite(after).all())
     engine.close()

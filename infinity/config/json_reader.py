@@ -94,7 +94,7 @@ _NOT_IMPLEMENTED_FP16 = {"fused_mode": "a legacy DeepSpeed key"}
 
 _NO_EFFECT_BF16: dict[str, _Check] = {"immediate_grad_update": _bool}
 _DEFAULT_ONLY_BF16: dict[str, Any] = {
-    "check_grad_overflow": False, "bf16_master_weights_and_grads": False,
+    "bf16_master_weights_and_grads": False,
     "bf16_optimizer_states": False,
 }
 

@@ -113,6 +113,9 @@ class BF16Config:
 
     enabled: bool = _spec(_bool, default=False)
     """Compute in bfloat16; master weights and optimizer state stay float32."""
+    check_grad_overflow: bool = _spec(_bool, default=True)
+    """Skip a step whose global gradient norm is inf or nan (DeepSpeed 0.19.8's default); false
+    applies it. Units already updated during backward (clipping 0) cannot be skipped."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -385,8 +388,9 @@ class OffloadParamConfig:
     """Elements per host buffer (raised to the largest unit shard, with a warning)."""
     max_in_cpu: int = _spec(_size, default=1_000_000_000)
     """Parameter elements kept cached in host memory when offloading to NVMe."""
-    pin_memory: bool = _spec(_bool, default=False)
-    """Page-lock host buffers for faster device transfers, at the cost of pinned memory."""
+    pin_memory: bool = _spec(_bool, default=True)
+    """Page-lock the host buffers (pinned with a GPU, mlocked without): asynchronous device copies
+    and faster O_DIRECT. false leaves them pageable."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -405,8 +409,9 @@ class OffloadOptimizerConfig:
     """Existing directory for the optimizer-state files; required when device is "nvme"."""
     buffer_count: int = _spec(_size, default=4)
     """Host buffers for optimizer state swapped from NVMe; at least the tensors per parameter."""
-    pin_memory: bool = _spec(_bool, default=False)
-    """Page-lock host buffers for faster device transfers, at the cost of pinned memory."""
+    pin_memory: bool = _spec(_bool, default=True)
+    """Page-lock the host buffers (pinned with a GPU, mlocked without): asynchronous device copies
+    and faster O_DIRECT. false leaves them pageable."""
     pipeline_read: bool = _spec(_bool, default=False)
     """Read the next sub-group's state from NVMe while the current one is updated."""
     pipeline_write: bool = _spec(_bool, default=False)
@@ -533,7 +538,7 @@ class InfinityConfig:
     """NVMe I/O tuning."""
     gradient_clipping: float = _spec(_float, minimum=0.0, default=1.0)
     """Clip the global gradient norm to this value; 0 disables clipping."""
-    steps_per_print: int | None = _spec(_optional(_int), minimum=1, default=10)
+    steps_per_print: int | None = _spec(_optional(_int), minimum=1, default=None)
     """Report progress every this many optimizer steps; None never does."""
     wall_clock_breakdown: bool = _spec(_bool, default=False)
     """Time forward, backward and step separately and report them."""

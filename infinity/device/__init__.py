@@ -56,6 +56,16 @@ def make_device(kind: str | None = None) -> Device:
     raise ValueError(f"INFINITY_DEVICE: expected one of {', '.join(KINDS)}, got {kind!r}")
 
 
+def default_dist_backend() -> str:
+    """The process-group backend for this machine: NCCL with CUDA (after putting this process on
+    its LOCAL_RANK's GPU, which NCCL needs first), gloo without."""
+    if not torch.cuda.is_available():
+        return "gloo"
+    from infinity.device.cuda import local_index
+    torch.cuda.set_device(local_index())
+    return "nccl"
+
+
 def gpu_memory() -> list[int]:
     """Total memory in bytes of each GPU this process can see (empty without CUDA)."""
     if not torch.cuda.is_available():

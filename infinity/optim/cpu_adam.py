@@ -114,6 +114,8 @@ class CPUAdam(torch.optim.Optimizer):
                 check_tensor("CPUAdam: state['exp_avg']", state["exp_avg"], (torch.float32,), n)
                 check_tensor("CPUAdam: state['exp_avg_sq']", state["exp_avg_sq"],
                              (torch.float32,), n)
+                if not isinstance(state["step"], torch.Tensor):  # DeepSpeed's state keeps a Python int
+                    state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
                 state["step"] += 1
                 hyper.step = int(state["step"].item())
                 run_update(self._updater, hyper, state["master"] if half else p, p.grad, state["exp_avg"],

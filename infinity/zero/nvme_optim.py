@@ -104,7 +104,7 @@ class NvmeOptimizerState:
         self._per_piece = len(KINDS) + (1 if self._spilled else 0)
         # A buffer for each kind of: the piece being read, the piece being updated, the piece being written.
         self.pool = BufferPool(plan_count(offload.buffer_count, 3 * self._per_piece, "offload_optimizer"),
-                               largest * 4, name="offload_optimizer", pin=device.pin() or None,
+                               largest * 4, name="offload_optimizer", pin=(device.pin() or None) if offload.pin_memory else False,
                                on_release=device.scribble)
         # A second handle for writes, so that reads never queue behind them.
         self.swapper = Swapper(self.store, self.pool, None, self.handle, make_handle(aio))

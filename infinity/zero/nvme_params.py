@@ -62,7 +62,7 @@ class NvmeParams:
         # A buffer larger than the largest shard would only hold unused pinned memory.
         self.pool = BufferPool(plan_count(offload.buffer_count, max(MIN_BUFFERS, 2 * parts)) + cached,
                                min(offload.buffer_size * itemsize, largest), shard_sizes=sizes, name="offload_param",
-                               pin=device.pin() or None, on_release=device.scribble)
+                               pin=(device.pin() or None) if offload.pin_memory else False, on_release=device.scribble)
         self.cache = HostCache(max_in_cpu, name="offload_param")
         # A second handle for writes, so that reads never queue behind them.
         self.swapper = Swapper(self.store, self.pool, self.cache, self.handle, make_handle(aio))

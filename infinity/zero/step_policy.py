@@ -52,11 +52,13 @@ class StepPolicy:
     when a unit's gradients are final, and when the step is asked for."""
 
     def __init__(self, units: list[Unit], params: ParamTier, optim_state: OptimizerTier, fetcher: Fetcher,
-                 optimizer: ZeroOptimizer, accelerator: Device, *, clip: float, scaler: LossScaler | None):
+                 optimizer: ZeroOptimizer, accelerator: Device, *, clip: float, scaler: LossScaler | None,
+                 skip_nonfinite: bool = True):
         self.units, self.params, self.optim_state, self.fetcher = units, params, optim_state, fetcher
         self.optimizer, self.accelerator = optimizer, accelerator
         self.clip = clip
         self.scaler = scaler
+        self.skip_nonfinite = skip_nonfinite  # bf16.check_grad_overflow: skip a step whose norm is inf or nan
         self.update_in_backward = clip == 0 and scaler is None  # [Note: update during backward]
         # Units updated in the hook that finalizes their gradient (the others wait for step()).
         self.in_hook = {u.index for u in units if self.update_in_backward and not u.persistent and u.trainable}
@@ -123,18 +125,26 @@ class StepPolicy:
         loss_scale = self.scaler.scale if self.scaler else 1.0
         grad_norm = (sq ** 0.5) / loss_scale
         grad_scale = 1.0 / loss_scale
-        overflow = nonfinite and self.scaler is not None
-        if nonfinite and self.scaler is None:
+        # fp16 loss scaling always skips an overflow; otherwise, as DeepSpeed 0.19.8's ZeRO-3, a
+        # non-finite norm skips the step (bf16.check_grad_overflow), unless units were updated in
+        # backward already.
+        overflow = nonfinite and (self.scaler is not None or (self.skip_nonfinite and not self._updated))
+        if nonfinite and not overflow:
             log.warning("step %d: the global gradient norm is inf or nan (a gradient holds inf or nan, or a "
-                        "weight it came from does); applied as it is (only fp16 loss scaling skips steps)",
-                        step_number)
+                        "weight it came from does); applied as it is (%s)", step_number,
+                        "bf16.check_grad_overflow is false" if not self.skip_nonfinite else
+                        "units were updated during backward, as gradient_clipping is 0")
+        elif overflow and self.scaler is None:
+            log.warning("step %d: the global gradient norm is inf or nan (a gradient holds inf or nan, or a "
+                        "weight it came from does); the step is skipped (bf16.check_grad_overflow)", step_number)
         if self.clip > 0 and not nonfinite:
             coef = torch.tensor(self.clip, dtype=torch.float32) / (torch.tensor(grad_norm, dtype=torch.float32) + 1e-6)
             grad_scale *= float(torch.clamp(coef, max=1.0))
         if self.scaler is not None:
             self.scaler.update(overflow)
         if overflow:
-            log.info("step %d: gradient overflow, skipped; loss scale now %g", step_number, self.scaler.scale)
+            if self.scaler is not None:
+                log.info("step %d: gradient overflow, skipped; loss scale now %g", step_number, self.scaler.scale)
         else:
             for u in self.optim_state.step_order([u for u in units if u.index not in self._updated]):
                 self._update(u, grad_scale)
