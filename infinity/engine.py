@@ -193,7 +193,7 @@ class Engine:
                     self._holding_step = True
                     self._signals.hold()
                 self.hooks.reset_backward()
-                self.policy.last_micro = self._last_micro()
+                self.policy.last_micro = self.is_gradient_accumulation_boundary()
                 self.optim_state.begin_pass(last=self.policy.last_micro)
         args, kwargs = self.accelerator.move((args, kwargs))  # inputs go where the model computes
         try:
@@ -254,10 +254,6 @@ class Engine:
         self.report.add_time("backward", time.perf_counter() - t0)
         return loss * gas_scale if gas_scale != 1.0 else loss
 
-    def _last_micro(self) -> bool:
-        """Whether the micro-step running (or about to) ends an accumulation."""
-        return self.is_gradient_accumulation_boundary()
-
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the micro-step under way (from its forward to its `step()`) ends an
         accumulation, as DeepSpeed counts: `micro_steps` counts `step()` calls, so this is True
@@ -284,19 +280,19 @@ class Engine:
         LR scheduler, with `lr_kwargs` as keyword arguments); counts the micro-step always."""
         self._check_open()
         self._backward_done = False
-        if not self._grads_final:
-            self.micro_steps += 1
-            return
+        boundary = self._grads_final
         try:
-            self._step(lr_kwargs)
+            if boundary:
+                self._step(lr_kwargs)
         except BaseException as e:
             self._broken = f"step {self.global_steps + 1} failed ({type(e).__name__}: {e})"
-            self.micro_steps += 1
             self._end_step_hold(boundary=False)
             raise
-        self.micro_steps += 1
-        self._broken = None
-        self._end_step_hold(boundary=True)  # held signal handlers run now ([Note: signals at step boundaries])
+        finally:
+            self.micro_steps += 1
+        if boundary:
+            self._broken = None
+            self._end_step_hold(boundary=True)  # held signal handlers run now ([Note: signals at step boundaries])
 
     def _end_step_hold(self, boundary: bool) -> None:
         if self._holding_step:

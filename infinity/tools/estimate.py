@@ -529,30 +529,31 @@ def report(model: ModelSize, machine: Machine, tokens: int) -> str:
 # ---- the command line ---------------------------------------------------------------------------
 
 
-def parse_count(text: str) -> int:
-    """'70B' -> 70_000_000_000; '1.5B', '125M', '7e9', '16K'. Decimal units, as model sizes are."""
+def _parse_scaled(text: str, suffixes: dict[str, int], expected: str) -> int:
+    """A number with an optional one-letter scale from `suffixes`, at least 1."""
     t = text.strip().upper()
-    suffix = t[-1] if t and t[-1] in _COUNT_SUFFIXES and not t[-1].isdigit() else ""
+    suffix = t[-1] if t and t[-1] in suffixes and not t[-1].isdigit() else ""
     try:
-        value = float(t[:len(t) - len(suffix)]) * _COUNT_SUFFIXES[suffix]
+        value = float(t[:len(t) - len(suffix)]) * suffixes[suffix]
     except ValueError:
         value = math.nan
     if not math.isfinite(value) or value < 1:
-        raise argparse.ArgumentTypeError(f"expected a count of at least 1 such as 70B, 1.5B, 125M or 7e9, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return int(value)
+
+
+def parse_count(text: str) -> int:
+    """'70B' -> 70_000_000_000; '1.5B', '125M', '7e9', '16K'. Decimal units, as model sizes are."""
+    return _parse_scaled(text, _COUNT_SUFFIXES, "a count of at least 1 such as 70B, 1.5B, 125M or 7e9")
 
 
 def parse_bytes(text: str) -> int:
     """'80G' -> 80 GiB; '512G', '3.6T', '1048576'. Binary units (a drive sold as 4 TB is 3.6T)."""
     t = text.strip().upper().removesuffix("B").removesuffix("I")
-    suffix = t[-1] if t and t[-1] in _SIZE_SUFFIXES and not t[-1].isdigit() else ""
     try:
-        value = float(t[:len(t) - len(suffix)]) * _SIZE_SUFFIXES[suffix]
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 1:
-        raise argparse.ArgumentTypeError(f"expected a size such as 80G, 512G or 4T, got {text!r}")
-    return int(value)
+        return _parse_scaled(t, _SIZE_SUFFIXES, "")
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a size such as 80G, 512G or 4T, got {text!r}") from None
 
 
 def _number(low: float, high: float | None = None, integer: bool = False, what: str = "a number"):
