@@ -310,3 +310,27 @@ def test_units_left_for_step_keep_their_own_gradients(tmp_path, model, param):
     losses = engine_run(engine, data, gas=1)
     assert_matches_pytorch(engine, losses, ref_losses, ref_model)
     engine.close()
+
+
+def _locked_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return 1024 * next(int(line.split()[1]) for line in f if line.startswith("VmLck:"))
+
+
+def test_pin_memory_false_leaves_the_nvme_pools_pageable(model, tmp_path):
+    """offload_param/offload_optimizer.pin_memory (default true, as DeepSpeed 0.19.8): the pools'
+    bytes are page-locked, as the kernel counts them (VmLck), or left pageable when false."""
+    locked = {}
+    for pin in (True, False):
+        cfg = nvme_config(tmp_path, "nvme", "nvme")
+        for section in ("offload_param", "offload_optimizer"):
+            cfg["zero_optimization"][section]["pin_memory"] = pin
+        before = _locked_bytes()
+        engine, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
+        locked[pin] = _locked_bytes() - before
+        pools = engine.params.pool.stats.bytes_total + engine.optim_state.pool.stats.bytes_total
+        engine.close()
+        del engine
+    if locked[True] < pools:
+        pytest.skip(f"mlock is limited here (RLIMIT_MEMLOCK): {locked[True]} bytes locked of {pools}")
+    assert locked[False] <= locked[True] - pools
