@@ -336,21 +336,28 @@ class Engine:
     # ---- checkpoints and export ([Note: checkpoint layout] in infinity/checkpoint/layout.py) --------
 
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
-                        save_latest: bool = True) -> bool:
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """DeepSpeed's save_checkpoint: `save_dir/tag` (default `global_step<N>`), then `latest`
         names it; every rank calls it. Crash-safe ([Note: publishing a checkpoint] in
-        infinity/checkpoint/files.py); `last_checkpoint` says what it cost."""
+        infinity/checkpoint/files.py); `last_checkpoint` says what it cost.
+        exclude_frozen_parameters: the frozen parameters' values are not saved, and a load keeps
+        the model's own (Hugging Face's Trainer asks for this with PEFT models)."""
         from infinity.checkpoint.save import save_checkpoint
         with self._held_signals():
-            save_checkpoint(self, save_dir, tag, client_state, save_latest)
+            save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         return True
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False) -> tuple[str | None, dict | None]:
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, dict | None]:
         """DeepSpeed's load_checkpoint: the tag `latest` names by default; returns (checkpoint
         directory, client_state), or (None, None) when `load_dir` has no `latest`. Any world size
-        and offload placement loads any checkpoint of the same model ([Note: re-sharding])."""
+        and offload placement loads any checkpoint of the same model ([Note: re-sharding]).
+        custom_load_fn (DeepSpeed's hook for loading a whole module state dict) has nothing to
+        call here, where a rank never holds the whole state: it must be None."""
+        if custom_load_fn is not None:
+            raise ValueError("load_checkpoint: custom_load_fn is not supported: the values are loaded shard by "
+                             "shard, never as one module state dict; pass None")
         from infinity.checkpoint.load import load_checkpoint
         with self._held_signals():
             return load_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,

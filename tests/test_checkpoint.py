@@ -289,6 +289,8 @@ def test_no_latest_returns_none_and_misuse_is_named(tmp_path):
         assert engine.load_checkpoint(tmp_path) == (None, None)  # DeepSpeed's answer
         with pytest.raises(FileNotFoundError, match="nope"):
             engine.load_checkpoint(tmp_path, tag="nope")
+        with pytest.raises(ValueError, match="custom_load_fn is not supported"):
+            engine.load_checkpoint(tmp_path, custom_load_fn=lambda src, dst: None)
         with pytest.raises(ValueError, match="tag"):
             engine.save_checkpoint(tmp_path, tag="../x")
         with pytest.raises(TypeError, match="client_state"):
@@ -599,3 +601,48 @@ def test_optimizer_state_dict_holds_the_state_and_loads_back(tmp_path):
     engine.optimizer.load_state_dict(state)
     assert engine_run(engine, batches(2, 4, seed=5), gas=1) == expected
     engine.close()
+
+
+def test_exclude_frozen_parameters_saves_only_trainable_values_and_keeps_the_models_own(tmp_path):
+    """DeepSpeed's save_checkpoint(exclude_frozen_parameters=True), as Hugging Face's Trainer calls
+    it for PEFT models: no frozen values on disk, and a load takes the trainable values (and their
+    optimizer state) from the checkpoint and leaves the frozen ones as the model has them."""
+    from gpt import TinyGPT, batches, config, engine_run
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = TinyGPT(layers=3)
+        model.blocks[0].requires_grad_(False)
+        model.emb.requires_grad_(False)
+        return infinity.initialize(model, config=config(3, "cpu", "cpu"))[0]
+
+    engine = build(0)
+    engine_run(engine, batches(2, 4), gas=1)
+    engine.save_checkpoint(tmp_path / "full", tag="t")
+    engine.save_checkpoint(tmp_path / "lean", tag="t", exclude_frozen_parameters=True)
+    trained = engine.consolidated_state_dict()
+    engine_run(engine, batches(1, 4, seed=9), gas=1)
+    after = engine.consolidated_state_dict()
+    engine.close()
+    torch.manual_seed(0)
+    model = TinyGPT(layers=3)
+    model.blocks[0].requires_grad_(False)
+    model.emb.requires_grad_(False)  # the head is tied to it
+    frozen = [n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad]
+    assert frozen and all(torch.equal(trained[n], after[n]) for n in frozen)
+    assert not (tmp_path / "lean" / "t" / shard_file(0, "frozen")).exists()
+    assert (tmp_path / "full" / "t" / shard_file(0, "frozen")).exists()
+
+    other = build(1)  # other frozen values: the load must keep them, and take every trainable one
+    own = other.consolidated_state_dict()
+    other.load_checkpoint(tmp_path / "lean")
+    loaded = other.consolidated_state_dict()
+    for name in trained:
+        assert torch.equal(loaded[name], own[name] if name in frozen else trained[name]), name
+    same = build(0)  # the run's own base weights: resuming continues the run exactly
+    same.load_checkpoint(tmp_path / "lean")
+    engine_run(same, batches(1, 4, seed=9), gas=1)
+    resumed = same.consolidated_state_dict()
+    same.close()
+    other.close()
+    assert all(torch.equal(resumed[n], after[n]) for n in after)

@@ -367,6 +367,9 @@ def test_not_implemented_hints_point_to_what_to_use() -> None:
     ("zero_optimization.elastic_checkpoint", False, True),
     ("prescale_gradients", False, True),
     ("gradient_predivide_factor", 1.0, 2.0),
+    ("disable_python_gc", False, True),
+    ("zero_optimization.compute_grad_norm", True, False),
+    ("zero_optimization.parameter_alignment", False, True),
 ])
 def test_keys_accepted_only_at_deepspeeds_default(path: str, default: Any, other: Any) -> None:
     base = {**MINIMAL, "optimizer": {"type": "Adam"}}

@@ -529,3 +529,76 @@ def test_state_saved_by_deepspeeds_cpu_adam_loads_and_steps():
         opt.step()
     assert int(ours.state[p]["step"]) == 4
     torch.testing.assert_close(p.detach(), ref.detach(), rtol=1e-6, atol=1e-7)
+
+
+def _superoffload_call(opt, method, subgroup_id, flat, grad):
+    """How DeepSpeed's SuperOffload worker calls the optimizer: the sub-group's flat partition is
+    put as the only parameter of group 0, with its gradient, for one call."""
+    p = torch.nn.Parameter(flat)
+    p.grad = grad
+    opt.param_groups[0]["params"] = [p]
+    getattr(opt, method)(subgroup_id)
+    opt.param_groups[0]["params"] = []
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False])
+def test_step_subgroup_keeps_one_state_per_subgroup_and_matches_torch(adamw_mode):
+    """Two partitions stepped through one DeepSpeedCPUAdam by sub-group id each match their own
+    torch Adam/AdamW (fused, same arithmetic: bit-identical), and the state is DeepSpeed's."""
+    torch.manual_seed(0)
+    flats = [torch.randn(1000), torch.randn(777)]
+    refs = [torch.nn.Parameter(f.clone()) for f in flats]
+    torch_cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+    torch_opts = [torch_cls([r], lr=1e-2, weight_decay=0.05, fused=True) for r in refs]
+    ours = DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(1))], lr=1e-2, weight_decay=0.05,
+                            adamw_mode=adamw_mode)
+    for _ in range(3):
+        for sub, (flat, ref, topt) in enumerate(zip(flats, refs, torch_opts)):
+            g = torch.randn_like(flat)
+            _superoffload_call(ours, "step_subgroup", sub, flat, g)
+            ref.grad = g.clone()
+            topt.step()
+    for sub, (flat, ref) in enumerate(zip(flats, refs)):
+        assert torch.equal(flat, ref.detach())
+        assert ours.state[sub]["step"] == 3 and isinstance(ours.state[sub]["step"], int)
+        for key in ("exp_avg", "exp_avg_sq"):  # moments: torch rounds them in another order
+            torch.testing.assert_close(ours.state[sub][key], torch_opts[sub].state[ref][key], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False])
+def test_rollback_subgroup_undoes_the_last_step(adamw_mode):
+    """step, step, rollback with the second step's gradient gives back the values after the first
+    step (to float rounding) and the step count 1; a next step then matches torch stepping once
+    more from there."""
+    torch.manual_seed(1)
+    flat = torch.randn(4096)
+    ours = DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(1))], lr=1e-2, weight_decay=0.1,
+                            adamw_mode=adamw_mode)
+    g1, g2 = torch.randn(4096), torch.randn(4096)
+    _superoffload_call(ours, "step_subgroup", 7, flat, g1)
+    after_one = {k: v.clone() for k, v in ours.state[7].items() if torch.is_tensor(v)}
+    param_after_one = flat.clone()
+    _superoffload_call(ours, "step_subgroup", 7, flat, g2)
+    assert not torch.allclose(flat, param_after_one, rtol=0, atol=1e-5)  # the step moved it
+    _superoffload_call(ours, "rollback_subgroup", 7, flat, g2)
+    assert ours.state[7]["step"] == 1
+    torch.testing.assert_close(flat, param_after_one, rtol=1e-5, atol=1e-6)
+    for key in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(ours.state[7][key], after_one[key], rtol=1e-4, atol=1e-7)
+
+
+def test_rollback_subgroup_refuses_what_it_cannot_undo():
+    ours = DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(1))], lr=1e-2)
+    flat = torch.randn(16)
+    with pytest.raises(RuntimeError, match="sub_group_id 3 has no optimizer state"):
+        _superoffload_call(ours, "rollback_subgroup", 3, flat, torch.ones(16))
+    _superoffload_call(ours, "step_subgroup", 3, flat, torch.ones(16))
+    _superoffload_call(ours, "rollback_subgroup", 3, flat, torch.ones(16))
+    with pytest.raises(RuntimeError, match="sub_group_id 3 has step count 0"):
+        _superoffload_call(ours, "rollback_subgroup", 3, flat, torch.ones(16))
+    two = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))]
+    for p in two:
+        p.grad = torch.ones(4)
+    shared = DeepSpeedCPUAdam(two, lr=1e-2)
+    with pytest.raises(ValueError, match="expected exactly one parameter with a gradient"):
+        shared.step_subgroup(0)

@@ -55,6 +55,15 @@ def test_fd_and_locked_tensors(tmp_path):
     back = torch.empty(1024, dtype=torch.bfloat16)
     assert h.sync_pread(back, str(tmp_path / "y.bin")) == 1 and torch.equal(back, locked)
     assert h.free_cpu_locked_tensor(locked) and not h.free_cpu_locked_tensor(back)
+    # DeepSpeed's positional descriptor and its keyword spelling for the example tensor.
+    second = h.new_cpu_locked_tensor(num_elem=1024, example_tenosr=torch.empty(0, dtype=torch.bfloat16))
+    second.copy_(torch.arange(1024).flip(0))
+    fd = os.open(tmp_path / "z.bin", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        assert h.async_pwrite(second, fd, 0) == 0 and h.wait() == 1
+        assert h.async_pread(back, fd) == 0 and h.wait() == 1 and torch.equal(back, second)
+    finally:
+        os.close(fd)
     with pytest.raises(TypeError, match="filename or fd"):
         h.async_pread(back)
     with pytest.raises(FileNotFoundError):

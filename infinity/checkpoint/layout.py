@@ -70,20 +70,23 @@ def dtype_of(name: str) -> torch.dtype:
     return dtype
 
 
-def unit_entries(units) -> list[dict]:
+def unit_entries(units, exclude_frozen: bool = False) -> list[dict]:
     """The manifest's description of each unit (infinity.zero.unit.Unit): its shard lengths and
-    where each parameter is in its region, padding excluded."""
+    where each parameter is in its region, padding excluded. exclude_frozen: the checkpoint holds
+    no frozen values, and lists no frozen parameter."""
     out = []
     for u in units:
         train_padded = u.train_shard_numel * u.world
         params = []
         for s in u.slots:
             trainable = s.group >= 0
+            if exclude_frozen and not trainable:
+                continue
             params.append({"name": s.name, "shape": list(s.shape), "numel": s.numel,
                            "region": "train" if trainable else FROZEN,
                            "offset": s.offset if trainable else s.offset - train_padded, "group": s.group})
         out.append({"name": u.name, "train_shard_numel": u.train_shard_numel,
-                    "frozen_shard_numel": u.frozen_shard_numel, "params": params})
+                    "frozen_shard_numel": 0 if exclude_frozen else u.frozen_shard_numel, "params": params})
     return out
 
 

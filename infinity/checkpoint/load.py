@@ -152,7 +152,8 @@ def check_model(manifest: Manifest, engine: "Engine", *, strict: bool, optimizer
     theirs = manifest.places
     where = manifest.directory
     problems = []
-    missing = [n for n in ours if n not in theirs]
+    excluded = manifest.data.get("frozen_excluded", False)  # saved with exclude_frozen_parameters
+    missing = [n for n, s in ours.items() if n not in theirs and not (excluded and s.group < 0)]
     unexpected = [n for n in theirs if n not in ours]
     if strict and missing:
         problems.append(f"missing from the checkpoint: {listing(missing)}")

@@ -126,8 +126,10 @@ def agree(error: BaseException | None, what: str, payload: Any = None) -> list:
 
 
 def save_checkpoint(engine: "Engine", save_dir: str, tag: Any = None, client_state: dict | None = None,
-                    save_latest: bool = True) -> str:
-    """Writes the checkpoint on every rank (all of them call it); returns its directory."""
+                    save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
+    """Writes the checkpoint on every rank (all of them call it); returns its directory.
+    exclude_frozen_parameters: leave out the values of parameters with requires_grad False (a
+    LoRA run's base weights); a load keeps the model's own values for them."""
     rank = engine.rank
     save_dir = os.fspath(save_dir)
     t0 = time.perf_counter()
@@ -153,7 +155,7 @@ def save_checkpoint(engine: "Engine", save_dir: str, tag: Any = None, client_sta
                     "saved and a resume starts the accumulation again", engine.micro_steps % gas, gas)
     entries: dict[str, dict] = {}
     try:
-        entries = _write_rank(engine, partial, tag, state)
+        entries = _write_rank(engine, partial, tag, state, exclude_frozen_parameters)
     except BaseException as e:  # noqa: BLE001 (the other ranks must hear of it, then it is raised)
         error = e
     try:
@@ -166,7 +168,7 @@ def save_checkpoint(engine: "Engine", save_dir: str, tag: Any = None, client_sta
     if rank == 0:
         try:
             _publish(engine, save_dir, tag, partial, final, {n: e for part in everything for n, e in part.items()},
-                     save_latest)
+                     save_latest, exclude_frozen_parameters)
         except BaseException as e:  # noqa: BLE001
             error = e
     agree(error, "save_checkpoint (publishing on rank 0)")
@@ -188,13 +190,13 @@ def _state_bytes(engine: "Engine", client_state: dict | None) -> bytes:
     return _check_loadable(state, "the engine's state (its LR scheduler's state_dict, most likely)")
 
 
-def _write_rank(engine: "Engine", partial: str, tag: str, state: bytes) -> dict[str, dict]:
+def _write_rank(engine: "Engine", partial: str, tag: str, state: bytes, exclude_frozen: bool) -> dict[str, dict]:
     """This rank's files in `partial`, fsynced; returns their manifest entries."""
     rank = engine.rank
     engine.optim_state.flush()  # the last step's writes: the state read next is the step's result
     engine.params.flush()
     trainable = [u for u in engine.units if u.trainable]
-    frozen = [u for u in engine.units if u.frozen_shard_numel]
+    frozen = [] if exclude_frozen else [u for u in engine.units if u.frozen_shard_numel]
     elsize = torch.empty((), dtype=engine.dtype).element_size()
     total = sum(round_up(u.train_shard_numel * 4) for u in trainable) * len(OPTIM_KINDS)
     total += sum(round_up(u.frozen_shard_numel * elsize) for u in frozen)
@@ -219,7 +221,7 @@ def _write_rank(engine: "Engine", partial: str, tag: str, state: bytes) -> dict[
                 if u.trainable:
                     for kind in OPTIM_KINDS:
                         put(kind, u.index, engine.optim_state.read(u, kind))
-                if u.frozen_shard_numel:
+                if u.frozen_shard_numel and not exclude_frozen:
                     put(FROZEN, u.index, u.split(engine.params.host_copy(u)).frozen)
             writer.finish()
     except BaseException:
@@ -253,14 +255,15 @@ def _write_rank(engine: "Engine", partial: str, tag: str, state: bytes) -> dict[
 
 
 def _publish(engine: "Engine", save_dir: str, tag: str, partial: str, final: str, entries: dict[str, dict],
-             save_latest: bool) -> None:
+             save_latest: bool, exclude_frozen: bool) -> None:
     """[Note: publishing a checkpoint] in files.py."""
     zero = engine.config.zero
     manifest = {
         "format": FORMAT, "version": VERSION, "tag": tag, "world_size": engine.world_size, "stage": zero.stage,
         "compute_dtype": dtype_name(engine.dtype), "offload_param": zero.offload_param.device,
         "offload_optimizer": zero.offload_optimizer.device, "global_steps": engine.global_steps,
-        "param_groups": len(engine.optimizer.param_groups), "units": unit_entries(engine.units),
+        "param_groups": len(engine.optimizer.param_groups),
+        "units": unit_entries(engine.units, exclude_frozen), "frozen_excluded": exclude_frozen,
         "aliases": aliases(engine), "hf_config": HF_CONFIG in entries,
         "files": dict(sorted(entries.items())),
     }

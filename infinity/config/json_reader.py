@@ -70,7 +70,7 @@ _NO_EFFECT_ROOT: dict[str, _Check] = {
 _DEFAULT_ONLY_ROOT: dict[str, Any] = {
     "prescale_gradients": False, "gradient_predivide_factor": 1.0, "sparse_gradients": False,
     "disable_allgather": False, "dump_state": False, "memory_breakdown": False,
-    "dataloader_drop_last": False,
+    "dataloader_drop_last": False, "disable_python_gc": False,
 }
 _NOT_IMPLEMENTED_ROOT: dict[str, str] = {
     name: "" for name in (
@@ -80,7 +80,7 @@ _NOT_IMPLEMENTED_ROOT: dict[str, str] = {
         "elasticity", "expert_parallel", "flops_profiler", "gradient_allreduce_op",
         "graph_harvesting", "hybrid_engine", "log_level", "managed_gradient_accumulation",
         "nebula", "pipeline", "progressive_layer_drop", "quantize_training",
-        "seq_parallel_comm_data_type", "sequence_parallel_size", "sparse_attention",
+        "seq_parallel_communication_data_type", "sequence_parallel_size", "sparse_attention",
         "swap_tensor", "tensor_parallel", "tensorboard", "timers",
         "use_data_before_expert_parallelism", "vocabulary_size", "wandb", "weight_quantization",
     )
@@ -119,7 +119,10 @@ _NO_EFFECT_ZERO: dict[str, _Check] = {
         "stage3_partition_stream_chunk_size",
     )},
 }
-_DEFAULT_ONLY_ZERO: dict[str, Any] = {"load_from_fp32_weights": True, "elastic_checkpoint": False}
+_DEFAULT_ONLY_ZERO: dict[str, Any] = {
+    "load_from_fp32_weights": True, "elastic_checkpoint": False, "compute_grad_norm": True,
+    "parameter_alignment": False,
+}
 _NOT_IMPLEMENTED_ZERO: dict[str, str] = {
     name: "" for name in (
         "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",

@@ -69,12 +69,15 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
 
     # ---- asynchronous -------------------------------------------------------------------------
 
-    def async_pread(self, buffer: torch.Tensor, filename: str | None = None, file_offset: int = 0, *,
+    # DeepSpeed overloads async_pwrite on its second argument: a path, or an open descriptor
+    # (an int, also taken as fd=). async_pread takes a descriptor the same way here.
+
+    def async_pread(self, buffer: torch.Tensor, filename: str | int | None = None, file_offset: int = 0, *,
                     fd: int | None = None) -> int:
         self._submitted.append(self._handle.submit_read(buffer, _path(filename, fd, "async_pread"), file_offset))
         return 0
 
-    def async_pwrite(self, buffer: torch.Tensor, filename: str | None = None, file_offset: int = 0, *,
+    def async_pwrite(self, buffer: torch.Tensor, filename: str | int | None = None, file_offset: int = 0, *,
                      fd: int | None = None) -> int:
         self._submitted.append(self._handle.submit_write(buffer, _path(filename, fd, "async_pwrite"), file_offset))
         return 0
@@ -108,7 +111,13 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
 
     # ---- page-locked memory -------------------------------------------------------------------
 
-    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor | None = None, *,
+                              example_tenosr: torch.Tensor | None = None) -> torch.Tensor:
+        """A page-aligned tensor of `num_elem` elements of the example's dtype. The example may be
+        passed under DeepSpeed's keyword spelling, `example_tenosr`, too."""
+        if (example_tensor is None) == (example_tenosr is None):
+            raise TypeError("new_cpu_locked_tensor: give example_tensor (DeepSpeed: example_tenosr), once")
+        example_tensor = example_tensor if example_tensor is not None else example_tenosr
         tensor = aligned_empty(int(num_elem), example_tensor.dtype)
         self._locked.add(tensor.data_ptr())
         return tensor
@@ -125,7 +134,9 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
         return tensor.data_ptr() in self._locked or (tensor.device.type == "cpu" and tensor.is_pinned())
 
 
-def _path(filename: str | None, fd: int | None, what: str) -> str:
+def _path(filename: str | int | None, fd: int | None, what: str) -> str:
+    if isinstance(filename, int) and not isinstance(filename, bool) and fd is None:
+        filename, fd = None, filename
     if (filename is None) == (fd is None):
         raise TypeError(f"{what}: give a filename or fd=, one of them")
     if fd is not None:

@@ -83,6 +83,30 @@ class CPUAdam(torch.optim.Optimizer):
             group.setdefault("bias_correction", True)
             _check_group(group)
 
+    def _update(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any],
+                num_threads: int) -> None:
+        """One Adam step of `p` with its grad, moments in `state` (created at the first step)."""
+        half = p.dtype != torch.float32  # [Note: half-precision parameters]
+        if "exp_avg" not in state:
+            state.setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            if half:
+                state["master"] = p.detach().to(torch.float32, copy=True)
+        n = p.numel()
+        check_tensor("CPUAdam: param.grad", p.grad, (p.dtype, torch.float32), n)
+        check_tensor("CPUAdam: state['exp_avg']", state["exp_avg"], (torch.float32,), n)
+        check_tensor("CPUAdam: state['exp_avg_sq']", state["exp_avg_sq"], (torch.float32,), n)
+        if isinstance(state["step"], torch.Tensor):
+            state["step"] += 1
+            step = int(state["step"].item())
+        else:  # step_subgroup's state keeps DeepSpeed's Python int
+            state["step"] += 1
+            step = int(state["step"])
+        run_update(self._updater, _hyper(group, step), state["master"] if half else p, p.grad,
+                   state["exp_avg"], state["exp_avg_sq"], half_out=p if half else None, offset=0,
+                   count=n, num_threads=num_threads, simd=None)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
@@ -91,36 +115,13 @@ class CPUAdam(torch.optim.Optimizer):
                 loss = closure()
         num_threads = self._num_threads or torch.get_num_threads()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            hyper = _adam.HyperParams(
-                lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-                eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                adamw_mode=bool(group["adamw_mode"]),
-                bias_correction=bool(group["bias_correction"]))
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self.state[p]
-                half = p.dtype != torch.float32  # [Note: half-precision parameters]
-                if not state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32,
-                                                           memory_format=torch.preserve_format)
-                    if half:
-                        state["master"] = p.detach().to(torch.float32, copy=True)
-                n = p.numel()
-                check_tensor("CPUAdam: param.grad", p.grad, (p.dtype, torch.float32), n)
-                check_tensor("CPUAdam: state['exp_avg']", state["exp_avg"], (torch.float32,), n)
-                check_tensor("CPUAdam: state['exp_avg_sq']", state["exp_avg_sq"],
-                             (torch.float32,), n)
-                if not isinstance(state["step"], torch.Tensor):  # DeepSpeed's state keeps a Python int
+                if state and not isinstance(state["step"], torch.Tensor):  # saved by DeepSpeed: an int
                     state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
-                state["step"] += 1
-                hyper.step = int(state["step"].item())
-                run_update(self._updater, hyper, state["master"] if half else p, p.grad, state["exp_avg"],
-                           state["exp_avg_sq"], half_out=p if half else None, offset=0, count=n,
-                           num_threads=num_threads, simd=None)
+                self._update(group, p, state, num_threads)
         return loss
 
 
@@ -147,6 +148,97 @@ class DeepSpeedCPUAdam(CPUAdam):
         super().__init__(model_params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          amsgrad=amsgrad, adamw_mode=adamw_mode, bias_correction=bias_correction)
         self.fp32_optimizer_states = fp32_optimizer_states
+
+    # [Note: sub-group steps]
+    # DeepSpeed's SuperOffload drives one optimizer for many flat fp32 partitions: before each
+    # call it puts the partition as the only parameter of a group and names its state by an int
+    # `subgroup_id` (`self.state[subgroup_id]`, with DeepSpeed's int `step`), so that one
+    # optimizer object holds the moments of every partition. A call with more than one parameter
+    # holding a gradient would make them share one set of moments, so it raises.
+
+    @torch.no_grad()
+    def step_subgroup(self, subgroup_id: int, closure: Callable[[], float] | None = None) -> float | None:
+        """One Adam step of the parameter that has a gradient, its state kept under
+        `self.state[subgroup_id]` ([Note: sub-group steps]). Returns closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        group, p = self._subgroup_param("step_subgroup", subgroup_id)
+        state = self.state[subgroup_id]
+        if state and isinstance(state["step"], torch.Tensor):
+            state["step"] = int(state["step"].item())
+        if not state:
+            state["step"] = 0
+        self._update(group, p, state, self._num_threads or torch.get_num_threads())
+        return loss
+
+    @torch.no_grad()
+    def rollback_subgroup(self, sub_group_id: int, closure: Callable[[], float] | None = None) -> float | None:
+        """Undoes the last step_subgroup(sub_group_id), given the same gradient: the parameter
+        and both moments go back to their values before it (to within float rounding: the
+        inverse is computed, not restored from a copy) and the step count drops by one.
+
+        Raises RuntimeError when the sub-group has no state or its step count is 0.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        state = self.state[sub_group_id] if sub_group_id in self.state else None
+        if not state:
+            raise RuntimeError(f"DeepSpeedCPUAdam.rollback_subgroup: sub_group_id {sub_group_id} "
+                               "has no optimizer state (no step_subgroup ran for it)")
+        if int(state["step"]) <= 0:
+            raise RuntimeError(f"DeepSpeedCPUAdam.rollback_subgroup: sub_group_id {sub_group_id} "
+                               f"has step count {int(state['step'])}, nothing to roll back")
+        group, p = self._subgroup_param("rollback_subgroup", sub_group_id)
+        target = state.get("master", p)
+        _adam_inverse(group, int(state["step"]), target, p.grad.to(torch.float32),
+                      state["exp_avg"], state["exp_avg_sq"])
+        if target is not p:
+            p.copy_(target)
+        state["step"] = int(state["step"]) - 1
+        return loss
+
+    def _subgroup_param(self, method: str, subgroup_id: int) -> tuple[dict[str, Any], torch.Tensor]:
+        found = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if len(found) != 1:
+            raise ValueError(f"DeepSpeedCPUAdam.{method}({subgroup_id}): expected exactly one "
+                             f"parameter with a gradient (the sub-group's flat partition), got {len(found)}")
+        group, p = found[0]
+        if p.device.type != "cpu":
+            raise TypeError(f"DeepSpeedCPUAdam.{method}: the parameter is on {p.device}, expected "
+                            "cpu; set zero_optimization.offload_optimizer.device to 'cpu'")
+        return group, p
+
+
+def _hyper(group: dict[str, Any], step: int) -> _adam.HyperParams:
+    beta1, beta2 = group["betas"]
+    hyper = _adam.HyperParams(
+        lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+        weight_decay=float(group["weight_decay"]), adamw_mode=bool(group["adamw_mode"]),
+        bias_correction=bool(group["bias_correction"]))
+    hyper.step = step
+    return hyper
+
+
+def _adam_inverse(group: dict[str, Any], step: int, param: torch.Tensor, grad: torch.Tensor,
+                  exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+    """In place, the values before the Adam step `step` of `group` that produced these, given its
+    gradient: the kernel's update ([Note: exact parity with torch] in csrc/adam/adam.h) solved
+    backwards. A second moment that rounding would leave below zero is set to zero."""
+    lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
+    beta1, beta2 = (float(b) for b in group["betas"])
+    bc1, bc2 = (1 - beta1**step, 1 - beta2**step) if group["bias_correction"] else (1.0, 1.0)
+    denom = exp_avg_sq.sqrt() / (bc2**0.5) + eps
+    param.addcdiv_(exp_avg, denom, value=lr / bc1)
+    if group["adamw_mode"]:
+        param.div_(1 - lr * wd)
+    elif wd != 0:
+        grad = grad + wd * param  # Adam's L2 decay was folded into the gradient
+    exp_avg.sub_(grad, alpha=1 - beta1).div_(beta1)
+    exp_avg_sq.addcmul_(grad, grad, value=-(1 - beta2)).div_(beta2).clamp_(min=0)
 
 
 def _check_group(group: dict[str, Any]) -> None:
