@@ -23,6 +23,7 @@ from infinity.compat import TrainingDataLoader
 from infinity.device import Device, make_device
 from infinity.lr_schedules import build_scheduler
 from infinity.signals import SignalGate
+from infinity.timeline import TIMELINE
 from infinity.zero import dist as zdist
 from infinity.zero.fetcher import Fetcher
 from infinity.zero.hooks import UnitHooks
@@ -80,6 +81,7 @@ class Engine:
         self._broken: str | None = None  # why the state may be half-updated (a failed step), until the next step
         self._checkpointing = False
         self.last_checkpoint: dict[str, Any] | None = None  # path, bytes, seconds, gbps of the last save
+        self._tracing = False  # recording the timeline for config.trace ([Note: the timeline])
         groups = _param_groups(model, model_parameters)
         self.optimizer = ZeroOptimizer(groups, config.optimizer, optimizer)
         self.lr_scheduler = lr_scheduler
@@ -193,11 +195,13 @@ class Engine:
                     self._holding_step = True
                     self._signals.hold()
                 self.hooks.reset_backward()
+                self._maybe_start_trace()
                 self.policy.last_micro = self.is_gradient_accumulation_boundary()
                 self.optim_state.begin_pass(last=self.policy.last_micro)
         args, kwargs = self.accelerator.move((args, kwargs))  # inputs go where the model computes
         try:
-            out = self.module(*args, **kwargs)
+            with TIMELINE.span("forward", "phase"):
+                out = self.module(*args, **kwargs)
         except BaseException:  # the pass is over: nothing will run its backward
             self.fetcher.end_step()
             self._in_pass = False
@@ -229,8 +233,9 @@ class Engine:
         failed = False
         self.hooks.in_backward = True
         try:
-            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
-            self.hooks.finish_backward()
+            with TIMELINE.span("backward", "phase"):
+                (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+                self.hooks.finish_backward()
         except BaseException:
             # The accumulation is abandoned: the next micro-step starts a new one, and nothing of
             # this pass (gradients in flight, state read ahead) holds a buffer.
@@ -310,7 +315,8 @@ class Engine:
     def _step(self, lr_kwargs: dict | None = None) -> None:
         t0 = time.perf_counter()
         try:
-            outcome = self.policy.step(self.global_steps)
+            with TIMELINE.span("step", "phase"):
+                outcome = self.policy.step(self.global_steps)
         finally:  # a failed step is abandoned: the next micro-step starts a new accumulation
             self._grads_final = False
             self._boundary_override = None
@@ -325,13 +331,33 @@ class Engine:
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self.report.add_time("step", time.perf_counter() - t0)
-        facts = {"grad_norm": outcome.grad_norm, "loss_scale": self.get_loss_scale(), "lr": self.get_lr(),
+        waits = TIMELINE.take_waits()
+        facts = {"waits": waits, "compute_wait_s": sum(waits.values()), "grad_norm": outcome.grad_norm, "loss_scale": self.get_loss_scale(), "lr": self.get_lr(),
                  "peak_live_numel": self.fetcher.peak_live_numel,
                  "units_updated_in_backward": outcome.updated_in_backward,
                  "trainable_params": self.trainable_numel, "frozen_params": self.frozen_numel,
                  **self.params.io_stats(), **{f"optimizer_{k}": v for k, v in self.optim_state.io_stats().items()}}
         self.report.finish_step(self.global_steps, facts, {"gather": self.fetcher.gather_seconds,
                                                            "reduce": self.hooks.reduce_seconds})
+        trace = self.config.trace
+        if self._tracing and self.global_steps >= trace.start_step + trace.steps - 1:
+            self._write_trace()
+
+    def _maybe_start_trace(self) -> None:
+        trace = self.config.trace
+        if (trace.path is not None and not self._tracing and self.policy.first_micro
+                and self.global_steps + 1 == trace.start_step):
+            TIMELINE.start()
+            self._tracing = True
+
+    def _write_trace(self) -> None:
+        """Writes the steps recorded so far ([Note: the timeline])."""
+        self._tracing = False
+        events = TIMELINE.stop()
+        path = str(self.config.trace.path) + (f".rank{self.rank}" if self.rank else "")
+        TIMELINE.write(path, events, self.rank)
+        log.info("infinity: timeline of steps %d-%d written to %s (open it in https://ui.perfetto.dev)",
+                 self.config.trace.start_step, self.global_steps, path)
 
     # ---- checkpoints and export ([Note: checkpoint layout] in infinity/checkpoint/layout.py) --------
 
@@ -646,6 +672,8 @@ class Engine:
         if self.closed:
             return
         self._holding_step = False
+        if self._tracing:  # closed before the last recorded step: what was recorded
+            self._write_trace()
         self._signals.close()  # the user's handlers are back (and run for what arrived) while it is open
         self.closed = True
         self.hooks.remove()

@@ -27,6 +27,7 @@ from infinity.config.sections import (
     OffloadParamConfig,
     OptimizerConfig,
     SchedulerConfig,
+    TraceConfig,
     WarmupCosineLRParams,
     WarmupDecayLRParams,
     WarmupLRParams,
@@ -38,5 +39,5 @@ from infinity.config.sections import (
 __all__ = [
     "AIOConfig", "AdamParams", "BF16Config", "BatchConfig", "FP16Config", "InfinityConfig",
     "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig",
-    "WarmupCosineLRParams", "WarmupDecayLRParams", "WarmupLRParams", "ZeroConfig", "load_config",
+    "TraceConfig", "WarmupCosineLRParams", "WarmupDecayLRParams", "WarmupLRParams", "ZeroConfig", "load_config",
 ]

@@ -40,6 +40,7 @@ from infinity.config.sections import (
     OffloadParamConfig,
     OptimizerConfig,
     SchedulerConfig,
+    TraceConfig,
     ZeroConfig,
     _SCHEDULER_PARAMS,
     _scheduler_type,
@@ -61,7 +62,7 @@ def _fraction(value: Any, path: str) -> float:
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _ROOT_SCALARS = ("gradient_clipping", "steps_per_print", "wall_clock_breakdown")
-_ROOT_SECTIONS = ("fp16", "bf16", "bfloat16", "optimizer", "scheduler", "zero_optimization", "aio")
+_ROOT_SECTIONS = ("fp16", "bf16", "bfloat16", "optimizer", "scheduler", "zero_optimization", "aio", "trace")
 
 _NO_EFFECT_ROOT: dict[str, _Check] = {
     "zero_allow_untested_optimizer": _bool,
@@ -312,6 +313,7 @@ def _parse_root(raw: Any, world_size: int) -> InfinityConfig:
         scheduler=_parse_scheduler(keys["scheduler"]) if "scheduler" in keys else None,
         zero=_parse_zero(keys.get("zero_optimization", {})),
         aio=_parse_aio(keys.get("aio", {})),
+        trace=_parse_section(keys.get("trace", {}), "trace", TraceConfig),
         **{name: keys[name] for name in _ROOT_SCALARS if name in keys},
     )
 

@@ -517,6 +517,24 @@ class AIOConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class TraceConfig:
+    """A timeline of some steps, written as Chrome trace JSON (section `trace`, infinity's own;
+    [Note: the timeline] in infinity/timeline.py)."""
+
+    _PATH: ClassVar[str] = "trace"
+
+    path: Path | None = _spec(_optional(_path), default=None)
+    """The file to write (rank r > 0 writes `<path>.rank<r>`); None records nothing."""
+    start_step: int = _spec(_int, minimum=1, default=2)
+    """The first optimizer step recorded (the first one also builds the prefetch schedule)."""
+    steps: int = _spec(_int, minimum=1, default=3)
+    """How many steps are recorded; the file is written after the last of them."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class InfinityConfig:
     """A whole job's configuration: one sub-config per DeepSpeed section, plus top-level keys."""
 
@@ -536,6 +554,8 @@ class InfinityConfig:
     """ZeRO stage and offload (JSON section `zero_optimization`)."""
     aio: AIOConfig = _spec(_instance, AIOConfig, factory=AIOConfig)
     """NVMe I/O tuning."""
+    trace: TraceConfig = _spec(_instance, TraceConfig, factory=TraceConfig)
+    """The step timeline (infinity's own section)."""
     gradient_clipping: float = _spec(_float, minimum=0.0, default=1.0)
     """Clip the global gradient norm to this value; 0 disables clipping."""
     steps_per_print: int | None = _spec(_optional(_int), minimum=1, default=None)

@@ -149,6 +149,11 @@ class NvmeStore:
     # ---- what is where -----------------------------------------------------------------------
 
     @property
+    def name(self) -> str:
+        """The config section it stores (e.g. "offload_param")."""
+        return self._name
+
+    @property
     def directory(self) -> str:
         return self._directory
 

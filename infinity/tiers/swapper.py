@@ -41,6 +41,8 @@ from typing import Protocol
 import torch
 from torch.profiler import record_function
 
+from infinity.timeline import TIMELINE
+
 from infinity.tiers._messages import config_key
 from infinity.tiers.cache import HostCache
 from infinity.tiers.pool import BufferPool
@@ -136,6 +138,7 @@ class Swapper:
         self.handle: IOHandle = handle if handle is not None else store.handle
         self.write_handle: IOHandle = write_handle if write_handle is not None else self.handle
         self.read_delay_s = float(read_delay_s)
+        self._label = getattr(store, "name", "store")  # for the timeline
         self.timeout = timeout
         self._shards = {}
         self._writes = {}
@@ -420,6 +423,7 @@ class Swapper:
     def _submit(self, write: bool, buffer: torch.Tensor, extent: Extent) -> Transfer:
         with record_function("infinity::nvme_write" if write else "infinity::nvme_read"):
             started = time.monotonic()
+            TIMELINE.instant("write issued" if write else "read issued", self._label, nbytes=buffer.numel())
             submit = self.write_handle.submit_write if write else self.handle.submit_read
             request = submit(buffer, extent.path, extent.offset)
         self._counters.submitted(write, buffer.numel())
@@ -442,7 +446,8 @@ class Swapper:
         finished = began
         self._cond.release()
         try:
-            with record_function("infinity::nvme_wait"):
+            with TIMELINE.span(f"{self._label} {'write' if transfer.write else 'read'}", "wait",
+                               shard=f"{shard.kind} {shard.key}"):
                 if not transfer.write and self.read_delay_s > 0:
                     time.sleep(max(0.0, transfer.started + self.read_delay_s - time.monotonic()))
                 handle = self.write_handle if transfer.write else self.handle
@@ -463,6 +468,8 @@ class Swapper:
             if not transfer.write and self.read_delay_s > 0:
                 finished = max(finished, transfer.started + self.read_delay_s)
             self._counters.completed(transfer, began, finished)
+            TIMELINE.transfer(f"{self._label} {'writes' if transfer.write else 'reads'}", f"{shard.kind} {shard.key}",
+                              transfer.started, finished, transfer.buffer.numel())
         if transfer.write:
             self._finish_write(shard, transfer, error)
         else:
@@ -588,4 +595,6 @@ class Swapper:
             if remaining is not None and remaining <= 0:
                 raise self.pool.exhausted(self.timeout)
             # Woken by releases through the swapper; the slice catches `pool.release` by others.
+            t0 = time.monotonic()
             self._cond.wait(0.05 if remaining is None else min(0.05, remaining))
+            TIMELINE.add_wait(f"{self._label} buffer", t0, time.monotonic())

@@ -35,6 +35,7 @@ import time
 
 import torch
 
+from infinity.timeline import TIMELINE
 from infinity.config import ZeroConfig
 from infinity.zero.protocols import ParamTier
 from infinity.zero.unit import Unit, UnitState
@@ -115,7 +116,7 @@ class Fetcher:
 
     def _gather(self, unit: Unit) -> None:
         t0 = time.perf_counter()
-        with torch.profiler.record_function("infinity::all_gather"):
+        with TIMELINE.span("gather", unit=unit.index):
             unit.to_gathered(self.params.fetch(unit))
             self.params.done(unit)  # the unit has its own copy now
         self.gather_seconds += time.perf_counter() - t0

@@ -34,6 +34,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
+from infinity.timeline import TIMELINE
 from infinity.zero.fetcher import Fetcher
 from infinity.zero.unit import Unit
 
@@ -102,6 +103,7 @@ class UnitHooks:
     def _pre_forward(self, unit: Unit):
         def hook(module, args, kwargs):
             self.fetcher.acquire(unit)
+            self._spans.setdefault(unit.index, []).append(TIMELINE.begin(f"forward {unit.name}", "units"))
             call = None
             if torch.is_grad_enabled():
                 inputs = _tensors_requiring_grad((args, kwargs))
@@ -117,6 +119,8 @@ class UnitHooks:
         def hook(module, args, output):
             stack = self._current.get(unit.index)
             call = stack.pop() if stack else None
+            spans = self._spans.get(unit.index)
+            TIMELINE.end(spans.pop() if spans else None, f"forward {unit.name}", "units")
             if not self.in_backward:
                 self.fetcher.release(unit)
             if not torch.is_grad_enabled():
@@ -137,6 +141,7 @@ class UnitHooks:
         """Forgets the counts and hooks of the last pass; called before each training pass and
         after its backward."""
         self._generation += 1
+        self._spans: dict[int, list] = {}  # unit -> its forward and backward slices open in the timeline
         for call in self._calls:
             call.handle.remove()
         self._calls = []
@@ -144,12 +149,15 @@ class UnitHooks:
         self._pending = dict(self._hooked)
         self._open_calls = {u.index: 0 for u in self.units}
         self._reduced = set()
+        self._backward_spans: dict[int, int | None] = {}
 
     def pre_backward(self, unit: Unit, call: _Call | None) -> None:
         if call is not None and call.generation == self._generation and not call.open:
             call.open = True
             self._open_calls[unit.index] += 1
         self.fetcher.acquire(unit)
+        if unit.index not in self._backward_spans:
+            self._backward_spans[unit.index] = TIMELINE.begin(f"backward {unit.name}", "units")
 
     def _inputs_done(self, call: _Call):
         def hook(grads):
@@ -173,6 +181,7 @@ class UnitHooks:
             self._finish(unit)
 
     def _finish(self, unit: Unit) -> None:
+        TIMELINE.end(self._backward_spans.pop(unit.index, None), f"backward {unit.name}", "units")
         if unit.trainable and unit.index not in self._reduced:
             self._reduced.add(unit.index)
             t0 = time.perf_counter()

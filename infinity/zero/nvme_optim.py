@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import torch
 
+from infinity.timeline import TIMELINE
 from infinity.device import Device, InFlight
 from infinity.optim.functional import AdamHyper, adam_step
 from infinity.tiers import BufferPool, NvmeStore, Swapper
@@ -148,7 +149,7 @@ class NvmeOptimizerState:
     def _consume(self, index: int, g: torch.Tensor, first: bool, last: bool) -> bool:
         """Adds a landed gradient (host, compute dtype) in; True when it keeps `g`'s buffer."""
         keep = False
-        with torch.profiler.record_function("infinity::grad_accumulate"):
+        with TIMELINE.span("grad_accumulate", unit=index):
             # Any float dtype: copy_/add_ and the Adam kernel convert it in their pass.
             if index in self._grads:
                 acc = self._grads[index]
@@ -308,12 +309,11 @@ class NvmeOptimizerState:
                 upcoming, pending = pending, None
                 if k + 1 < len(pieces):
                     pending = self._fetch(index, k + 1)  # read ahead while this piece updates
-                with torch.profiler.record_function("infinity::nvme_wait"):
-                    handles, upcoming = upcoming, None
-                    current = self._wait_piece(index, k, handles, n)
+                handles, upcoming = upcoming, None
+                current = self._wait_piece(index, k, handles, n)  # the swapper times the waits
                 master, m, v, *spilled = current
                 g = spilled[0] if spilled else grad[start:start + n]
-                with torch.profiler.record_function("infinity::adam"):
+                with TIMELINE.span("adam", unit=index, piece=k):
                     for seg in unit.segments:
                         lo, hi = max(seg.start, start), min(seg.start + seg.count, start + n)
                         if lo >= hi:

@@ -119,20 +119,19 @@ class NvmeParams:
         """The parts' host -> device copies, once their reads are waited for. If a read failed
         (it then holds nothing), the parts already read go back, and those not yet waited for."""
         copies = []
-        with torch.profiler.record_function("infinity::nvme_wait"):
-            for i, ((kind, n), handle) in enumerate(zip(_parts(unit), handles)):
-                self.cache.advance((kind, unit.index))
-                try:
-                    data = self.swapper.wait(handle)
-                except OSError:
-                    for c in copies:
-                        self.device.wait_host(c)
-                    for done_kind, _ in _parts(unit)[:i]:
-                        self.swapper.release(done_kind, unit.index)
-                    for rest in handles[i + 1:]:
-                        self.swapper.let_go(rest)
-                    raise
-                copies.append(self.device.to_device(data.view(unit.dtype)[:n]))
+        for i, ((kind, n), handle) in enumerate(zip(_parts(unit), handles)):  # the swapper times the waits
+            self.cache.advance((kind, unit.index))
+            try:
+                data = self.swapper.wait(handle)
+            except OSError:
+                for c in copies:
+                    self.device.wait_host(c)
+                for done_kind, _ in _parts(unit)[:i]:
+                    self.swapper.release(done_kind, unit.index)
+                for rest in handles[i + 1:]:
+                    self.swapper.let_go(rest)
+                raise
+            copies.append(self.device.to_device(data.view(unit.dtype)[:n]))
         return copies
 
     def fetch(self, unit: Unit) -> ShardParts:

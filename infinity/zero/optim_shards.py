@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from infinity.timeline import TIMELINE
 from infinity.device import Device, InFlight
 from infinity.optim.functional import AdamHyper, adam_step
 from infinity.tiers import BufferPool
@@ -103,7 +104,7 @@ class GradientLanding:
         spilled gradient's read failed), its buffer goes back and the rest stay pending."""
         while self._pending:
             copy, buffer, consume = self._pending.pop(0)
-            with torch.profiler.record_function("infinity::d2h_wait"):
+            with TIMELINE.span("gradient copy to host", "wait"):
                 self.device.wait_host(copy)
             kept = False
             try:
@@ -150,7 +151,7 @@ class ResidentOptimizerState:
         acc = self._grads[unit.index]
 
         def consume(g: torch.Tensor) -> bool:
-            with torch.profiler.record_function("infinity::grad_accumulate"):
+            with TIMELINE.span("grad_accumulate", unit=unit.index):
                 acc.copy_(g) if first else acc.add_(g)
             return False
 
@@ -172,7 +173,7 @@ class ResidentOptimizerState:
         self._settle()
         s, g = self._state[unit.index], self._grads[unit.index]
         half = None if out.dtype == torch.float32 else out  # the kernel rounds into it in its pass
-        with torch.profiler.record_function("infinity::adam"):
+        with TIMELINE.span("adam", unit=unit.index):
             for seg in unit.segments:
                 h = hypers[seg.group]
                 if self._cpu_kernel:

@@ -12,6 +12,14 @@ from typing import Any
 log = logging.getLogger("infinity")
 
 
+def waits_summary(waits: dict[str, float], top: int = 3) -> str:
+    """ "compute thread waited X s on Y (a s), Z (b s)": the largest waits of a step."""
+    total = sum(waits.values())
+    largest = sorted(waits.items(), key=lambda kv: -kv[1])[:top]
+    return (f"compute thread waited {total:.3f} s" +
+            (" on " + ", ".join(f"{name} ({s:.3f} s)" for name, s in largest) if largest else ""))
+
+
 class StepReport:
     def __init__(self, *, wall_clock_breakdown: bool = False, steps_per_print: int = 0, rank: int = 0) -> None:
         self.wall_clock_breakdown = wall_clock_breakdown
@@ -42,8 +50,9 @@ class StepReport:
         total = r["forward_s"] + r["backward_s"] + r["step_s"]
         if self.wall_clock_breakdown:
             log.warning("step %d: forward %.1f ms | backward %.1f ms | step %.1f ms | gather %.1f ms | "
-                        "reduce %.1f ms | total %.1f ms", step, 1e3 * r["forward_s"], 1e3 * r["backward_s"],
-                        1e3 * r["step_s"], 1e3 * r.get("gather_s", 0.0), 1e3 * r.get("reduce_s", 0.0), 1e3 * total)
+                        "reduce %.1f ms | total %.1f ms | %s", step, 1e3 * r["forward_s"], 1e3 * r["backward_s"],
+                        1e3 * r["step_s"], 1e3 * r.get("gather_s", 0.0), 1e3 * r.get("reduce_s", 0.0), 1e3 * total,
+                        waits_summary(r.get("waits", {})))
         if self.steps_per_print and step % self.steps_per_print == 0:
             log.warning("step %d: lr %s | loss scale %g | grad norm %.4g | step time %.1f ms", step,
                         ", ".join(f"{lr:.3g}" for lr in r["lr"]), r["loss_scale"], r["grad_norm"], 1e3 * total)

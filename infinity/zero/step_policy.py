@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import torch
 
+from infinity.timeline import TIMELINE
 from infinity.device import Device, InFlight
 from infinity.optim.functional import AdamHyper
 from infinity.zero import dist as zdist
@@ -74,7 +75,7 @@ class StepPolicy:
 
     def on_unit_grads(self, unit: Unit) -> None:
         """The unit's gradients are final for this pass: reduce, hand on, maybe update."""
-        with torch.profiler.record_function("infinity::reduce_scatter"):
+        with TIMELINE.span("reduce_scatter", unit=unit.index):
             key = (unit.train_padded_numel, unit.dtype)
             if key not in self._grad_buffers:
                 buffer = torch.zeros(unit.train_padded_numel, dtype=unit.dtype, device=self.accelerator.compute)

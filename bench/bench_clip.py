@@ -1,0 +1,187 @@
+"""The NVMe step with gradient clipping against the same step without, and against its floors,
+interleaved in one process (issue [7/7] section 2).
+
+    python bench/bench_clip.py                       # 134M GPT, bf16, batch 2x256, 6 rounds
+    python bench/bench_clip.py --layers 8 --dim 256 --vocab 8000 --micro 4 --seq 64   # 7.4M
+
+Engines, all with the same knobs (params and optimizer state on NVMe, offload_param.max_in_cpu
+0, 8 MiB aio blocks, queue depth 32; stage3_prefetch_bucket_size, sub_group_size and buffer
+counts as bench_train.py gives infinity):
+  * nvme, clip 1.0 and nvme, clip 0;
+  * the compute floor: the same engine with params and optimizer state in CPU memory, clip 1.0;
+  * plain PyTorch (bf16 module, fused AdamW on fp32 masters is not what we run, so it is the
+    model's forward + backward + torch.optim.AdamW on a bf16 copy: a reference, not a floor).
+The I/O floor is the bytes a step must move (from the model's size: see io_floor below) over
+the read and write GB/s of our handle with the same block size and queue depth, measured in the
+same run before and after the rounds; the bytes the engine reports moving are printed beside it. Rounds interleave
+the engines, each round starting with a different one; the first step of each is a warm-up.
+Reports medians with min-max, and writes a timeline of one step of each NVMe engine with
+--trace-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_train import batch, load_gpt  # noqa: E402
+
+
+def engine_config(work: str, args, *, place: str, clip: float) -> dict:
+    offload = lambda extra: ({"device": "nvme", "nvme_path": work, **extra} if place == "nvme"  # noqa: E731
+                             else {"device": "cpu"})
+    return {
+        "train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1, "gradient_clipping": clip,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+        "zero_optimization": {
+            "stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+            "stage3_prefetch_bucket_size": 5e8, "sub_group_size": 2.5e7,
+            "offload_param": offload({"buffer_count": 8, "max_in_cpu": 0, "buffer_size": 1e8}),
+            "offload_optimizer": offload({"buffer_count": 48, "max_grad_in_cpu": args.max_grad_in_cpu}),
+        },
+        "aio": {"block_size": args.block_size, "queue_depth": args.queue_depth, "thread_count": 1,
+                "single_submit": False, "overlap_events": True},
+    }
+
+
+def handle_gbps(work: str, args) -> tuple[float, float]:
+    from infinity.io import AsyncIOHandle, aligned_empty
+
+    size = 1 << 30
+    handle = AsyncIOHandle(block_size=args.block_size, queue_depth=args.queue_depth)
+    buf = aligned_empty(size)
+    buf.fill_(1)
+    path = os.path.join(work, "io-floor")
+    handle.write(buf, path)
+    w, r = [], []
+    for _ in range(3):
+        t = time.perf_counter(); handle.write(buf, path); w.append(size / (time.perf_counter() - t) / 1e9)  # noqa: E702
+        t = time.perf_counter(); handle.read(buf, path); r.append(size / (time.perf_counter() - t) / 1e9)  # noqa: E702
+    os.unlink(path)
+    return statistics.median(r), statistics.median(w)
+
+
+def spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--dim", type=int, default=768)
+    p.add_argument("--vocab", type=int, default=64000)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--micro", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--block-size", type=int, default=8 << 20)
+    p.add_argument("--queue-depth", type=int, default=32)
+    p.add_argument("--max-grad-in-cpu", type=float, default=1e9)
+    p.add_argument("--nvme-path", default="/work")
+    p.add_argument("--trace-dir", default=None)
+    p.add_argument("--output")
+    args = p.parse_args()
+
+    import infinity
+    from infinity.timeline import TIMELINE
+
+    gpt = load_gpt()
+    cfg = gpt.GPTConfig(vocab_size=args.vocab, seq_len=args.seq, dim=args.dim, layers=args.layers,
+                        heads=max(1, args.dim // 64))
+    work = tempfile.mkdtemp(prefix="bench-clip-", dir=args.nvme_path)
+    engines = {}
+    try:
+        gbps_before = handle_gbps(work, args)
+        for name, place, clip in (("nvme clip 1.0", "nvme", 1.0), ("nvme clip 0", "nvme", 0.0),
+                                  ("cpu clip 1.0", "cpu", 1.0)):
+            torch.manual_seed(0)
+            sub = os.path.join(work, name.replace(" ", "_"))
+            os.makedirs(sub)
+            engine, *_ = infinity.initialize(model=gpt.GPT(cfg), config=engine_config(sub, args, place=place, clip=clip))
+            engines[name] = engine
+        names = list(engines)
+        times = {n: [] for n in names}
+        moved = {n: [] for n in names}
+        waits = {n: [] for n in names}
+        losses = {n: [] for n in names}
+        for r in range(args.rounds + 1):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for n in order:
+                e = engines[n]
+                idx, tgt = batch(args.vocab, args.micro, args.seq, r)
+                tracing = args.trace_dir and r == args.rounds and n.startswith("nvme")
+                if tracing:
+                    TIMELINE.start()
+                t0 = time.perf_counter()
+                loss = e(idx, tgt)
+                e.backward(loss)
+                e.step()
+                dt = time.perf_counter() - t0
+                if tracing:
+                    path = os.path.join(args.trace_dir, n.replace(" ", "_") + ".json")
+                    TIMELINE.write(path, TIMELINE.stop())
+                rep = e.report.last
+                losses[n].append(round(loss.item(), 4))
+                if r:
+                    times[n].append(dt)
+                    moved[n].append((rep.get("nvme_read_bytes", 0) + rep.get("optimizer_nvme_read_bytes", 0),
+                                     rep.get("nvme_write_bytes", 0) + rep.get("optimizer_nvme_write_bytes", 0)))
+                    waits[n].append(rep["waits"])
+                print(f"round {r} {n}: {dt:.3f} s, loss {loss.item():.4f}, waited {rep['compute_wait_s']:.3f} s",
+                      flush=True)
+        gbps_after = handle_gbps(work, args)
+    finally:
+        for e in engines.values():
+            e.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+    read_gbps = statistics.median([gbps_before[0], gbps_after[0]])
+    write_gbps = statistics.median([gbps_before[1], gbps_after[1]])
+    result = {"args": vars(args), "params": cfg.num_params(), "date": datetime.datetime.now().isoformat(),
+              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                       cwd=HERE).stdout.strip(),
+              "handle_gbps": {"read": [gbps_before[0], gbps_after[0]], "write": [gbps_before[1], gbps_after[1]]},
+              "times": times, "moved_bytes": moved, "waits": waits, "losses": losses}
+    compute = times["cpu clip 1.0"]
+    print(f"\n{cfg.num_params() / 1e6:.1f}M parameters; handle read {read_gbps:.2f} GB/s, write {write_gbps:.2f} GB/s")
+    for n in names:
+        line = f"{n:>14}: step {spread(times[n])} s"
+        if n.startswith("nvme"):
+            rb, wb = (statistics.median(x) for x in zip(*moved[n]))
+            # The bytes the step must move, from the model: bf16 params read in forward and in
+            # backward (max_in_cpu 0) and written once; fp32 master, exp_avg, exp_avg_sq read and
+            # written; gradients beyond max_grad_in_cpu spilled (written and read, clipping only).
+            n_params = result["params"]
+            spilled = max(0.0, n_params - args.max_grad_in_cpu) if "clip 1.0" in n else 0.0
+            need_r, need_w = 16 * n_params + 4 * spilled, 14 * n_params + 4 * spilled
+            io_floor = need_r / read_gbps / 1e9 + need_w / write_gbps / 1e9
+            floor = [max(io_floor, c) for c in compute]
+            ratios = [t / f for t, f in zip(times[n], floor)]
+            result.setdefault("io_floor_s", {})[n] = io_floor
+            result.setdefault("ratio_to_floors", {})[n] = ratios
+            line += (f" | moved {rb / 1e9:.2f} GB read, {wb / 1e9:.2f} GB written; I/O floor {io_floor:.3f} s"
+                     f" | step / max(floors) {spread(ratios)}")
+        print(line)
+    clip_ratio = [a / b for a, b in zip(times["nvme clip 1.0"], times["nvme clip 0"])]
+    result["clip_over_noclip"] = clip_ratio
+    print(f"clipped / unclipped, per round: {spread(clip_ratio)}")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
