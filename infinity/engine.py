@@ -114,6 +114,7 @@ class Engine:
         self.policy = StepPolicy(self.units, self.params, self.optim_state, self.fetcher, self.optimizer,
                                  self.accelerator, clip=config.gradient_clipping, scaler=self.scaler,
                                  skip_nonfinite=config.bf16.check_grad_overflow)
+        self.optimizer.settle = self.policy.settle_all
         self.hooks = UnitHooks(self.units, modules, self.fetcher, self.policy.on_unit_grads)
         self.report = StepReport(wall_clock_breakdown=config.wall_clock_breakdown,
                                  steps_per_print=config.steps_per_print, rank=self.rank)
@@ -396,6 +397,7 @@ class Engine:
         """The weights as the model computes with them (bf16/fp16, or fp32), in Hugging Face's
         safetensors layout in `save_dir`; every rank calls it, rank 0 writes."""
         from infinity.checkpoint.export import save_16bit_model
+        self.policy.settle_all()  # [Note: updates after the norm] in step_policy.py
         with self._held_signals():
             return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
@@ -429,6 +431,7 @@ class Engine:
         if self._grads_final:
             raise RuntimeError(f"{what}: backward() ended an accumulation and step() has not run; call engine.step() "
                                "first, so that the state is the step's result")
+        self.policy.settle_all()  # [Note: updates after the norm] in step_policy.py
 
     def mark_broken(self, why: str) -> None:
         """The values may be half-updated: no checkpoint is taken until a step or a load succeeds."""
@@ -527,6 +530,7 @@ class Engine:
     def _local_fp32(self, unit: Unit) -> torch.Tensor:
         """This rank's shard in fp32: the masters of the trainable part, the compute-dtype values
         of the frozen part (frozen parameters have no master)."""
+        self.policy.settle(unit)  # [Note: updates after the norm]
         shard = torch.empty(unit.shard_numel, dtype=torch.float32)
         parts = unit.split(shard)
         if unit.trainable:
@@ -543,6 +547,7 @@ class Engine:
 
     def full_compute_values(self, unit: Unit) -> torch.Tensor:
         """The unit's full flat buffer in the compute dtype on the CPU; all ranks call it."""
+        self.policy.settle(unit)  # [Note: updates after the norm]
         return self._gather_full(unit, self.params.host_copy(unit))
 
     def full_fp32_values(self, unit: Unit) -> torch.Tensor:
@@ -554,6 +559,7 @@ class Engine:
         optimizer state: "master", "exp_avg", "exp_avg_sq", or "grad" (the accumulated gradient,
         between the backward that ends an accumulation and `step()`). None for a unit without
         trainable parameters, or a gradient no longer kept. All ranks call it."""
+        self.policy.settle(unit)  # [Note: updates after the norm]
         if not unit.trainable:
             return None
         if kind == "grad":
@@ -575,6 +581,7 @@ class Engine:
         return self._gather_full(unit, shard)
 
     def gather_for_user(self, unit: Unit) -> None:
+        self.policy.settle(unit)  # [Note: updates after the norm]
         unit.to_gathered(self.params.fetch(unit), fresh=True)  # views may outlive the release
         self.params.done(unit)
 
@@ -582,6 +589,7 @@ class Engine:
         unit.to_released()
 
     def set_unit_values(self, unit: Unit, shard: torch.Tensor) -> None:
+        self.policy.settle(unit)  # [Note: updates after the norm]
         shard = self.accelerator.host(shard)
         if unit.trainable:  # the values were written in the compute dtype; fp32 keeps them exactly
             self.optim_state.set_master(unit, unit.split(shard).train.to(torch.float32))
@@ -589,6 +597,7 @@ class Engine:
 
     def _set_trainable_values(self, unit: Unit, master: torch.Tensor) -> None:
         """The trainable part of the unit's shard becomes `master` (this rank's, fp32) rounded."""
+        self.policy.settle(unit)  # [Note: updates after the norm]
         shard = self.params.host_copy(unit)
         unit.split(shard).train.copy_(master)
         self.policy.write_params(unit, new_shard=shard)
@@ -596,6 +605,7 @@ class Engine:
     def set_fp32_values(self, unit: Unit, full: torch.Tensor) -> None:
         """Makes `full` (the unit's full flat buffer in fp32, identical on every rank) the unit's
         values: fp32 masters of the trainable part, compute-dtype shard of both parts."""
+        self.policy.settle(unit)  # [Note: updates after the norm]
         shard = unit.local_shard(full.to(torch.float32).cpu())
         if unit.trainable:
             self.optim_state.set_master(unit, unit.split(shard).train.clone())

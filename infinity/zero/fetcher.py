@@ -32,8 +32,8 @@ is not traced and prefetches nothing, so it cannot disturb the recorded schedule
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
-import torch
 
 from infinity.timeline import TIMELINE
 from infinity.config import ZeroConfig
@@ -57,6 +57,10 @@ class Fetcher:
         self.peak_live_numel = 0
         self.gather_seconds = 0.0
         self._prefetched: set[int] = set()  # schedule positions whose shard read is already issued
+        # [Note: updates after the norm] in step_policy.py: a unit whose update waits for its
+        # next use is updated (`settle`) before its shard is read, at most one use ahead.
+        self.pending: Callable[[Unit], bool] = lambda unit: False
+        self.settle: Callable[[Unit], None] = lambda unit: None
 
     # ---- per step -------------------------------------------------------------------------
 
@@ -89,6 +93,7 @@ class Fetcher:
         if self.on_schedule and (pos >= len(self.schedule) or self.schedule[pos] != unit.index):
             self.on_schedule = False
         self.in_use[unit.index] = self.in_use.get(unit.index, 0) + 1
+        self.settle(unit)
         if unit.state is UnitState.RELEASED:
             self._make_room(unit.padded_numel if not unit.persistent else 0)
             self._gather(unit)
@@ -175,6 +180,10 @@ class Fetcher:
             if ahead >= self.prefetch_numel:
                 break
             u = self.units[self.schedule[pos]]
+            if self.pending(u):  # its update writes the shard it would read
+                if pos != start:
+                    break
+                self.settle(u)
             ahead += u.padded_numel
             if pos in self._prefetched or u.state is UnitState.GATHERED:
                 continue

@@ -71,6 +71,7 @@ class NvmeOptimizerState:
     """
 
     on_device = False  # the state is updated by the CPU kernel, from host buffers
+    defers_updates = True  # [Note: updates after the norm] in step_policy.py
 
     def __init__(self, device: Device, offload, aio, sub_group_size: int, *, rank: int, units: list[Unit],
                  no_accumulator: set[int] = frozenset()):
@@ -118,6 +119,7 @@ class NvmeOptimizerState:
         self._final: set[int] = set()  # units whose gradient is final this step
         self._updated: set[int] = set()
         self._reading_ahead = False
+        self._deferred: list[int] = []  # units whose update waits for their next use, in that order
         self._tally = IOTally(self.swapper)
 
     def _kinds(self, index: int) -> tuple[str, ...]:
@@ -255,7 +257,7 @@ class NvmeOptimizerState:
         spilled gradient is read only once it is final."""
         early = self._early.setdefault((index, k), {})
         kinds = [kind for kind in self._kinds(index) if kind not in early
-                 and (kind != GRAD or index in self._final)]
+                 and (kind != GRAD or index in self._final or index in self._deferred)]
         if not kinds:
             return True
         if not self.swapper.can_spare(3 * self._per_piece + len(kinds)):
@@ -277,7 +279,12 @@ class NvmeOptimizerState:
 
     def _read_ahead(self) -> None:
         """Reads the pieces of the units expected to become final next ([Note: reading ahead in
-        the expected order]), as far as the pool allows."""
+        the expected order]), as far as the pool allows; first those of pending updates, in the
+        order they will run."""
+        for index in self._deferred:
+            for k in range(len(self._pieces[index])):
+                if not self._read_early(index, k):
+                    return
         if not self._reading_ahead:
             return
         for index in self._expected:
@@ -336,21 +343,31 @@ class NvmeOptimizerState:
         finally:
             if fresh is not None:
                 self._landing.release(fresh)
-        if index in self._ready:
-            self._ready.remove(index)
-        self._updated.add(index)
+        if index in self._deferred:  # the last step's, not this one's
+            self._deferred.remove(index)
+            self._final.discard(index)
+        else:
+            if index in self._ready:
+                self._ready.remove(index)
+            self._updated.add(index)
         self._read_ahead()
 
-    def _drop_early(self) -> None:
-        while self._early:
-            _, early = self._early.popitem()
-            for handle in early.values():
+    def defer(self, order: list[int]) -> None:
+        """These units' updates run later, in this order ([Note: updates after the norm] in
+        step_policy.py): their reads issued so far are kept for them, and more start now."""
+        self._deferred = list(order)
+        self._reading_ahead = False  # the next step's reads start with its forward
+        self._read_ahead()
+
+    def _drop_early(self, keep: list[int] = ()) -> None:
+        for key in [key for key in self._early if key[0] not in keep]:
+            for handle in self._early.pop(key).values():
                 self.swapper.let_go(handle)
 
     def finish_step(self) -> None:
-        self._drop_early()  # reads for an update that did not come (a skipped step)
+        self._drop_early(keep=self._deferred)  # reads for an update that did not come (a skipped step)
         self._ready.clear()
-        self._final.clear()
+        self._final = {index for index in self._final if index in self._deferred}
         for g in self._fresh.values():  # a skipped step: never used
             self._landing.release(g)
         self._fresh.clear()

@@ -19,6 +19,21 @@ copies must not change while autograd runs). The update uses the param groups' v
 are when backward runs; the numbers are those of a step after backward, since every element's
 update is independent of the others'. Non-finite gradients are then applied as PyTorch applies
 them (with a warning); only fp16's loss scaling skips steps.
+
+[Note: updates after the norm]
+With clipping or fp16 loss scaling every update waits for the global norm. When the optimizer
+state is on NVMe (`OptimizerTier.defers_updates`), `step()` then only computes the norm, the
+clip coefficient and the step's hyper-parameters, updates the persistent units, and leaves the
+others pending: each is updated just before its shard is next read, in the order the next
+forward needs them (the fetcher settles a unit when it is acquired or is next to be read, one
+use ahead). So the optimizer-state I/O and the parameter write-back run among the next
+forward's units instead of after backward, and the next forward finds each unit's new values in
+the buffer its update wrote them to (no NVMe read). The update is the one `step()` would have
+run, with the hyper-parameters, step count and clip coefficient taken at `step()`: losses and
+weights are bit-identical. Whatever reads the values or the state before that forward (a
+checkpoint, `consolidated_state_dict`, GatheredParameters, an eval forward, the next `step()`)
+first settles what it touches, or everything (`settle_all`). An update that fails stays
+pending: the next read of the unit tries it again.
 """
 
 from __future__ import annotations
@@ -68,6 +83,13 @@ class StepPolicy:
         self._hypers: list[AdamHyper] | None = None  # this step's, once its first unit was updated
         self._updated: set[int] = set()  # units updated this step
         self._updated_in_backward = 0
+        # [Note: updates after the norm]: units whose update waits for their next use, in that
+        # order, and the (hypers, step count, grad scale) of the step they belong to.
+        self.defer = not self.update_in_backward and getattr(optim_state, "defers_updates", False)
+        self._pending: dict[int, Unit] = {}
+        self._pending_args: tuple[list[AdamHyper], int, float] | None = None
+        fetcher.pending = lambda unit: unit.index in self._pending
+        fetcher.settle = self.settle
         # One flat gradient buffer per unit size, and the copy that still reads it.
         self._grad_buffers: dict[tuple[int, torch.dtype], tuple[torch.Tensor, InFlight | None]] = {}
 
@@ -75,6 +97,7 @@ class StepPolicy:
 
     def on_unit_grads(self, unit: Unit) -> None:
         """The unit's gradients are final for this pass: reduce, hand on, maybe update."""
+        self.settle(unit)  # its last update read the accumulator this gradient overwrites
         with TIMELINE.span("reduce_scatter", unit=unit.index):
             key = (unit.train_padded_numel, unit.dtype)
             if key not in self._grad_buffers:
@@ -99,6 +122,35 @@ class StepPolicy:
         self._hypers, self._updated, self._updated_in_backward = None, set(), 0
         self.first_micro = True
 
+    # ---- updates after the norm ([Note: updates after the norm]) ---------------------------
+
+    def settle(self, unit: Unit) -> None:
+        """Runs the unit's pending update, if it has one."""
+        if unit.index not in self._pending:
+            return
+        del self._pending[unit.index]
+        hypers, step, grad_scale = self._pending_args
+        try:
+            self.write_params(unit, lambda target: self.optim_state.update(unit, hypers, step, grad_scale, target))
+        except BaseException:
+            self._pending[unit.index] = unit  # unchanged by the failed update: tried again at the next read
+            raise
+
+    def settle_all(self) -> None:
+        for unit in list(self._pending.values()):
+            self.settle(unit)
+
+    @property
+    def pending_updates(self) -> int:
+        return len(self._pending)
+
+    def _next_forward_order(self, units: list[Unit]) -> list[Unit]:
+        """`units` in the order of their first use in the recorded schedule, the others after."""
+        first: dict[int, int] = {}
+        for pos, index in enumerate(self.fetcher.schedule or ()):
+            first.setdefault(index, pos)
+        return sorted(units, key=lambda u: (first.get(u.index, 1 << 62), u.index))
+
     # ---- the step -------------------------------------------------------------------------
 
     def step(self, step_number: int) -> StepOutcome:
@@ -114,6 +166,7 @@ class StepPolicy:
         # The previous step's optimizer-state writes drained behind this step's forward and
         # backward; a failed one is raised now if nothing met it yet (a read of its shard, such
         # as an update in backward, raises at once: its bytes are never taken for good ones).
+        self.settle_all()  # the last step's updates that no use reached (their units did not run)
         self.optim_state.flush()
         units = [u for u in self.units if u.trainable]
         sq = torch.zeros((), dtype=torch.float32)
@@ -147,15 +200,27 @@ class StepPolicy:
             if self.scaler is not None:
                 log.info("step %d: gradient overflow, skipped; loss scale now %g", step_number, self.scaler.scale)
         else:
-            for u in self.optim_state.step_order([u for u in units if u.index not in self._updated]):
+            left = [u for u in units if u.index not in self._updated]
+            later = [u for u in left if not u.persistent] if self.defer else []
+            now = [u for u in left if u.persistent] if self.defer else left
+            for u in self.optim_state.step_order(now):
                 self._update(u, grad_scale)
+            if later:  # [Note: updates after the norm]
+                self._begin_update()
+                order = self._next_forward_order(later)
+                self._pending = {u.index: u for u in order}
+                self._pending_args = (self._hypers, self.optimizer.step_count, grad_scale)
+                self.optim_state.defer([u.index for u in order])
         return StepOutcome(grad_norm, not overflow, self._updated_in_backward)
 
-    def _update(self, unit: Unit, grad_scale: float) -> None:
+    def _begin_update(self) -> None:
         if self._hypers is None:  # the step's first update
             self.optimizer.step_count += 1
             self.optimizer.mark_stepped()
             self._hypers = self.optimizer.hypers()
+
+    def _update(self, unit: Unit, grad_scale: float) -> None:
+        self._begin_update()
         self.write_params(unit, lambda target: self.optim_state.update(
             unit, self._hypers, self.optimizer.step_count, grad_scale, target))
         self._updated.add(unit.index)

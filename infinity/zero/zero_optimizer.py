@@ -48,6 +48,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.step_count = 0
         self._user_optimizer = user_optimizer  # its schedulers step our (shared) groups
         self._shards = None  # the engine's optimizer tier and units, for state_dict()
+        self.settle = lambda: None  # the engine's: runs updates still pending ([Note: updates after the norm])
 
     def bind(self, tier, units, set_params) -> None:
         """The optimizer tier (infinity.zero.protocols.OptimizerTier) holding the state of `units`,
@@ -58,6 +59,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """This rank's whole Adam state in host memory: per unit, the fp32 master, exp_avg and
         exp_avg_sq of its shard, with the param groups and the step count. For models whose state
         does not fit in memory use `engine.save_checkpoint`, which streams it to disk."""
+        self.settle()
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         state = {}
         if self._shards is not None:
@@ -68,6 +70,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """The inverse of `state_dict()`, for the same model, world size and rank."""
+        self.settle()
         groups = state_dict.get("param_groups", [])
         if len(groups) != len(self.param_groups):
             raise ValueError(f"state_dict: has {len(groups)} param groups, this optimizer {len(self.param_groups)}")
