@@ -10,6 +10,7 @@ before and after, and a table of what lived where and what moved per step.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shutil
@@ -46,6 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", help="draw the loss and per-step I/O into this image (needs matplotlib)")
     p.add_argument("--nvme-path", default=tempfile.gettempdir(), help="directory for the offload files")
     p.add_argument("--offload", choices=["cpu", "nvme"], default="nvme", help="tier for the built-in config")
+    p.add_argument("--trace", help="write a timeline of steps 2-4 here (Chrome trace JSON; the config's `trace` section)")
     p.add_argument("--sample-tokens", type=_non_negative, default=48)
     p.add_argument("--seed", type=int, default=0)
 
@@ -286,6 +288,11 @@ def run(args) -> int:
     else:
         work = tempfile.mkdtemp(prefix="infinity-finetune-", dir=args.nvme_path)
         config = _default_config(work, args.offload, args.batch, lr)
+    if args.trace:
+        if not isinstance(config, dict):
+            with open(config, encoding="utf-8") as f:
+                config = json.load(f)
+        config = {**config, "trace": {**config.get("trace", {}), "path": args.trace}}
     try:
         engine, *_ = infinity.initialize(model=model, config=config)
         if pretrained:

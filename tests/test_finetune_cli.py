@@ -3,6 +3,7 @@ and a Hugging Face model fine-tuned with LoRA, saved, resumed and exported."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -20,6 +21,23 @@ def test_default_job_runs_and_shows_the_table(capsys, tmp_path):
         assert row in out
     assert "{" not in out.split("what lived where")[1]  # a table, not a JSON dump
     assert not list(tmp_path.iterdir())  # the offload files went with the run
+
+
+def test_trace_writes_a_timeline_of_the_steps(tmp_path):
+    """--trace: a Chrome trace whose compute-thread slices and NVMe transfers lie in steps 2-4, with a
+    forward and a backward phase per step, the optimizer state's transfers both ways and the parameters'
+    write-back (the default config keeps parameters cached in host memory: no reads)."""
+    trace = tmp_path / "t" / "trace.json"
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    assert main(["finetune", "--steps", "5", "--sample-tokens", "0", "--nvme-path", str(nvme),
+                 "--trace", str(trace)]) == 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    phases = [e["name"] for e in events if e.get("cat") == "phase"]
+    assert phases.count("forward") >= 3 and phases.count("backward") == 3 and phases.count("step") == 3
+    tracks = {e["cat"] for e in events if e["ph"] == "b"}
+    assert {"offload_param writes", "offload_optimizer reads", "offload_optimizer writes", "units"} <= tracks
+    assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
 
 
 @pytest.mark.slow
