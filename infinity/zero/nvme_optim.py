@@ -50,6 +50,7 @@ from infinity.timeline import TIMELINE
 from infinity.device import Device, InFlight
 from infinity.optim.functional import AdamHyper, adam_step
 from infinity.tiers import BufferPool, NvmeStore, Swapper
+from infinity.tiers.state import ShardState
 from infinity.tiers.store import default_job_id
 from infinity.zero.nvme_io import IOTally, make_handle, plan_count
 from infinity.zero.optim_shards import NORM_ROW, GradientLanding, row_norms_sq
@@ -358,6 +359,11 @@ class NvmeOptimizerState:
         self._deferred = list(order)
         self._reading_ahead = False  # the next step's reads start with its forward
         self._read_ahead()
+        for index in self._deferred:  # a shard whose last write failed fails the step now, not one later
+            for k in range(len(self._pieces[index])):
+                for kind in KINDS:
+                    if self.swapper.state(kind, (index, k)) is ShardState.INVALID:
+                        self.swapper.fetch(kind, (index, k))  # raises the error naming the shard
 
     def _drop_early(self, keep: list[int] = ()) -> None:
         for key in [key for key in self._early if key[0] not in keep]:
