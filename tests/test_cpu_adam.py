@@ -287,6 +287,108 @@ def test_thread_count_does_not_change_bits():
     assert all(torch.equal(o, outs[0]) for o in outs)
 
 
+# Lengths around the chunk edges of a batch (multiples of 64 and not), an empty tensor, and
+# enough elements in all for several threads.
+BATCH_LENGTHS = [0, 1, 63, 65536 + 5, 200_003, 131_072, 7, 70_001]
+
+
+@pytest.mark.parametrize("borrow_openmp_team", [False, True])
+@pytest.mark.parametrize("num_threads", [2, 3])
+def test_one_batch_equals_one_call_per_tensor(borrow_openmp_team, num_threads):
+    """update_many cuts chunks across tensors laid end to end; every element still gets the
+    bits of its own tensor's update, with its own step and hyper-parameters."""
+    from infinity import _adam
+    from infinity.optim.functional import kernel_job
+
+    def cases():
+        for i, n in enumerate(BATCH_LENGTHS):
+            p, g, m, v = random_case(n, 40 + i, torch.bfloat16 if i % 2 else torch.float32)
+            yield p, g, m, v, (torch.empty(n, dtype=torch.bfloat16) if i % 3 == 0 else None), i + 1
+
+    expected = []
+    for p, g, m, v, h, step in cases():
+        adam_update(p, g, m, v, step=step, half_out=h, num_threads=1, **HYPER)
+        expected.append([bits(t) for t in (p, m, v, h) if t is not None])
+    batch = list(cases())
+    hyper = dict(HYPER)
+    jobs = [kernel_job(_adam.HyperParams(**hyper, step=step), p, g, m, v, half_out=h, offset=0,
+                       count=p.numel()) for p, g, m, v, h, step in batch]
+    _adam.Updater(borrow_openmp_team=borrow_openmp_team).update_many(jobs, num_threads=num_threads)
+    for (p, _, m, v, h, _), want in zip(batch, expected):
+        got = [bits(t) for t in (p, m, v, h) if t is not None]
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_many_tensors_on_many_threads_match_torch_fused_bits():
+    # Lengths that are whole vectors (torch's fused kernel rounds its scalar tail otherwise),
+    # long enough for every thread to take chunks of several tensors.
+    gen = torch.Generator().manual_seed(11)
+    ours_params = [torch.nn.Parameter(torch.randn(n, generator=gen))
+                   for n in (300_032, 131_072, 64, 1_000_000)]
+    ref_params = [torch.nn.Parameter(p.detach().clone()) for p in ours_params]
+    ours = CPUAdam(ours_params, lr=1e-2, weight_decay=0.05, num_threads=2)
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.05, fused=True)
+    for _ in range(3):
+        for a, b in zip(ours_params, ref_params):
+            a.grad = torch.randn(a.shape, generator=gen)
+            b.grad = a.grad.clone()
+        ours.step()
+        ref.step()
+    for a, b in zip(ours_params, ref_params):
+        assert torch.equal(bits(a.detach()), bits(b.detach()))
+
+
+def test_a_bad_gradient_leaves_every_parameter_and_step_count_as_it_was():
+    params = [torch.nn.Parameter(torch.randn(1000)) for _ in range(3)]
+    opt = CPUAdam(params)
+    for p in params:
+        p.grad = torch.randn(1000)
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    params[1].grad = torch.randn(2000)[::2]
+    with pytest.raises(ValueError, match="param.grad must be contiguous"):
+        opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+    assert [opt.state[p]["step"].item() for p in params] == [1.0, 1.0, 1.0]
+
+
+def test_step_from_another_thread_gives_the_same_bits():
+    # Off the main thread the update runs on the optimizer's own pool, never on a second
+    # OpenMP team ([Note: torch's OpenMP team] in csrc/adam/openmp_team.h).
+    import threading
+
+    results = []
+    for in_thread in (False, True):
+        p = torch.nn.Parameter(torch.randn(500_000, generator=torch.Generator().manual_seed(2)))
+        p.grad = torch.randn(500_000, generator=torch.Generator().manual_seed(3))
+        opt = CPUAdam([p], num_threads=2)
+        if in_thread:
+            t = threading.Thread(target=opt.step)
+            t.start()
+            t.join()
+        else:
+            opt.step()
+        results.append(bits(p.detach()))
+    assert torch.equal(results[0], results[1])
+
+
+def test_step_starts_no_threads_where_torch_runs_on_openmp():
+    """CPUAdam borrows torch's OpenMP threads, which are already there after one torch op."""
+    import os
+
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("torch does not run on OpenMP here")
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: nothing to borrow")
+    p = torch.nn.Parameter(torch.randn(1 << 20))
+    p.grad = torch.randn(1 << 20)
+    opt = CPUAdam([p])
+    torch.zeros_like(p).add_(1)  # torch's team is up
+    num_threads = len(os.listdir("/proc/self/task"))
+    opt.step()
+    assert len(os.listdir("/proc/self/task")) == num_threads
+
+
 def save_and_load(state: dict) -> dict:
     buffer = io.BytesIO()
     torch.save(state, buffer)
@@ -455,26 +557,16 @@ def test_concurrent_callers_share_one_updater():
         assert torch.equal(bits(p), bits(e))
 
 
-def test_update_in_a_forked_child():
-    """A DataLoader-style fork after the pool started: the child updates, exits, never hangs."""
+def run_in_forked_child(fn, what: str) -> None:
+    """Runs fn() in a child made by fork(), as a DataLoader worker is, with torch on one thread
+    (torch's OpenMP team does not survive fork()); fails if fn() is False or hangs."""
     import os
     import time
 
-    from infinity.optim import adam_update
-
-    def one_update():
-        p, g = torch.ones(1 << 16), torch.full((1 << 16,), 0.5)
-        m, v = torch.zeros_like(p), torch.zeros_like(p)
-        adam_update(p, g, m, v, step=1, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                    num_threads=2)
-        return p
-
-    expected = one_update()  # starts the pool's worker threads in this process
     pid = os.fork()
     if pid == 0:
-        torch.set_num_threads(1)  # torch's own OpenMP pool does not survive fork(); ours must
-        ok = torch.equal(one_update(), expected)
-        os._exit(0 if ok else 3)
+        torch.set_num_threads(1)
+        os._exit(0 if fn() else 3)
     deadline = time.monotonic() + 30
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
@@ -482,9 +574,44 @@ def test_update_in_a_forked_child():
             break
         if time.monotonic() > deadline:
             os.kill(pid, 9)
-            raise AssertionError("the forked child hung in adam_update")
+            raise AssertionError(f"the forked child hung in {what}")
         time.sleep(0.05)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+def test_update_in_a_forked_child():
+    """A fork after the pool started: the child updates on two threads, exits, never hangs."""
+    def one_update():
+        p, g = torch.ones(1 << 17), torch.full((1 << 17,), 0.5)
+        m, v = torch.zeros_like(p), torch.zeros_like(p)
+        adam_update(p, g, m, v, step=1, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                    num_threads=2)
+        return p
+
+    expected = one_update()  # starts the pool's worker threads in this process
+    run_in_forked_child(lambda: torch.equal(one_update(), expected), "adam_update")
+
+
+def test_cpu_adam_step_in_a_forked_child():
+    """After the parent stepped on torch's OpenMP team, the child steps on the optimizer's own
+    threads ([Note: torch's OpenMP team] in csrc/adam/openmp_team.h)."""
+    p = torch.nn.Parameter(torch.ones(1 << 18))
+    opt = CPUAdam([p], lr=0.1, num_threads=2)
+    for _ in range(2):
+        p.grad = torch.full_like(p, 0.5)
+        opt.step()
+    twice = p.detach().clone()
+    with torch.no_grad():
+        p.fill_(1.0)
+    opt.state.clear()
+    p.grad = torch.full_like(p, 0.5)
+    opt.step()
+
+    def second_step():
+        opt.step()
+        return torch.equal(p.detach(), twice)
+
+    run_in_forked_child(second_step, "CPUAdam.step")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

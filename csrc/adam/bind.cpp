@@ -60,8 +60,25 @@ PYBIND11_MODULE(_adam, m) {
       .def_readwrite("adamw_mode", &HyperParams::adamw_mode)
       .def_readwrite("bias_correction", &HyperParams::bias_correction);
 
+  py::class_<Job>(m, "Job")
+      .def(py::init([](const HyperParams& hp, uintptr_t param, uintptr_t grad, uintptr_t exp_avg,
+                       uintptr_t exp_avg_sq, size_t count, DType grad_dtype, uintptr_t half_out,
+                       DType half_dtype) {
+             return Job{hp,
+                        make_buffers(param, grad, grad_dtype, exp_avg, exp_avg_sq, half_out,
+                                     half_dtype),
+                        count};
+           }),
+           py::arg("hyper"), py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
+           py::arg("exp_avg_sq"), py::arg("count"), py::arg("grad_dtype"),
+           py::arg("half_out") = 0, py::arg("half_dtype") = DType::kNone,
+           "One tensor of Updater.update_many: the arguments of Updater.update.")
+      .def_readonly("count", &Job::count);
+
   py::class_<Updater>(m, "Updater")
-      .def(py::init<>())
+      .def(py::init<bool>(), py::kw_only(), py::arg("borrow_openmp_team") = false,
+           "borrow_openmp_team: run on the OpenMP team of the runtime torch loaded, from the "
+           "main thread, instead of this Updater's own threads.")
       .def(
           "update",
           [](Updater& u, const HyperParams& hp, uintptr_t param, uintptr_t grad,
@@ -78,6 +95,15 @@ PYBIND11_MODULE(_adam, m) {
           py::arg("half_out") = 0, py::arg("half_dtype") = DType::kNone,
           py::arg("num_threads") = 1, py::arg("simd") = "",
           "Adam step over `count` elements at the given addresses; the GIL is released.")
+      .def(
+          "update_many",
+          [](Updater& u, const std::vector<Job>& jobs, int num_threads, const std::string& simd) {
+            const Simd path = resolve_or_throw(simd);
+            py::gil_scoped_release release;
+            u.update_many(jobs, num_threads, path);
+          },
+          py::arg("jobs"), py::arg("num_threads") = 1, py::arg("simd") = "",
+          "Every job's Adam step in one parallel region; the GIL is released.")
       .def(
           "stream_inplace",
           [](Updater& u, uintptr_t param, uintptr_t grad, uintptr_t exp_avg,

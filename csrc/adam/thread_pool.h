@@ -1,8 +1,11 @@
 // A small persistent pool of std::threads for the update kernels.
 //
-// Not OpenMP: torch ships its own libgomp, and a second OpenMP runtime in the same process
-// makes the two fight over cores (each spins its own workers). Plain threads that sleep on a
-// condition variable between calls cost nothing while torch computes.
+// [Note: not OpenMP]
+// This module links no OpenMP runtime: torch ships its own libgomp, and a second OpenMP
+// runtime in the same process makes the two fight over cores (each spins its own workers).
+// Plain threads that sleep on a condition variable between calls cost nothing while torch
+// computes. An Updater may instead borrow the team of the runtime torch loaded ([Note:
+// torch's OpenMP team] in openmp_team.h).
 #pragma once
 
 #include <condition_variable>

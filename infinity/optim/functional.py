@@ -1,8 +1,9 @@
 """The functional entry of CPU Adam: one call updates one flat fp32 shard, or a range of it.
 
-This is what the engine calls per unit shard, and what `CPUAdam.step` calls per parameter.
-It checks every tensor (device, dtype, contiguity, length) before a pointer crosses into
-`infinity._adam`, which trusts what it is given.
+This is what the engine calls per unit shard; `CPUAdam.step` passes all its parameters to
+the kernel in one call instead, as `kernel_job`s ([Note: one step, one kernel call] in
+cpu_adam.py). It checks every tensor (device, dtype, contiguity, length) before a pointer
+crosses into `infinity._adam`, which trusts what it is given.
 
 [Note: what one call does]
 For the elements [offset, offset + count) of the flat views of the tensors, in one pass over
@@ -15,6 +16,7 @@ the same fp32 values ([Note: exact parity with torch] in csrc/adam/adam.h).
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import NamedTuple
 
@@ -41,6 +43,18 @@ def shared_updater() -> _adam.Updater:
     if _shared_updater is None:
         _shared_updater = _adam.Updater()
     return _shared_updater
+
+
+def torch_thread_updater() -> _adam.Updater:
+    """A new Updater that runs on torch's OpenMP threads when torch runs on OpenMP and the call
+    comes from the main thread, else on threads of its own ([Note: torch's OpenMP team] in
+    csrc/adam/openmp_team.h)."""
+    return _adam.Updater(borrow_openmp_team=_torch_runs_on_openmp())
+
+
+@functools.cache
+def _torch_runs_on_openmp() -> bool:
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
 def simd_path(simd: str | None = None) -> str:
@@ -179,11 +193,21 @@ def run_update(updater: _adam.Updater, hyper: _adam.HyperParams, param: torch.Te
                half_out: torch.Tensor | None, offset: int, count: int,
                num_threads: int | None, simd: str | None) -> None:
     """The call into the kernel, on tensors already checked (see adam_update)."""
+    job = kernel_job(hyper, param, grad, exp_avg, exp_avg_sq, half_out=half_out, offset=offset,
+                     count=count)
+    updater.update_many([job], num_threads=num_threads or torch.get_num_threads(), simd=simd or "")
+
+
+def kernel_job(hyper: _adam.HyperParams, param: torch.Tensor, grad: torch.Tensor,
+               exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, half_out: torch.Tensor | None,
+               offset: int, count: int) -> _adam.Job:
+    """Elements [offset, offset + count) of tensors already checked (see adam_update), as one
+    job of `Updater.update_many`."""
     half_ptr, half_dtype = 0, _adam.DType.none
     if half_out is not None:
         half_ptr = half_out.data_ptr() + 2 * offset
         half_dtype = _HALF_DTYPES[half_out.dtype]
-    updater.update(
+    return _adam.Job(
         hyper,
         param.data_ptr() + 4 * offset,
         grad.data_ptr() + grad.element_size() * offset,
@@ -193,6 +217,4 @@ def run_update(updater: _adam.Updater, hyper: _adam.HyperParams, param: torch.Te
         _GRAD_DTYPES[grad.dtype],
         half_out=half_ptr,
         half_dtype=half_dtype,
-        num_threads=num_threads or torch.get_num_threads(),
-        simd=simd or "",
     )
