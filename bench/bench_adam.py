@@ -15,6 +15,12 @@ states are pointed at one pair of moment tensors), so no method runs on warmer m
 another, and 500M parameters fit: 4 x 2 GB plus 1 GB of bf16 copies.
 - plain step: CPUAdam, torch.optim.AdamW(foreach=True), AdamW(fused=True), DeepSpeedCPUAdam.
   28 bytes move per parameter: param, exp_avg, exp_avg_sq read and written, grad read.
+- public API side by side: CPUAdam.step and AdamW(fused=True).step alone, strictly alternated
+  (each step starts right after the other's), as one would compare them by hand. This is the
+  comparison that counts: torch's OpenMP threads spin for about 10 ms after each of its
+  parallel regions, and a step that starts in that window shares the cores with them ([Note:
+  torch's OpenMP team] in csrc/adam/openmp_team.h). In the rotation below, CPUAdam mostly
+  runs right after the stream method, not after torch.
 - stream: the memory-bandwidth figure of this run, the same access pattern with no Adam: four
   fp32 streams read and three written back in place, one add each, same SIMD width, prefetch
   and threads as ours (infinity._adam.Updater.stream_inplace); 28 bytes a parameter. On this
@@ -27,10 +33,11 @@ another, and 500M parameters fit: 4 x 2 GB plus 1 GB of bf16 copies.
 Each timing is one optimizer step over all tensors. Methods run interleaved, round after round,
 each round starting one method later, so that load from other processes and the after-effects
 of one method on the next hit all of them alike. After a warm-up round, times are medians of
-the timed rounds and ratios medians of per-round ratios (every round is in the JSON beside the
-report). The machine is shared: a round during which other processes kept more than BUSY_LIMIT
-of a core busy (read from /proc/stat) is redone, for up to --patience seconds, and the report
-says how many were redone and how busy the kept ones were.
+the timed rounds and ratios medians of per-round ratios, each with its spread (quartiles and
+extremes; every round is in the JSON beside the report, with the git commit that ran). The
+machine is shared: a round during which other processes kept more than BUSY_LIMIT of a core
+busy (read from /proc/stat) is redone, for up to --patience seconds, and the report says how
+many were redone and how busy the kept ones were.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ BUSY_LIMIT = 0.15  # cores other processes may keep busy during a kept round
 GRAD_SCALE = 1.0 + 2.0**-20  # any multiplier; this one keeps values where they are
 HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 DEFAULT_DS_PYTHON = "/work/venv-ds/bin/python"
+SIDE_BY_SIDE = "infinity / torch_fused (public API, side by side)"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -68,7 +76,7 @@ class Config:
     num_threads: int
     """Threads for every method: torch.set_num_threads, OMP_NUM_THREADS, CPUAdam's pool."""
     rounds: int
-    """Timed rounds after one warm-up round."""
+    """Timed rounds after one warm-up round (twice as many for the side-by-side pair)."""
     patience: float
     """Seconds to keep redoing rounds that other processes disturbed (see time_methods)."""
 
@@ -136,12 +144,12 @@ def torch_methods(shard: Shard) -> dict:
 
 
 def infinity_methods(shard: Shard, num_threads: int) -> dict:
-    from infinity import _adam
     from infinity.optim import CPUAdam, adam_update
+    from infinity.optim.functional import torch_thread_updater
 
     ours = shard.share_state(CPUAdam(shard.params, num_threads=num_threads, **HYPER),
                              lambda: torch.tensor(1.0))
-    updater = _adam.Updater()
+    updater = torch_thread_updater()  # the threads CPUAdam runs on
     beta1, beta2 = HYPER["betas"]
 
     def stream():
@@ -176,8 +184,10 @@ def deepspeed_methods(shard: Shard) -> dict:
             "engine_deepspeed_three_pass": ds_three_pass}
 
 
-def time_methods(methods: dict, rounds: int, patience: float) -> tuple[Timings, dict]:
-    """Times every method once per round, `rounds` rounds after a warm-up one.
+def time_methods(methods: dict, rounds: int, patience: float,
+                 rotate: bool = True) -> tuple[Timings, dict]:
+    """Times every method once per round, `rounds` rounds after a warm-up one; each round starts
+    one method later when `rotate`, else all run in the same order every round.
 
     A round during which other processes kept more than BUSY_LIMIT of a core busy is thrown
     away and run again, for up to `patience` seconds; after that rounds are kept as they come
@@ -190,7 +200,7 @@ def time_methods(methods: dict, rounds: int, patience: float) -> tuple[Timings, 
     names = list(methods)
     while len(busy_kept) < rounds:
         # Each round starts one method later, so that none always follows the same one.
-        start = (len(busy_kept) + rejected) % len(names)
+        start = (len(busy_kept) + rejected) % len(names) if rotate else 0
         order = names[start:] + names[:start]
         seconds, busy = run_watching_others(lambda: {name: timed(methods[name]) for name in order})
         if busy > BUSY_LIMIT and time.monotonic() < deadline:
@@ -246,6 +256,20 @@ def machine_description() -> dict:
             "torch": torch.__version__}
 
 
+def git_state() -> dict:
+    """The commit this ran at, and which files that the measurement depends on differ from it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=False)
+        return out.stdout if out.returncode == 0 else ""
+
+    modified = git("status", "--porcelain", "--", "infinity/optim", "csrc/adam",
+                   "bench/bench_adam.py")
+    return {"commit": git("rev-parse", "HEAD").strip() or "unknown",
+            "modified": [line[3:] for line in modified.splitlines()]}
+
+
 def available_gib() -> float:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -259,14 +283,18 @@ def available_gib() -> float:
 
 
 def run_in_process(config: Config) -> dict:
-    """Ours and torch's methods on one shard, interleaved."""
+    """Ours and torch's methods on one shard, interleaved; then the public API side by side."""
     torch.set_num_threads(config.num_threads)
     shard = Shard(config.num_params)
     methods = {**infinity_methods(shard, config.num_threads), **torch_methods(shard)}
     timings, noise = time_methods(methods, config.rounds, config.patience)
-    del methods, shard
+    pair = {name: methods[name] for name in ("torch_fused", "infinity")}
+    pair_timings, pair_noise = time_methods(pair, 2 * config.rounds, config.patience,
+                                            rotate=False)
+    del methods, pair, shard
     gc.collect()
-    return {"noise": noise, "seconds": timings.seconds}
+    return {"noise": noise, "seconds": timings.seconds,
+            "side_by_side": {"noise": pair_noise, "seconds": pair_timings.seconds}}
 
 
 def run_deepspeed(config: Config, ds_python: str) -> dict | None:
@@ -319,17 +347,26 @@ def summarize(config: Config, ours: dict, ds: dict | None) -> dict:
              for name, s in rows.items()}
     # Ratios are medians of per-round ratios (both methods timed in the same round, seconds
     # apart), which cancels the slow drift of this machine's memory bandwidth.
-    def paired(seconds: dict, slow: str, fast: str) -> float:
-        return statistics.median(a / b for a, b in zip(seconds[slow], seconds[fast]))
+    spreads = {}
 
-    ts = ours["seconds"]
-    ratios = {
-        "infinity / torch_fused": paired(ts, "torch_fused", "infinity"),
-        "infinity / torch_foreach": paired(ts, "torch_foreach", "infinity"),
-        "infinity / stream": paired(ts, "stream", "infinity"),
-        "engine one pass / torch three pass":
-            paired(ts, "engine_torch_three_pass", "engine_infinity_one_pass"),
-    }
+    def paired(seconds: dict, slow: str, fast: str, name: str | None = None) -> float:
+        per_round = [a / b for a, b in zip(seconds[slow], seconds[fast])]
+        if name is not None:
+            spreads[name] = spread(per_round)
+        return statistics.median(per_round)
+
+    ts, pair = ours["seconds"], ours["side_by_side"]["seconds"]
+    side_by_side = {"rounds": len(pair["infinity"]), "noise": ours["side_by_side"]["noise"],
+                    "torch_fused_seconds": spread(pair["torch_fused"]),
+                    "infinity_seconds": spread(pair["infinity"])}
+    ratios = {name: paired(seconds, slow, fast, name) for name, seconds, slow, fast in [
+        (SIDE_BY_SIDE, pair, "torch_fused", "infinity"),
+        ("infinity / torch_fused", ts, "torch_fused", "infinity"),
+        ("infinity / torch_foreach", ts, "torch_foreach", "infinity"),
+        ("infinity / stream", ts, "stream", "infinity"),
+        ("engine one pass / torch three pass", ts, "engine_torch_three_pass",
+         "engine_infinity_one_pass"),
+    ]}
     if ds is not None:
         # DeepSpeed ran in another process, minutes apart: compared directly, and through
         # torch_fused, which both processes timed in their rounds (the steadier figure).
@@ -343,9 +380,17 @@ def summarize(config: Config, ours: dict, ds: dict | None) -> dict:
             paired(ts, "torch_fused", "engine_infinity_one_pass")
             * paired(td, "engine_deepspeed_three_pass", "torch_fused"))
     return {"num_params": n, "num_threads": config.num_threads, "table": table,
-            "ratios": ratios, "noise": [ours["noise"]] + ([] if ds is None else [ds["noise"]]),
+            "ratios": ratios, "ratio_spreads": spreads, "side_by_side": side_by_side,
+            "noise": [ours["noise"]] + ([] if ds is None else [ds["noise"]]),
             "rounds_seconds": {**ours["seconds"], **({} if ds is None else {
                 f"{name} (deepspeed process)": t for name, t in ds["seconds"].items()})}}
+
+
+def spread(values: list[float]) -> dict:
+    """Median, quartiles and extremes."""
+    q1, _, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else (values[0],) * 3
+    return {"median": statistics.median(values), "p25": q1, "p75": q3, "min": min(values),
+            "max": max(values)}
 
 
 def print_summary(s: dict) -> None:
@@ -354,32 +399,61 @@ def print_summary(s: dict) -> None:
         print(f"  {name:34s} {row['seconds'] * 1e3:9.1f} ms {row['gparams_per_s']:6.2f} Gparam/s"
               f" {row['gb_per_s']:6.1f} GB/s")
     for name, r in s["ratios"].items():
-        print(f"  {name:58s} {r:5.2f}x")
+        sp = s["ratio_spreads"].get(name)
+        quartiles = "" if sp is None else f"  [{sp['p25']:.2f}, {sp['p75']:.2f}]"
+        print(f"  {name:58s} {r:5.2f}x{quartiles}")
 
 
 def write_markdown(path: str, command: str, machine: dict, simd: str, ds_version: str | None,
-                   summaries: list[dict]) -> None:
+                   git: dict, summaries: list[dict]) -> None:
+    modified = (" (with changes to " + ", ".join(git["modified"]) + ")") if git["modified"] else ""
     lines = [f"# Adam benchmark, {datetime.date.today().isoformat()}", "",
              f"Command: `{command}`", "",
+             f"Code: commit {git['commit']}{modified}.", "",
              f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB;"
              f" Linux {machine['kernel']}; Python {machine['python']}; torch {machine['torch']};"
              f" DeepSpeed {ds_version or 'not run'}; infinity SIMD path {simd}.", "",
              "Times are medians over the timed rounds; ratios are medians of per-round ratios"
-             " (how many times faster ours is). GB/s counts 28 bytes a parameter for a plain"
-             " step, 30 for the one-pass engine update, 44 for the three-pass one. A round during"
-             f" which other processes kept more than {BUSY_LIMIT} of a core busy was redone.", ""]
+             " (how many times faster ours is), with their quartiles and extremes. GB/s counts"
+             " 28 bytes a parameter for a plain step, 30 for the one-pass engine update, 44 for"
+             " the three-pass one. A round during which other processes kept more than"
+             f" {BUSY_LIMIT} of a core busy was redone.", ""]
     for s in summaries:
         noise = "; ".join(f"{n['rounds_rejected']} rounds redone, others kept at most"
                           f" {n['others_busy_max']:.2f} cores busy in a kept one"
                           for n in s["noise"])
+        pair = s["side_by_side"]
+        pair_noise = (f"{pair['noise']['rounds_rejected']} rounds redone, others kept at most"
+                      f" {pair['noise']['others_busy_max']:.2f} cores busy in a kept one")
+        ratio = s["ratio_spreads"][SIDE_BY_SIDE]
+
+        def ms(sp: dict) -> list[str]:
+            return [f"{sp['median'] * 1e3:.1f}", f"{sp['p25'] * 1e3:.1f}-{sp['p75'] * 1e3:.1f}",
+                    f"{sp['min'] * 1e3:.1f}-{sp['max'] * 1e3:.1f}"]
+
         lines += [f"## {s['num_params'] / 1e6:.0f}M params, {s['num_threads']} thread(s)", "",
+                  f"Public API side by side, {pair['rounds']} rounds of `AdamW(fused=True).step()`"
+                  f" then `CPUAdam.step()`, each right after the other ({pair_noise}):", "",
+                  "| | median | quartiles | min-max |", "|---|---:|---:|---:|",
+                  "| torch.optim.AdamW(fused=True).step, ms | "
+                  + " | ".join(ms(pair["torch_fused_seconds"])) + " |",
+                  "| infinity.optim.CPUAdam.step, ms | "
+                  + " | ".join(ms(pair["infinity_seconds"])) + " |",
+                  f"| ratio (fused time / CPUAdam time) | {ratio['median']:.3f} |"
+                  f" {ratio['p25']:.3f}-{ratio['p75']:.3f} |"
+                  f" {ratio['min']:.3f}-{ratio['max']:.3f} |", "",
+                  "All methods, rotating order:", "",
                   f"Noise (this process; DeepSpeed's): {noise}.", "",
                   "| method | ms | Gparam/s | GB/s |", "|---|---:|---:|---:|"]
         for name, row in s["table"].items():
             lines.append(f"| {name} | {row['seconds'] * 1e3:.1f} | {row['gparams_per_s']:.2f} |"
                          f" {row['gb_per_s']:.1f} |")
-        lines += ["", "| ratio | x |", "|---|---:|"]
-        lines += [f"| {name} | {r:.2f} |" for name, r in s["ratios"].items()]
+        lines += ["", "| ratio | x | quartiles | min-max |", "|---|---:|---:|---:|"]
+        for name, r in s["ratios"].items():
+            sp = s["ratio_spreads"].get(name)
+            extra = ("| |" if sp is None else
+                     f"| {sp['p25']:.2f}-{sp['p75']:.2f} | {sp['min']:.2f}-{sp['max']:.2f} |")
+            lines.append(f"| {name} | {r:.2f} {extra}")
         lines.append("")
     with open(path, "w") as f:
         f.write("\n".join(lines))
@@ -387,7 +461,7 @@ def write_markdown(path: str, command: str, machine: dict, simd: str, ds_version
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="32M params, 3 rounds")
+    parser.add_argument("--quick", action="store_true", help="32M params, 5 rounds")
     parser.add_argument("--sizes", default="100e6,500e6", help="parameter counts, comma-separated")
     parser.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
     parser.add_argument("--rounds", type=int, default=0, help="timed rounds (0: by size)")
@@ -415,7 +489,7 @@ def main() -> None:
             print(f"skipping {num_params / 1e6:.0f}M params: {need_gib:.1f} GiB needed,"
                   f" {available_gib():.1f} available", file=sys.stderr)
             continue
-        rounds = args.rounds or (3 if args.quick else 7 if num_params > 200e6 else 15)
+        rounds = args.rounds or (5 if args.quick else 7 if num_params > 200e6 else 15)
         patience = args.patience if args.patience >= 0 else (30.0 if args.quick else 600.0)
         for num_threads in threads:
             config = Config(num_params=num_params, num_threads=num_threads, rounds=rounds,
@@ -430,11 +504,12 @@ def main() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     out = args.out or os.path.join(here, "results", "adam_quick.md" if args.quick else "adam.md")
     command = "python bench/bench_adam.py " + " ".join(sys.argv[1:])
-    machine = machine_description()
-    write_markdown(out, command.strip(), machine, simd_path(), ds_version, summaries)
+    machine, git = machine_description(), git_state()
+    write_markdown(out, command.strip(), machine, simd_path(), ds_version, git, summaries)
     with open(os.path.splitext(out)[0] + ".json", "w") as f:
-        json.dump({"command": command.strip(), "machine": machine, "simd": simd_path(),
-                   "deepspeed": ds_version, "results": summaries}, f, indent=1)
+        json.dump({"command": command.strip(), "git": git, "machine": machine,
+                   "simd": simd_path(), "deepspeed": ds_version, "results": summaries}, f,
+                  indent=1)
     print(f"\nwrote {out}")
 
 
