@@ -36,10 +36,31 @@ class HyperParams:
         bias_correction: bool = True,
     ) -> None: ...
 
+class Job:
+    """One tensor of Updater.update_many: the arguments of Updater.update."""
+
+    count: int
+    def __init__(
+        self,
+        hyper: HyperParams,
+        param: int,
+        grad: int,
+        exp_avg: int,
+        exp_avg_sq: int,
+        count: int,
+        grad_dtype: DType,
+        half_out: int = 0,
+        half_dtype: DType = DType.none,
+    ) -> None: ...
+
 class Updater:
     """A pool of worker threads (started on first need) that runs updates; owns no state."""
 
-    def __init__(self) -> None: ...
+    def __init__(self, *, borrow_openmp_team: bool = False) -> None:
+        """borrow_openmp_team: run on the OpenMP team of the runtime torch loaded, from the main
+        thread, instead of this Updater's own threads."""
+    def update_many(self, jobs: list[Job], num_threads: int = 1, simd: str = "") -> None:
+        """The updates of all `jobs` in one parallel region; the GIL is released."""
     def update(
         self,
         hyper: HyperParams,
