@@ -11,7 +11,7 @@ counts as bench_train.py gives infinity):
   * the compute floor: the same engine with params and optimizer state in CPU memory, clip 1.0;
   * plain PyTorch (bf16 module, fused AdamW on fp32 masters is not what we run, so it is the
     model's forward + backward + torch.optim.AdamW on a bf16 copy: a reference, not a floor).
-The I/O floor is the bytes a step must move (from the model's size: see io_floor below) over
+The I/O floor is the bytes a step must move (from the model's size: see main) over
 the read and write GB/s of our handle with the same block size and queue depth, measured in the
 same run before and after the rounds; the bytes the engine reports moving are printed beside it. Rounds interleave
 the engines, each round starting with a different one; the first step of each is a warm-up.
@@ -78,7 +78,7 @@ def spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--dim", type=int, default=768)
@@ -92,34 +92,30 @@ def main() -> int:
     p.add_argument("--nvme-path", default="/work")
     p.add_argument("--trace-dir", default=None)
     p.add_argument("--output")
-    args = p.parse_args()
+    return p.parse_args()
 
+
+ENGINES = (("nvme clip 1.0", "nvme", 1.0), ("nvme clip 0", "nvme", 0.0), ("cpu clip 1.0", "cpu", 1.0))
+
+
+def run_rounds(args, gpt, cfg, work: str) -> dict:
+    """Interleaved steps of every engine: per engine, its step times, bytes moved, waits, losses."""
     import infinity
     from infinity.timeline import TIMELINE
 
-    gpt = load_gpt()
-    cfg = gpt.GPTConfig(vocab_size=args.vocab, seq_len=args.seq, dim=args.dim, layers=args.layers,
-                        heads=max(1, args.dim // 64))
-    work = tempfile.mkdtemp(prefix="bench-clip-", dir=args.nvme_path)
     engines = {}
+    runs = {name: {"times": [], "moved_bytes": [], "waits": [], "losses": []} for name, _, _ in ENGINES}
     try:
-        gbps_before = handle_gbps(work, args)
-        for name, place, clip in (("nvme clip 1.0", "nvme", 1.0), ("nvme clip 0", "nvme", 0.0),
-                                  ("cpu clip 1.0", "cpu", 1.0)):
+        for name, place, clip in ENGINES:
             torch.manual_seed(0)
             sub = os.path.join(work, name.replace(" ", "_"))
             os.makedirs(sub)
-            engine, *_ = infinity.initialize(model=gpt.GPT(cfg), config=engine_config(sub, args, place=place, clip=clip))
-            engines[name] = engine
+            engines[name], *_ = infinity.initialize(model=gpt.GPT(cfg),
+                                                   config=engine_config(sub, args, place=place, clip=clip))
         names = list(engines)
-        times = {n: [] for n in names}
-        moved = {n: [] for n in names}
-        waits = {n: [] for n in names}
-        losses = {n: [] for n in names}
-        for r in range(args.rounds + 1):
-            order = names[r % len(names):] + names[:r % len(names)]
-            for n in order:
-                e = engines[n]
+        for r in range(args.rounds + 1):  # round 0 records the order and warms up
+            for n in names[r % len(names):] + names[:r % len(names)]:
+                e, run = engines[n], runs[n]
                 idx, tgt = batch(args.vocab, args.micro, args.seq, r)
                 tracing = args.trace_dir and r == args.rounds and n.startswith("nvme")
                 if tracing:
@@ -130,58 +126,68 @@ def main() -> int:
                 e.step()
                 dt = time.perf_counter() - t0
                 if tracing:
-                    path = os.path.join(args.trace_dir, n.replace(" ", "_") + ".json")
-                    TIMELINE.write(path, TIMELINE.stop())
+                    TIMELINE.write(os.path.join(args.trace_dir, n.replace(" ", "_") + ".json"), TIMELINE.stop())
                 rep = e.report.last
-                losses[n].append(round(loss.item(), 4))
+                run["losses"].append(round(loss.item(), 4))
                 if r:
-                    times[n].append(dt)
-                    moved[n].append((rep.get("nvme_read_bytes", 0) + rep.get("optimizer_nvme_read_bytes", 0),
-                                     rep.get("nvme_write_bytes", 0) + rep.get("optimizer_nvme_write_bytes", 0)))
-                    waits[n].append(rep["waits"])
+                    run["times"].append(dt)
+                    run["moved_bytes"].append((rep.get("nvme_read_bytes", 0) + rep.get("optimizer_nvme_read_bytes", 0),
+                                               rep.get("nvme_write_bytes", 0) + rep.get("optimizer_nvme_write_bytes", 0)))
+                    run["waits"].append(rep["waits"])
                 print(f"round {r} {n}: {dt:.3f} s, loss {loss.item():.4f}, waited {rep['compute_wait_s']:.3f} s",
                       flush=True)
-        gbps_after = handle_gbps(work, args)
     finally:
         for e in engines.values():
             e.close()
+    return runs
+
+
+def main() -> int:
+    args = parse_args()
+    gpt = load_gpt()
+    cfg = gpt.GPTConfig(vocab_size=args.vocab, seq_len=args.seq, dim=args.dim, layers=args.layers,
+                        heads=max(1, args.dim // 64))
+    work = tempfile.mkdtemp(prefix="bench-clip-", dir=args.nvme_path)
+    try:
+        gbps_before = handle_gbps(work, args)
+        runs = run_rounds(args, gpt, cfg, work)
+        gbps_after = handle_gbps(work, args)
+    finally:
         shutil.rmtree(work, ignore_errors=True)
 
     read_gbps = statistics.median([gbps_before[0], gbps_after[0]])
     write_gbps = statistics.median([gbps_before[1], gbps_after[1]])
-    result = {"args": vars(args), "params": cfg.num_params(), "date": datetime.datetime.now().isoformat(),
+    n_params = cfg.num_params()
+    # The I/O floor: the bytes a step must move, from the model, as issue [7/7] counts them: bf16
+    # params read once (backward; max_in_cpu 0) and written once, fp32 master, exp_avg and
+    # exp_avg_sq read and written, and gradients beyond max_grad_in_cpu spilled (written and
+    # read; with clipping only). The same floor for both NVMe engines: the unclipped one also
+    # reads the params in forward, which a better schedule need not.
+    result = {"args": vars(args), "params": n_params, "date": datetime.datetime.now().isoformat(),
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                        cwd=HERE).stdout.strip(),
               "handle_gbps": {"read": [gbps_before[0], gbps_after[0]], "write": [gbps_before[1], gbps_after[1]]},
-              "times": times, "moved_bytes": moved, "waits": waits, "losses": losses}
-    compute = times["cpu clip 1.0"]
-    print(f"\n{cfg.num_params() / 1e6:.1f}M parameters; handle read {read_gbps:.2f} GB/s, write {write_gbps:.2f} GB/s")
-    for n in names:
-        line = f"{n:>14}: step {spread(times[n])} s"
+              "engines": runs, "io_floor_s": {}, "ratio_to_floors": {}}
+    compute = runs["cpu clip 1.0"]["times"]
+    print(f"\n{n_params / 1e6:.1f}M parameters; handle read {read_gbps:.2f} GB/s, write {write_gbps:.2f} GB/s")
+    for n, run in runs.items():
+        line = f"{n:>14}: step {spread(run['times'])} s"
         if n.startswith("nvme"):
-            rb, wb = (statistics.median(x) for x in zip(*moved[n]))
-            # The bytes the step must move, from the model: bf16 params read in forward and in
-            # backward (max_in_cpu 0) and written once; fp32 master, exp_avg, exp_avg_sq read and
-            # written; gradients beyond max_grad_in_cpu spilled (written and read, clipping only).
-            n_params = result["params"]
+            rb, wb = (statistics.median(x) for x in zip(*run["moved_bytes"]))
             spilled = max(0.0, n_params - args.max_grad_in_cpu) if "clip 1.0" in n else 0.0
-            need_r, need_w = 16 * n_params + 4 * spilled, 14 * n_params + 4 * spilled
-            io_floor = need_r / read_gbps / 1e9 + need_w / write_gbps / 1e9
-            floor = [max(io_floor, c) for c in compute]
-            ratios = [t / f for t, f in zip(times[n], floor)]
-            result.setdefault("io_floor_s", {})[n] = io_floor
-            result.setdefault("ratio_to_floors", {})[n] = ratios
+            io_floor = ((14 * n_params + 4 * spilled) / read_gbps + (14 * n_params + 4 * spilled) / write_gbps) / 1e9
+            ratios = [t / max(io_floor, c) for t, c in zip(run["times"], compute)]
+            result["io_floor_s"][n], result["ratio_to_floors"][n] = io_floor, ratios
             line += (f" | moved {rb / 1e9:.2f} GB read, {wb / 1e9:.2f} GB written; I/O floor {io_floor:.3f} s"
                      f" | step / max(floors) {spread(ratios)}")
         print(line)
-    clip_ratio = [a / b for a, b in zip(times["nvme clip 1.0"], times["nvme clip 0"])]
+    clip_ratio = [a / b for a, b in zip(runs["nvme clip 1.0"]["times"], runs["nvme clip 0"]["times"])]
     result["clip_over_noclip"] = clip_ratio
     print(f"clipped / unclipped, per round: {spread(clip_ratio)}")
     if args.output:
         with open(args.output, "w") as f:
             json.dump(result, f, indent=1)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

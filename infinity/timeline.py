@@ -51,9 +51,10 @@ class Timeline:
         return events
 
     @contextlib.contextmanager
-    def span(self, name: str, cat: str = "compute", **args: Any) -> Iterator[None]:
+    def span(self, name: str, cat: str = "compute", *, profile: str | None = None, **args: Any) -> Iterator[None]:
+        """`profile`: the torch.profiler range's name, if not `infinity::<name>`."""
         t0 = time.monotonic()
-        with torch.profiler.record_function(f"infinity::{name}"):
+        with torch.profiler.record_function(profile or f"infinity::{name}"):
             try:
                 yield
             finally:

@@ -446,9 +446,8 @@ class Swapper:
         finished = began
         self._cond.release()
         try:
-            with record_function("infinity::nvme_wait"), \
-                    TIMELINE.span(f"{self._label} {'write' if transfer.write else 'read'}", "wait",
-                                  shard=f"{shard.kind} {shard.key}"):
+            with TIMELINE.span(f"{self._label} {'write' if transfer.write else 'read'}", "wait",
+                               profile="infinity::nvme_wait", shard=f"{shard.kind} {shard.key}"):
                 if not transfer.write and self.read_delay_s > 0:
                     time.sleep(max(0.0, transfer.started + self.read_delay_s - time.monotonic()))
                 handle = self.write_handle if transfer.write else self.handle
