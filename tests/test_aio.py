@@ -423,6 +423,33 @@ def test_aligned_empty_large_buffers_sit_on_huge_page_boundaries(nbytes):
     del t
 
 
+def _smaps_field(ptr: int, field: str) -> int:
+    """`field` (kB) of the mapping holding `ptr`, from /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(x, 16) for x in head.split("-"))
+                inside = low <= ptr < high
+            elif inside and head == field + ":":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {ptr:#x}")
+
+
+def test_aligned_empty_without_huge_pages_stays_on_ordinary_pages():
+    # The control of bench_aio --buffers-ab: advised MADV_NOHUGEPAGE, so not one huge page even
+    # under THP "always"; page-aligned, every byte usable, still locked when asked.
+    t = aligned_empty(8 * MiB + 3, huge_pages=False)
+    t.fill_(7)
+    assert t.data_ptr() % 4096 == 0 and int(t[-1]) == 7
+    assert _smaps_field(t.data_ptr(), "AnonHugePages") == 0
+    if not torch.cuda.is_available():
+        assert _smaps_field(t.data_ptr(), "Locked") >= 8 * 1024
+    with pytest.raises(TypeError, match="huge_pages"):
+        aligned_empty(10, huge_pages=1)
+
+
 def test_aligned_empty_is_page_locked():
     t = aligned_empty(1 << 20, pin=None if torch.cuda.is_available() else True)
     with open("/proc/self/status") as f:

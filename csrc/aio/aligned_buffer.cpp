@@ -26,11 +26,11 @@ size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 // boundary and advised MADV_HUGEPAGE before any page is touched; the kernel may still say no
 // (THP "never", fragmentation), and then the memory is simply ordinary pages. Smaller buffers
 // stay page-granular so that a pool of small shards does not cost 2 MiB each.
-AlignedBuffer::AlignedBuffer(size_t nbytes, size_t alignment) : size_(nbytes) {
+AlignedBuffer::AlignedBuffer(size_t nbytes, size_t alignment, bool huge_pages) : size_(nbytes) {
   const size_t align = round_up(alignment < kPage ? kPage : alignment, kPage);
   capacity_ = round_up(nbytes == 0 ? 1 : nbytes, kPage);
-  const bool huge = capacity_ >= kHugePage;
-  const size_t boundary = huge && align < kHugePage ? kHugePage : align;
+  huge_ = huge_pages && capacity_ >= kHugePage;
+  const size_t boundary = huge_ && align < kHugePage ? kHugePage : align;
   // Over-map by the alignment, then give back the unaligned head and the spare tail.
   const size_t span = capacity_ + boundary - kPage;
   void* mem = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -41,8 +41,10 @@ AlignedBuffer::AlignedBuffer(size_t nbytes, size_t alignment) : size_(nbytes) {
   char* end = start + capacity_;
   if (base + span > end) munmap(end, static_cast<size_t>(base + span - end));
   data_ = start;
-#ifdef MADV_HUGEPAGE
-  if (huge) madvise(data_, capacity_, MADV_HUGEPAGE);  // advice only: failure is harmless
+  // Advice only: failure is harmless. NOHUGEPAGE keeps the control ordinary under THP "always".
+#if defined(MADV_HUGEPAGE) && defined(MADV_NOHUGEPAGE)
+  if (huge_) madvise(data_, capacity_, MADV_HUGEPAGE);
+  else if (!huge_pages) madvise(data_, capacity_, MADV_NOHUGEPAGE);
 #endif
 }
 

@@ -11,8 +11,10 @@ namespace infinity::aio {
 class AlignedBuffer {
  public:
   // Maps `nbytes` (rounded up to whole pages internally) aligned to `alignment`; from 2 MiB up
-  // on a huge-page boundary with MADV_HUGEPAGE. See [Note: huge pages for I/O buffers].
-  AlignedBuffer(size_t nbytes, size_t alignment);
+  // on a huge-page boundary with MADV_HUGEPAGE. huge_pages=false asks for ordinary pages
+  // (MADV_NOHUGEPAGE), the control in the huge-page A/B of bench/bench_aio.py --buffers-ab.
+  // See [Note: huge pages for I/O buffers].
+  AlignedBuffer(size_t nbytes, size_t alignment, bool huge_pages = true);
   ~AlignedBuffer();
   AlignedBuffer(const AlignedBuffer&) = delete;
   AlignedBuffer& operator=(const AlignedBuffer&) = delete;
@@ -23,6 +25,7 @@ class AlignedBuffer {
   // the kernel pins them per request without faulting. Returns 0 or errno (RLIMIT_MEMLOCK).
   int lock();
   bool locked() const { return locked_; }
+  bool huge_pages() const { return huge_; }  // whether huge pages were asked for (the kernel may refuse)
   // Runs once, just before the memory is freed (e.g. cudaHostUnregister).
   void set_release_hook(std::function<void()> hook) { hook_ = std::move(hook); }
 
@@ -31,6 +34,7 @@ class AlignedBuffer {
   size_t size_ = 0;
   size_t capacity_ = 0;
   bool locked_ = false;
+  bool huge_ = false;
   std::function<void()> hook_;
 };
 

@@ -73,7 +73,8 @@ PYBIND11_MODULE(_aio, m) {
       .def("pending", &Engine::pending);
 
   py::class_<AlignedBuffer>(m, "AlignedBuffer", py::buffer_protocol())
-      .def(py::init<size_t, size_t>(), py::arg("nbytes"), py::arg("alignment") = 4096)
+      .def(py::init<size_t, size_t, bool>(), py::arg("nbytes"), py::arg("alignment") = 4096,
+           py::arg("huge_pages") = true)
       .def_property_readonly("ptr",
                              [](const AlignedBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })
       .def_property_readonly("nbytes", &AlignedBuffer::size)
@@ -81,6 +82,7 @@ PYBIND11_MODULE(_aio, m) {
       .def("lock", &AlignedBuffer::lock, py::call_guard<py::gil_scoped_release>(),
            "mlock the memory; returns 0 or errno")
       .def_property_readonly("locked", &AlignedBuffer::locked)
+      .def_property_readonly("huge_pages", &AlignedBuffer::huge_pages)
       .def_buffer([](AlignedBuffer& b) {
         return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<py::ssize_t>(b.size())}, {1});

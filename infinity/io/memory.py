@@ -58,22 +58,27 @@ def _mlock(buf: _aio.AlignedBuffer) -> None:
                       stacklevel=3)
 
 
-def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, pin: bool | None = None) -> torch.Tensor:
+def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, pin: bool | None = None, *,
+                  huge_pages: bool = True) -> torch.Tensor:
     """A 1-D CPU tensor of `numel` elements on page-aligned memory of exactly that size.
 
     pin=None or True: page-locked (cudaHostRegister with CUDA, mlock without);
     pin=False: plain pageable memory.
+    huge_pages=True: 2 MiB and more are backed by transparent huge pages where the kernel allows;
+    False: ordinary 4 KiB pages (the control of `bench/bench_aio.py --buffers-ab`).
     """
     if not isinstance(numel, int) or numel < 0:
         raise ValueError(f"numel: expected a non-negative int, got {numel!r}")
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype: expected a torch.dtype, got {dtype!r}")
+    if not isinstance(huge_pages, bool):
+        raise TypeError(f"huge_pages: expected a bool, got {huge_pages!r}")
     cuda = torch.cuda.is_available()
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
     try:
-        buf = _aio.AlignedBuffer(nbytes, PAGE_SIZE)
+        buf = _aio.AlignedBuffer(nbytes, PAGE_SIZE, huge_pages)
     except MemoryError:
         raise OSError(errno.ENOMEM, f"numel: cannot allocate {numel} elements of {dtype} ({nbytes} bytes) of "
                       "page-aligned host memory") from None
