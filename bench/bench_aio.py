@@ -1,39 +1,70 @@
-"""Our AsyncIOHandle against fio (libaio; io_uring with fixed buffers) and DeepSpeed's aio handle,
-interleaved A B C D A B C D on one file, because this disk's speed drifts within minutes.
+"""Our AsyncIOHandle against fio and DeepSpeed's aio handle on one file, in interleaved rounds,
+because this disk's speed drifts within minutes.
 
-    python bench/bench_aio.py --dir /work --size 4G --block-size 8M --queue-depth 32 --rounds 3
+    python bench/bench_aio.py --dir /work --size 2G --rounds 5 --buffers-ab --output bench/results/aio.json
 
-Every run reads and writes the whole file once, O_DIRECT, same block size and queue depth.
-The file is written once before timing: writes overwrite allocated extents, as the engine's
-store does. DeepSpeed runs in a separate virtual environment (--ds-python, default
-/work/venv-ds/bin/python: `pip install torch==2.13.0 deepspeed==0.19.8 ninja`, libaio-dev
-installed) with DS_ACCELERATOR=cpu; it is skipped when that interpreter is missing.
+Every measurement reads or writes the whole file once, O_DIRECT, 8 MiB blocks, queue depth 32,
+one worker, the same random bytes written by every side (fio's default content). The file is
+written once before timing: writes overwrite allocated extents, as the engine's store does.
+Each round runs every contender once per op, writes first; round r starts with contender r (the
+order rotates), so that no contender always runs first or right after the same neighbour.
+The summary gives medians with the min-max spread over the rounds.
+
+Contenders:
+- infinity: our handle (engine "auto", io_uring here) on a buffer from `aligned_empty`:
+  page-locked and backed by transparent huge pages. A fresh buffer per measurement, filled
+  (so every page is touched) before the clock starts; the share of it that the kernel really
+  backed with huge pages is recorded (`thp`).
+- fio, per engine in --fio-engines (io_uring with `--fixedbufs --registerfiles`, libaio), once
+  with its default buffers (malloc: 4 KiB pages, not locked) and once with `--iomem=shmhuge`
+  (SysV shared memory on reserved 2 MiB huge pages). shmhuge needs free reserved huge pages
+  (HugePages_Free in /proc/meminfo, about depth x block / 2 MiB + 2 of them: 130 for 32 x 8 MiB).
+  Without them it is skipped with a message; --reserve-hugepages raises vm.nr_hugepages for
+  the run and puts it back afterwards. Either way the results say what was done. By hand:
+  `echo 160 > /proc/sys/vm/nr_hugepages` before, `echo 0 > /proc/sys/vm/nr_hugepages` after.
+- deepspeed: DeepSpeed's aio handle (`new_cpu_locked_tensor`: posix_memalign + mlock, 4 KiB
+  pages), run in its own virtual environment (--ds-python, default /work/venv-ds/bin/python:
+  `pip install torch==2.13.0 deepspeed==0.19.8 ninja`, libaio-dev installed) with
+  DS_ACCELERATOR=cpu; skipped when that interpreter is missing.
+- with --buffers-ab, also our handle on plain 4 KiB pages, locked and unlocked (touched before
+  timing either way): the A/B behind "page-locked" and "huge pages" in the README.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import platform
+import re
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from infinity.io import AsyncIOHandle, aligned_empty
 from infinity.tools.aio_bench_sweep import parse_size
 
+OPS = ("write", "read")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 DS_SCRIPT = r"""
 import json, os, sys, time, torch
 from deepspeed.ops.op_builder import AsyncIOBuilder
-path, size, block, depth, op = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+path, size, block, depth, op, seed = sys.argv[1], *map(int, sys.argv[2:5]), sys.argv[5], int(sys.argv[6])
 handle = AsyncIOBuilder().load(verbose=False).aio_handle(block, depth, False, True, 1)
 buf = handle.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
-buf.fill_(0x5A)
+pattern = torch.randint(0, 256, (min(size, block * depth),), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(seed))
+for start in range(0, size, pattern.numel()):
+    buf[start:start + pattern.numel()].copy_(pattern[:size - start])
 start = time.perf_counter()
 (handle.sync_pread if op == "read" else handle.sync_pwrite)(buf, path)
 print(json.dumps({"gbps": size / (time.perf_counter() - start) / 1e9}), flush=True)
@@ -43,27 +74,77 @@ os._exit(0)
 """
 
 
-def ours(handle: AsyncIOHandle, buf: torch.Tensor, path: str, op: str) -> float:
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """What every contender shares: the file and the transfer shape."""
+
+    path: str
+    size: int  # bytes per measurement: the whole file
+    block: int  # bytes per I/O piece
+    depth: int  # pieces in flight
+    pattern: torch.Tensor  # random bytes, depth x block of them, tiled over every write buffer
+    seed: int
+
+
+@dataclass(frozen=True, slots=True)
+class Contender:
+    name: str
+    measure: Callable[[str], float]  # op -> GB/s
+    what: str  # one line for the results: buffers and knobs
+
+
+# ---- the contenders -----------------------------------------------------------------------------
+
+
+def fill(buf: torch.Tensor, pattern: torch.Tensor) -> None:
+    """Tiles `pattern` over `buf`; also touches every page before the clock starts."""
+    for start in range(0, buf.numel(), pattern.numel()):
+        buf[start:start + pattern.numel()].copy_(pattern[:buf.numel() - start])
+
+
+def thp_share(ptr: int) -> float:
+    """Share of the mapping holding `ptr` that is backed by transparent huge pages (smaps)."""
+    rss = huge = 0
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+            if m:
+                inside = int(m[1], 16) <= ptr < int(m[2], 16)
+            elif inside and line.startswith(("Rss:", "AnonHugePages:")):
+                kib = int(line.split()[1])
+                rss, huge = (kib, huge) if line.startswith("Rss:") else (rss, kib)
+    return huge / rss if rss else 0.0
+
+
+def ours(handle: AsyncIOHandle, setup: Setup, op: str, *, pin: bool, huge_pages: bool,
+         thp_log: list[float]) -> float:
+    buf = aligned_empty(setup.size, pin=pin, huge_pages=huge_pages)
+    fill(buf, setup.pattern)
+    thp_log.append(thp_share(buf.data_ptr()))
     start = time.perf_counter()
-    handle.read(buf, path) if op == "read" else handle.write(buf, path)
-    return buf.numel() / (time.perf_counter() - start) / 1e9
+    handle.read(buf, setup.path) if op == "read" else handle.write(buf, setup.path)
+    return setup.size / (time.perf_counter() - start) / 1e9
 
 
-def fio(engine: str, path: str, size: int, block: int, depth: int, op: str) -> float:
-    cmd = ["fio", "--name=bench", f"--filename={path}", f"--rw={op}", f"--bs={block}", f"--iodepth={depth}",
-           "--direct=1", f"--ioengine={engine}", f"--size={size}", "--numjobs=1", "--overwrite=1",
-           "--fallocate=none", "--output-format=json"]
+def fio(setup: Setup, engine: str, iomem: str | None, op: str) -> float:
+    cmd = ["fio", "--name=bench", f"--filename={setup.path}", f"--rw={op}", f"--bs={setup.block}",
+           f"--iodepth={setup.depth}", "--direct=1", f"--ioengine={engine}", f"--size={setup.size}",
+           "--numjobs=1", "--overwrite=1", "--fallocate=none", "--output-format=json"]
     if engine == "io_uring":
         cmd += ["--fixedbufs", "--registerfiles"]
+    if iomem:
+        cmd.append(f"--iomem={iomem}")
     out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
     job = out["jobs"][0][op]
     return job["io_bytes"] / (job["runtime"] / 1e3) / 1e9
 
 
-def deepspeed(python: str, path: str, size: int, block: int, depth: int, op: str) -> float:
+def deepspeed(python: str, setup: Setup, op: str) -> float:
     env = dict(os.environ, DS_ACCELERATOR="cpu")
-    out = subprocess.run([python, "-c", DS_SCRIPT, path, str(size), str(block), str(depth), op],
-                         capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
+    argv = [setup.path, setup.size, setup.block, setup.depth, op, setup.seed]
+    out = subprocess.run([python, "-c", DS_SCRIPT, *map(str, argv)], capture_output=True, text=True, env=env,
+                         cwd=tempfile.gettempdir())
     if out.returncode != 0:
         print(f"DeepSpeed {op} failed (exit {out.returncode}): {out.stderr.strip().splitlines()[-1:]}",
               file=sys.stderr)
@@ -71,63 +152,203 @@ def deepspeed(python: str, path: str, size: int, block: int, depth: int, op: str
     return json.loads(out.stdout.strip().splitlines()[-1])["gbps"]
 
 
-def main() -> int:
+def contenders(args: argparse.Namespace, setup: Setup, handle: AsyncIOHandle, shmhuge: bool,
+               thp: dict[str, list[float]]) -> list[Contender]:
+    def our(name: str, pin: bool, huge_pages: bool, what: str) -> Contender:
+        thp[name] = []
+        return Contender(name, lambda op: ours(handle, setup, op, pin=pin, huge_pages=huge_pages,
+                                               thp_log=thp[name]), what)
+
+    out = [our("infinity", True, True, f"our handle (engine {handle.engine}), mlock'ed, transparent huge pages")]
+    if args.buffers_ab:
+        out.append(our("infinity 4k locked", True, False, "our handle, mlock'ed, 4 KiB pages (MADV_NOHUGEPAGE)"))
+        out.append(our("infinity 4k unlocked", False, False, "our handle, not locked, 4 KiB pages, touched"))
+    for engine in args.fio_engines:
+        knobs = " --fixedbufs --registerfiles" if engine == "io_uring" else ""
+        for iomem in (None, "shmhuge") if shmhuge else (None,):
+            name = f"fio {engine}" + (f" {iomem}" if iomem else "")
+            what = f"fio --ioengine={engine}{knobs} --iomem={iomem or 'malloc (default)'}"
+            out.append(Contender(name, lambda op, e=engine, m=iomem: fio(setup, e, m, op), what))
+    if os.path.exists(args.ds_python):
+        out.append(Contender("deepspeed", lambda op: deepspeed(args.ds_python, setup, op),
+                             "DeepSpeed 0.19 aio_handle, new_cpu_locked_tensor (mlock, 4 KiB pages)"))
+    return out
+
+
+# ---- huge pages for fio's shmhuge ---------------------------------------------------------------
+
+
+def meminfo(key: str) -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+
+def hugepages_for_fio(args: argparse.Namespace) -> dict:
+    """Checks (or with --reserve-hugepages, reserves) the huge pages fio's shmhuge needs.
+    Returns what was found and done; `ok` says whether the shmhuge contenders run."""
+    page = meminfo("Hugepagesize") * 1024
+    # fio 3.33 maps depth x block plus a page of alignment, rounded to huge pages, and needs
+    # one more: 130 for 32 x 8 MiB, 34 for 64 x 1 MiB (measured).
+    needed = math.ceil((args.queue_depth * args.block_size + 4096) / page) + 1
+    free = meminfo("HugePages_Free")
+    info = {"page_bytes": page, "needed": needed, "free_at_start": free, "reserved_by_this_run": 0, "ok": True}
+    if free >= needed:
+        return info
+    if args.reserve_hugepages:
+        with open("/proc/sys/vm/nr_hugepages") as f:
+            info["nr_hugepages_before"] = int(f.read())
+        with open("/proc/sys/vm/nr_hugepages", "w") as f:
+            f.write(str(info["nr_hugepages_before"] + needed - free))
+        info["reserved_by_this_run"] = meminfo("HugePages_Free") - free
+        if meminfo("HugePages_Free") >= needed:
+            return info
+    info["ok"] = False
+    print(f"fio --iomem=shmhuge skipped: it needs {needed} free {page >> 20} MiB huge pages, /proc/meminfo has "
+          f"HugePages_Free: {meminfo('HugePages_Free')}. Reserve them with `echo {needed + 30} > "
+          "/proc/sys/vm/nr_hugepages` (root) or pass --reserve-hugepages", file=sys.stderr)
+    return info
+
+
+def release_hugepages(info: dict) -> None:
+    if "nr_hugepages_before" in info:
+        with open("/proc/sys/vm/nr_hugepages", "w") as f:
+            f.write(str(info["nr_hugepages_before"]))
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+
+def run_rounds(field: list[Contender], rounds: int) -> tuple[dict[str, dict[str, list[float]]], list[list[str]]]:
+    results = {c.name: {op: [] for op in OPS} for c in field}
+    orders = []
+    for r in range(rounds):
+        order = field[r % len(field):] + field[:r % len(field)]
+        orders.append([c.name for c in order])
+        for op in OPS:
+            for c in order:
+                g = c.measure(op)
+                results[c.name][op].append(g)
+                print(f"round {r} {op:<5} {c.name:<24} {g:6.2f} GB/s", flush=True)
+    return results, orders
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    v = [g for g in values if g == g] or [float("nan")]
+    return {"median": statistics.median(v), "min": min(v), "max": max(v)}
+
+
+def summarize(results: dict[str, dict[str, list[float]]]) -> dict:
+    summary = {}
+    for op in OPS:
+        stats = {name: spread(v[op]) for name, v in results.items()}
+        fio_best = max((n for n in stats if n.startswith("fio")), key=lambda n: stats[n]["median"], default=None)
+        others = [n for n in stats if not n.startswith("infinity")]
+        best = max(others, key=lambda n: stats[n]["median"], default=None)
+        ours_med = stats["infinity"]["median"]
+        summary[op] = {
+            "gbps": stats,
+            "best_fio": fio_best,
+            "ratio_vs_best_fio": ours_med / stats[fio_best]["median"] if fio_best else None,
+            "best_other": best,
+            "ratio_vs_best_other": ours_med / stats[best]["median"] if best else None,
+        }
+    return summary
+
+
+def print_tables(results: dict, orders: list[list[str]], summary: dict) -> None:
+    """Markdown: one row per round and op, then medians [min-max] and the ratios."""
+    names = list(results)
+    print("\n| round | op | first | " + " | ".join(names) + " |")
+    print("|---|---|---|" + "---:|" * len(names))
+    for r, order in enumerate(orders):
+        for op in OPS:
+            print(f"| {r} | {op} | {order[0]} | " + " | ".join(f"{results[n][op][r]:.2f}" for n in names) + " |")
+    print("\n| op | " + " | ".join(names) + " | infinity / best fio | infinity / best other |")
+    print("|---|" + "---:|" * (len(names) + 2))
+    for op in OPS:
+        s = summary[op]
+        cells = " | ".join("{median:.2f} [{min:.2f}-{max:.2f}]".format(**s["gbps"][n]) for n in names)
+        fio_ratio = f"{s['ratio_vs_best_fio']:.2f} ({s['best_fio']})" if s["best_fio"] else "-"
+        other_ratio = f"{s['ratio_vs_best_other']:.2f} ({s['best_other']})" if s["best_other"] else "-"
+        print(f"| {op} | {cells} | {fio_ratio} | {other_ratio} |")
+
+
+def machine(directory: str) -> dict:
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], capture_output=True, text=True, cwd=REPO).stdout.strip()
+
+    mounts = [line.split() for line in open("/proc/mounts")]
+    where = os.path.realpath(directory)
+    mount = max((m for m in mounts if where.startswith(m[1].rstrip("/") + "/") or where == m[1]),
+                key=lambda m: len(m[1]))
+    fio_version = subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip() \
+        if shutil.which("fio") else None
+    return {
+        "commit": git("rev-parse", "--short", "HEAD"),
+        # Whether the I/O engine or this script differ from the commit (others' files may).
+        "io_code_modified": bool(git("status", "--porcelain", "--", "csrc/aio", "infinity/io", "bench/bench_aio.py")),
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "kernel": platform.release(), "cpus": os.cpu_count(), "mem_gib": round(meminfo("MemTotal") / 2**20, 1),
+        "filesystem": f"{mount[2]} on {mount[0]} ({mount[1]})", "fio": fio_version,
+        "thp": open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip(),
+        "loadavg_at_start": open("/proc/loadavg").read().split()[:3],
+    }
+
+
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default=".", help="directory on the disk under test")
-    p.add_argument("--size", type=parse_size, default=parse_size("4G"))
+    p.add_argument("--size", type=parse_size, default=parse_size("2G"), help="file size (bytes per measurement)")
     p.add_argument("--block-size", type=parse_size, default=parse_size("8M"))
     p.add_argument("--queue-depth", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--fio-engines", type=lambda s: s.split(","), default=["io_uring", "libaio"],
+                   help="comma-separated fio ioengines, each with default and shmhuge buffers")
+    p.add_argument("--reserve-hugepages", action="store_true",
+                   help="raise vm.nr_hugepages for fio's shmhuge if too few are free, restored at the end")
+    p.add_argument("--buffers-ab", action="store_true",
+                   help="also our handle on 4 KiB pages, locked and unlocked (the README's buffer A/B)")
     p.add_argument("--ds-python", default="/work/venv-ds/bin/python")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", help="write the figures as JSON here")
-    args = p.parse_args()
+    return p.parse_args()
 
-    contenders = {"infinity": None}
-    if shutil.which("fio"):
-        contenders["fio-libaio"] = "libaio"
-        contenders["fio-io_uring-fixedbufs"] = "io_uring"
-    else:
-        print("fio not found (apt-get install fio): skipped", file=sys.stderr)
-    if os.path.exists(args.ds_python):
-        contenders["deepspeed"] = args.ds_python
-    else:
+
+def main() -> int:
+    args = parse_args()
+    if not shutil.which("fio"):
+        print("fio not found (apt-get install fio): fio skipped", file=sys.stderr)
+        args.fio_engines = []
+    if not os.path.exists(args.ds_python):
         print(f"{args.ds_python} not found: DeepSpeed skipped", file=sys.stderr)
-
+    info = machine(args.dir)
+    hugepages = hugepages_for_fio(args) if args.fio_engines else {"ok": False}
     work = tempfile.mkdtemp(prefix="bench-aio-", dir=args.dir)
-    path = os.path.join(work, "data.bin")
+    gen = torch.Generator().manual_seed(args.seed)
+    pattern = torch.randint(0, 256, (min(args.size, args.block_size * args.queue_depth),), dtype=torch.uint8,
+                            generator=gen)
+    setup = Setup(os.path.join(work, "data.bin"), args.size, args.block_size, args.queue_depth, pattern, args.seed)
     handle = AsyncIOHandle(block_size=args.block_size, queue_depth=args.queue_depth)
-    buf = aligned_empty(args.size)
-    buf.fill_(0x5A)  # touch every page before timing
-    handle.write(buf, path)
-    results: dict[str, dict[str, list[float]]] = {name: {"read": [], "write": []} for name in contenders}
+    thp: dict[str, list[float]] = {}
     try:
-        for r in range(args.rounds):
-            for op in ("write", "read"):
-                for name, how in contenders.items():
-                    if name == "infinity":
-                        g = ours(handle, buf, path, op)
-                    elif name == "deepspeed":
-                        g = deepspeed(how, path, args.size, args.block_size, args.queue_depth, op)
-                    else:
-                        g = fio(how, path, args.size, args.block_size, args.queue_depth, op)
-                    results[name][op].append(g)
-                    print(f"round {r} {op:<5} {name:<24} {g:6.2f} GB/s", flush=True)
+        field = contenders(args, setup, handle, hugepages["ok"], thp)
+        ours(handle, setup, "write", pin=True, huge_pages=True, thp_log=[])  # lays the file out
+        results, orders = run_rounds(field, args.rounds)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        release_hugepages(hugepages)
 
-    print(f"\nmedian of {args.rounds} interleaved rounds, {args.size / 2**30:.1f} GiB, "
-          f"block {args.block_size >> 20} MiB, queue depth {args.queue_depth}, O_DIRECT, engine {handle.engine}")
-    summary = {}
-    for op in ("read", "write"):
-        med = {name: statistics.median([g for g in v[op] if g == g] or [float("nan")]) for name, v in results.items()}
-        best_other = max((g for n, g in med.items() if n != "infinity"), default=float("nan"))
-        summary[op] = {"median_gbps": med, "ratio_vs_best_other": med["infinity"] / best_other}
-        cells = "  ".join(f"{n} {g:.2f}" for n, g in med.items())
-        print(f"{op:<5} GB/s: {cells}  | infinity / best other = {med['infinity'] / best_other:.3f}")
+    summary = summarize(results)
+    print(f"\n{args.rounds} interleaved rounds, {args.size / 2**30:.1f} GiB, block {args.block_size >> 20} MiB, "
+          f"queue depth {args.queue_depth}, O_DIRECT; GB/s median [min-max]")
+    print_tables(results, orders, summary)
+    for name, shares in thp.items():
+        print(f"{name}: share of the buffer on transparent huge pages, min over measurements {min(shares):.2f}")
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"args": vars(args), "engine": handle.engine, "rounds": results, "summary": summary}, f,
-                      indent=2)
+            json.dump({**info, "args": {k: v for k, v in vars(args).items()}, "hugepages": hugepages,
+                       "contenders": {c.name: c.what for c in field}, "order": orders, "rounds": results,
+                       "thp_share": thp, "summary": summary}, f, indent=2)
     return 0
 
 
