@@ -12,9 +12,9 @@ The summary gives medians with the min-max spread over the rounds.
 
 Contenders:
 - infinity: our handle (engine "auto", io_uring here) on a buffer from `aligned_empty`:
-  page-locked and backed by transparent huge pages. A fresh buffer per measurement, filled
-  (so every page is touched) before the clock starts; the share of it that the kernel really
-  backed with huge pages is recorded (`thp`).
+  page-locked and backed by transparent huge pages. One buffer for the whole run, as the
+  engine's pools keep theirs, filled (so every page is touched) before the first round; the
+  share of it that the kernel really backed with huge pages is recorded (`thp_share`).
 - fio, per engine in --fio-engines (io_uring with `--fixedbufs --registerfiles`, libaio), once
   with its default buffers (malloc: 4 KiB pages, not locked) and once with `--iomem=shmhuge`
   (SysV shared memory on reserved 2 MiB huge pages). shmhuge needs free reserved huge pages
@@ -27,7 +27,11 @@ Contenders:
   `pip install torch==2.13.0 deepspeed==0.19.8 ninja`, libaio-dev installed) with
   DS_ACCELERATOR=cpu; skipped when that interpreter is missing.
 - with --buffers-ab, also our handle on plain 4 KiB pages, locked and unlocked (touched before
-  timing either way): the A/B behind "page-locked" and "huge pages" in the README.
+  timing either way): the A/B behind "page-locked" and "huge pages" in the README. Each of our
+  contenders keeps its own buffer of --size bytes for the run: 3 x --size of memory.
+
+CPU seconds are recorded too: our whole process (its I/O worker, and io_uring's kernel threads)
+during each transfer, and fio's usr + sys share of its runtime.
 """
 
 from __future__ import annotations
@@ -89,7 +93,7 @@ class Setup:
 @dataclass(frozen=True, slots=True)
 class Contender:
     name: str
-    measure: Callable[[str], float]  # op -> GB/s
+    measure: Callable[[str], tuple[float, float]]  # op -> (GB/s, CPU seconds spent on it)
     what: str  # one line for the results: buffers and knobs
 
 
@@ -117,17 +121,14 @@ def thp_share(ptr: int) -> float:
     return huge / rss if rss else 0.0
 
 
-def ours(handle: AsyncIOHandle, setup: Setup, op: str, *, pin: bool, huge_pages: bool,
-         thp_log: list[float]) -> float:
-    buf = aligned_empty(setup.size, pin=pin, huge_pages=huge_pages)
-    fill(buf, setup.pattern)
-    thp_log.append(thp_share(buf.data_ptr()))
+def ours(handle: AsyncIOHandle, buf: torch.Tensor, path: str, op: str) -> tuple[float, float]:
+    cpu = time.process_time()  # this process's user + system time: our worker and io_uring's
     start = time.perf_counter()
-    handle.read(buf, setup.path) if op == "read" else handle.write(buf, setup.path)
-    return setup.size / (time.perf_counter() - start) / 1e9
+    handle.read(buf, path) if op == "read" else handle.write(buf, path)
+    return buf.numel() / (time.perf_counter() - start) / 1e9, time.process_time() - cpu
 
 
-def fio(setup: Setup, engine: str, iomem: str | None, op: str) -> float:
+def fio(setup: Setup, engine: str, iomem: str | None, op: str) -> tuple[float, float]:
     cmd = ["fio", "--name=bench", f"--filename={setup.path}", f"--rw={op}", f"--bs={setup.block}",
            f"--iodepth={setup.depth}", "--direct=1", f"--ioengine={engine}", f"--size={setup.size}",
            "--numjobs=1", "--overwrite=1", "--fallocate=none", "--output-format=json"]
@@ -135,12 +136,12 @@ def fio(setup: Setup, engine: str, iomem: str | None, op: str) -> float:
         cmd += ["--fixedbufs", "--registerfiles"]
     if iomem:
         cmd.append(f"--iomem={iomem}")
-    out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-    job = out["jobs"][0][op]
-    return job["io_bytes"] / (job["runtime"] / 1e3) / 1e9
+    job = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)["jobs"][0]
+    seconds = job[op]["runtime"] / 1e3
+    return job[op]["io_bytes"] / seconds / 1e9, (job["usr_cpu"] + job["sys_cpu"]) / 100 * seconds
 
 
-def deepspeed(python: str, setup: Setup, op: str) -> float:
+def deepspeed(python: str, setup: Setup, op: str) -> tuple[float, float]:
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     argv = [setup.path, setup.size, setup.block, setup.depth, op, setup.seed]
     out = subprocess.run([python, "-c", DS_SCRIPT, *map(str, argv)], capture_output=True, text=True, env=env,
@@ -148,16 +149,19 @@ def deepspeed(python: str, setup: Setup, op: str) -> float:
     if out.returncode != 0:
         print(f"DeepSpeed {op} failed (exit {out.returncode}): {out.stderr.strip().splitlines()[-1:]}",
               file=sys.stderr)
-        return float("nan")
-    return json.loads(out.stdout.strip().splitlines()[-1])["gbps"]
+        return float("nan"), float("nan")
+    return json.loads(out.stdout.strip().splitlines()[-1])["gbps"], float("nan")  # its CPU time: not measured
 
 
 def contenders(args: argparse.Namespace, setup: Setup, handle: AsyncIOHandle, shmhuge: bool,
-               thp: dict[str, list[float]]) -> list[Contender]:
+               thp: dict[str, float]) -> list[Contender]:
     def our(name: str, pin: bool, huge_pages: bool, what: str) -> Contender:
-        thp[name] = []
-        return Contender(name, lambda op: ours(handle, setup, op, pin=pin, huge_pages=huge_pages,
-                                               thp_log=thp[name]), what)
+        # One buffer per contender for the whole run, as the engine's pools keep theirs (a
+        # buffer allocated afresh for each measurement wrote ~5% slower here).
+        buf = aligned_empty(setup.size, pin=pin, huge_pages=huge_pages)
+        fill(buf, setup.pattern)
+        thp[name] = thp_share(buf.data_ptr())
+        return Contender(name, lambda op: ours(handle, buf, setup.path, op), what)
 
     out = [our("infinity", True, True, f"our handle (engine {handle.engine}), mlock'ed, transparent huge pages")]
     if args.buffers_ab:
@@ -218,18 +222,21 @@ def release_hugepages(info: dict) -> None:
 # ---- the run ------------------------------------------------------------------------------------
 
 
-def run_rounds(field: list[Contender], rounds: int) -> tuple[dict[str, dict[str, list[float]]], list[list[str]]]:
-    results = {c.name: {op: [] for op in OPS} for c in field}
+def run_rounds(field: list[Contender], rounds: int) -> tuple[dict, dict, list[list[str]]]:
+    """({name: {op: [GB/s per round]}}, the same for CPU seconds, each round's order)."""
+    gbps = {c.name: {op: [] for op in OPS} for c in field}
+    cpu = {c.name: {op: [] for op in OPS} for c in field}
     orders = []
     for r in range(rounds):
         order = field[r % len(field):] + field[:r % len(field)]
         orders.append([c.name for c in order])
         for op in OPS:
             for c in order:
-                g = c.measure(op)
-                results[c.name][op].append(g)
-                print(f"round {r} {op:<5} {c.name:<24} {g:6.2f} GB/s", flush=True)
-    return results, orders
+                g, seconds = c.measure(op)
+                gbps[c.name][op].append(g)
+                cpu[c.name][op].append(seconds)
+                print(f"round {r} {op:<5} {c.name:<24} {g:6.2f} GB/s  cpu {seconds:5.2f} s", flush=True)
+    return gbps, cpu, orders
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -329,11 +336,11 @@ def main() -> int:
                             generator=gen)
     setup = Setup(os.path.join(work, "data.bin"), args.size, args.block_size, args.queue_depth, pattern, args.seed)
     handle = AsyncIOHandle(block_size=args.block_size, queue_depth=args.queue_depth)
-    thp: dict[str, list[float]] = {}
+    thp: dict[str, float] = {}
     try:
         field = contenders(args, setup, handle, hugepages["ok"], thp)
-        ours(handle, setup, "write", pin=True, huge_pages=True, thp_log=[])  # lays the file out
-        results, orders = run_rounds(field, args.rounds)
+        field[0].measure("write")  # lays the file out
+        results, cpu, orders = run_rounds(field, args.rounds)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         release_hugepages(hugepages)
@@ -342,13 +349,15 @@ def main() -> int:
     print(f"\n{args.rounds} interleaved rounds, {args.size / 2**30:.1f} GiB, block {args.block_size >> 20} MiB, "
           f"queue depth {args.queue_depth}, O_DIRECT; GB/s median [min-max]")
     print_tables(results, orders, summary)
-    for name, shares in thp.items():
-        print(f"{name}: share of the buffer on transparent huge pages, min over measurements {min(shares):.2f}")
+    for name, share in thp.items():
+        print(f"{name}: {share:.2f} of the buffer on transparent huge pages")
+    for op in OPS:
+        print(f"{op} CPU seconds, median: " + ", ".join(f"{n} {statistics.median(v[op]):.3f}" for n, v in cpu.items()))
     if args.output:
         with open(args.output, "w") as f:
             json.dump({**info, "args": {k: v for k, v in vars(args).items()}, "hugepages": hugepages,
                        "contenders": {c.name: c.what for c in field}, "order": orders, "rounds": results,
-                       "thp_share": thp, "summary": summary}, f, indent=2)
+                       "cpu_seconds": cpu, "thp_share": thp, "summary": summary}, f, indent=2)
     return 0
 
 
