@@ -43,6 +43,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -321,8 +322,22 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def check_memory(args: argparse.Namespace) -> None:
+    """Refuses a run whose buffers would not fit beside what the machine already uses."""
+    ours_bytes = args.size * (3 if args.buffers_ab else 1)
+    need = ours_bytes + args.size + (1 << 30)  # + DeepSpeed's child process + a margin
+    available = meminfo("MemAvailable") * 1024
+    if need > available:
+        raise SystemExit(f"--size {args.size >> 20} MiB needs about {need >> 20} MiB of memory ({ours_bytes >> 20} "
+                         f"MiB of our buffers, one --size for DeepSpeed's process, 1 GiB spare), MemAvailable is "
+                         f"{available >> 20} MiB: use a smaller --size or run without --buffers-ab")
+
+
 def main() -> int:
     args = parse_args()
+    check_memory(args)
+    # SIGTERM unwinds like an exception, so that the file is removed and huge pages are given back.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if not shutil.which("fio"):
         print("fio not found (apt-get install fio): fio skipped", file=sys.stderr)
         args.fio_engines = []
