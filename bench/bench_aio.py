@@ -1,14 +1,15 @@
 """Our AsyncIOHandle against fio and DeepSpeed's aio handle on one file, in interleaved rounds,
 because this disk's speed drifts within minutes.
 
-    python bench/bench_aio.py --dir /work --size 2G --rounds 5 --buffers-ab --output bench/results/aio.json
+    python bench/bench_aio.py --dir /work --size 2G --rounds 8 --buffers-ab --reserve-hugepages \
+        --output bench/results/aio.json
 
 Every measurement reads or writes the whole file once, O_DIRECT, 8 MiB blocks, queue depth 32,
-one worker, the same random bytes written by every side (fio's default content). The file is
-written once before timing: writes overwrite allocated extents, as the engine's store does.
-Each round runs every contender once per op, writes first; round r starts with contender r (the
-order rotates), so that no contender always runs first or right after the same neighbour.
-The summary gives medians with the min-max spread over the rounds.
+one worker, random bytes on every side (fio writes random bytes by default; we and DeepSpeed
+tile one seeded random block). The file is written once before timing: writes overwrite
+allocated extents, as the engine's store does. Each round runs every contender once per op,
+writes first; round r starts with contender r (the order rotates, so that no contender always
+runs first). The summary gives medians with the min-max spread over the rounds.
 
 Contenders:
 - infinity: our handle (engine "auto", io_uring here) on a buffer from `aligned_empty`:

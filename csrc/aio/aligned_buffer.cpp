@@ -19,10 +19,11 @@ size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 // [Note: huge pages for I/O buffers]
 // The kernel pins the user pages of every O_DIRECT request and builds one scatter-gather entry
-// per physically contiguous run. With 4 KiB pages an 8 MiB piece is 2048 pages to pin and up
-// to 2048 segments for the device; with 2 MiB transparent huge pages it is 4. On this
-// machine's virtio disk that took reads from 2.4 to 2.9 GB/s and writes from 4.9 to 6.2 GB/s
-// (bench/results/aio.md). So buffers of at least one huge page are mapped on a huge-page
+// per physically contiguous run. With 4 KiB pages an 8 MiB piece is 2048 pages to pin and as
+// many segments as the pages are scattered (this machine's virtio disk takes at most 254 per
+// request); with 2 MiB transparent huge pages it is 4 of each. `bench/bench_aio.py
+// --buffers-ab` measures our handle both ways (bench/results/aio.md has the figures and what
+// they depend on). So buffers of at least one huge page are mapped on a huge-page
 // boundary and advised MADV_HUGEPAGE before any page is touched; the kernel may still say no
 // (THP "never", fragmentation), and then the memory is simply ordinary pages. Smaller buffers
 // stay page-granular so that a pool of small shards does not cost 2 MiB each.

@@ -10,9 +10,10 @@ when the tensor dies the buffer's release hook unregisters the pages and then fr
 that order, so the driver never holds a registration on freed memory.
 
 [Note: page-locked even without a GPU]
-O_DIRECT reads into mlock'ed pages ran 2.7 GB/s on this machine's disk against 1.9 GB/s into
-ordinary (already touched) pages: the kernel pins user pages for every request, and locked ones
-need no fault handling. So host buffers are locked whether or not CUDA is there. A process
+The kernel pins user pages for every O_DIRECT request, and locked ones need no fault handling:
+`bench/bench_aio.py --buffers-ab` measures our handle on locked and on ordinary (already
+touched) pages, figures in bench/results/aio.md. So host buffers are locked whether or not CUDA
+is there. A process
 whose RLIMIT_MEMLOCK is too small gets one warning and unlocked memory, never an error.
 Buffers of 2 MiB and more are also backed by transparent huge pages where the kernel allows it
 ([Note: huge pages for I/O buffers] in csrc/aio/aligned_buffer.cpp).
