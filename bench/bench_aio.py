@@ -32,7 +32,9 @@ Contenders:
   contenders keeps its own buffer of --size bytes for the run: 3 x --size of memory.
 
 CPU seconds are recorded too: our whole process (its I/O worker, and io_uring's kernel threads)
-during each transfer, and fio's usr + sys share of its runtime.
+during each transfer, and fio's usr + sys share of its runtime; and the disk's mean request
+size over each transfer (/sys/class/block/DEV/stat), which shows how the block layer cut the
+pieces: at max_sectors_kb, or earlier at max_segments physically contiguous runs of the buffer.
 """
 
 from __future__ import annotations
@@ -147,7 +149,7 @@ def deepspeed(python: str, setup: Setup, op: str) -> tuple[float, float]:
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     argv = [setup.path, setup.size, setup.block, setup.depth, op, setup.seed]
     out = subprocess.run([python, "-c", DS_SCRIPT, *map(str, argv)], capture_output=True, text=True, env=env,
-                         cwd=tempfile.gettempdir())
+                         cwd=tempfile.gettempdir(), check=False)
     if out.returncode != 0:
         print(f"DeepSpeed {op} failed (exit {out.returncode}): {out.stderr.strip().splitlines()[-1:]}",
               file=sys.stderr)
@@ -224,25 +226,51 @@ def release_hugepages(info: dict) -> None:
 # ---- the run ------------------------------------------------------------------------------------
 
 
-def run_rounds(field: list[Contender], rounds: int) -> tuple[dict, dict, list[list[str]]]:
-    """({name: {op: [GB/s per round]}}, the same for CPU seconds, each round's order)."""
+def mount_of(directory: str) -> list[str]:
+    """The /proc/mounts entry (source, mount point, type, ...) holding `directory`."""
+    where = os.path.realpath(directory)
+    with open("/proc/mounts") as f:
+        mounts = [line.split() for line in f]
+    return max((m for m in mounts if where.startswith(m[1].rstrip("/") + "/") or where == m[1]),
+               key=lambda m: len(m[1]))
+
+
+def disk_counters(stat_path: str | None, op: str) -> tuple[int, int]:
+    """(requests completed, sectors) of `op` so far on the block device, from its stat file."""
+    if stat_path is None:
+        return 0, 0
+    with open(stat_path) as f:
+        fields = [int(x) for x in f.read().split()]
+    return (fields[0], fields[2]) if op == "read" else (fields[4], fields[6])
+
+
+def run_rounds(field: list[Contender], rounds: int, stat_path: str | None) -> tuple[dict, dict, list[list[str]]]:
+    """({name: {op: [GB/s per round]}}, {"cpu_seconds" | "request_kib": the same shape}, each
+    round's order). request_kib is the device's mean request size over the transfer (the
+    block layer splits a piece at max_sectors_kb and at max_segments physically contiguous
+    runs); it counts whatever else used the disk meanwhile too."""
     gbps = {c.name: {op: [] for op in OPS} for c in field}
-    cpu = {c.name: {op: [] for op in OPS} for c in field}
+    extra = {key: {c.name: {op: [] for op in OPS} for c in field} for key in ("cpu_seconds", "request_kib")}
     orders = []
     for r in range(rounds):
         order = field[r % len(field):] + field[:r % len(field)]
         orders.append([c.name for c in order])
         for op in OPS:
             for c in order:
+                requests, sectors = disk_counters(stat_path, op)
                 g, seconds = c.measure(op)
+                requests, sectors = (b - a for a, b in zip((requests, sectors), disk_counters(stat_path, op)))
+                kib = sectors / 2 / requests if requests else float("nan")
                 gbps[c.name][op].append(g)
-                cpu[c.name][op].append(seconds)
-                print(f"round {r} {op:<5} {c.name:<24} {g:6.2f} GB/s  cpu {seconds:5.2f} s", flush=True)
-    return gbps, cpu, orders
+                extra["cpu_seconds"][c.name][op].append(seconds)
+                extra["request_kib"][c.name][op].append(kib)
+                print(f"round {r} {op:<5} {c.name:<24} {g:6.2f} GB/s  cpu {seconds:5.2f} s  {kib:5.0f} KiB/request",
+                      flush=True)
+    return gbps, extra, orders
 
 
 def spread(values: list[float]) -> dict[str, float]:
-    v = [g for g in values if g == g] or [float("nan")]
+    v = [g for g in values if not math.isnan(g)] or [float("nan")]
     return {"median": statistics.median(v), "min": min(v), "max": max(v)}
 
 
@@ -284,13 +312,10 @@ def print_tables(results: dict, orders: list[list[str]], summary: dict) -> None:
 
 def machine(directory: str) -> dict:
     def git(*a: str) -> str:
-        return subprocess.run(["git", *a], capture_output=True, text=True, cwd=REPO).stdout.strip()
+        return subprocess.run(["git", *a], capture_output=True, text=True, cwd=REPO, check=True).stdout.strip()
 
-    mounts = [line.split() for line in open("/proc/mounts")]
-    where = os.path.realpath(directory)
-    mount = max((m for m in mounts if where.startswith(m[1].rstrip("/") + "/") or where == m[1]),
-                key=lambda m: len(m[1]))
-    fio_version = subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip() \
+    mount = mount_of(directory)
+    fio_version = subprocess.run(["fio", "--version"], capture_output=True, text=True, check=True).stdout.strip() \
         if shutil.which("fio") else None
     return {
         "commit": git("rev-parse", "--short", "HEAD"),
@@ -356,7 +381,8 @@ def main() -> int:
     try:
         field = contenders(args, setup, handle, hugepages["ok"], thp)
         field[0].measure("write")  # lays the file out
-        results, cpu, orders = run_rounds(field, args.rounds)
+        stat = f"/sys/class/block/{os.path.basename(mount_of(args.dir)[0])}/stat"
+        results, extra, orders = run_rounds(field, args.rounds, stat if os.path.exists(stat) else None)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         release_hugepages(hugepages)
@@ -367,13 +393,15 @@ def main() -> int:
     print_tables(results, orders, summary)
     for name, share in thp.items():
         print(f"{name}: {share:.2f} of the buffer on transparent huge pages")
-    for op in OPS:
-        print(f"{op} CPU seconds, median: " + ", ".join(f"{n} {statistics.median(v[op]):.3f}" for n, v in cpu.items()))
+    for key, unit, digits in (("cpu_seconds", "CPU seconds", 3), ("request_kib", "KiB per device request", 0)):
+        for op in OPS:
+            cells = ", ".join(f"{n} {statistics.median(v[op]):.{digits}f}" for n, v in extra[key].items())
+            print(f"{op} {unit}, median: {cells}")
     if args.output:
         with open(args.output, "w") as f:
             json.dump({**info, "args": {k: v for k, v in vars(args).items()}, "hugepages": hugepages,
                        "contenders": {c.name: c.what for c in field}, "order": orders, "rounds": results,
-                       "cpu_seconds": cpu, "thp_share": thp, "summary": summary}, f, indent=2)
+                       **extra, "thp_share": thp, "summary": summary}, f, indent=2)
     return 0
 
 
