@@ -323,6 +323,8 @@ class Engine:
             self._boundary_override = None
             self.policy.first_micro = True
         self._step_applied = outcome.applied
+        if self.policy.pending_updates == 0:  # every shard has its new values
+            self.fetcher.prefetch_next_step()
         if outcome.applied:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))

@@ -201,11 +201,15 @@ def test_every_step_moves_the_bytes_the_layout_predicts(tmp_path, spill):
         # writes each shard once. Optimizer state: 12 bytes per
         # element read and written, and 4 more for a gradient spilled in backward and read
         # back for the update.
+        # A unit whose next use is the very next one stays gathered for it ([Note: recorded order]).
+        uses = engine.fetcher.schedule
+        repeats = sum(a == b for a, b in zip(uses, uses[1:]))
         assert sorted(set(gathers)) == [u.index for u in engine.units]
-        assert len(gathers) >= 2 * len(engine.units)
+        assert len(uses) >= 2 * len(engine.units) and len(gathers) >= 2 * len(engine.units) - repeats
         # The forward may find a unit's new values still in the buffer its update (run just
-        # before, [Note: updates after the norm]) is writing them from; the backward reads every unit.
-        assert len(gathers) - len(shared) >= len(engine.units)
+        # before, [Note: updates after the norm]) is writing them from; the backward reads every
+        # unit it gathers.
+        assert len(gathers) - len(shared) >= len(engine.units) - repeats
         assert report["nvme_read_bytes"] == sum(shard_bytes[i] for i in gathers) - sum(shard_bytes[i] for i in shared)
         assert report["nvme_write_bytes"] == sum(shard_bytes.values())
         state = sum((16 if spill else 12) * u.shard_numel for u in engine.units)

@@ -163,6 +163,29 @@ def test_a_fetch_during_a_failing_write_fails_too(rig):
     assert_others_intact(swapper, data, bad=0)
 
 
+def test_a_write_failing_under_a_loan_keeps_its_buffer_until_the_loan_ends(rig):
+    swapper, handle, data = rig
+    handle.fail(swapper.store.extent("param", 0), "write")
+    swapper.wait(swapper.fetch("param", 0)).fill_(5)
+    swapper.release("param", 0, dirty=True)
+    lent = swapper.wait(swapper.fetch("param", 0), lend=True)  # the write is still in flight
+    with pytest.raises(OSError, match="write of shard 0 of kind 'param'"):
+        swapper.flush()
+    assert swapper.state("param", 0) is ShardState.INVALID
+    assert swapper.pool.num_free == 1  # the borrowed buffer is not handed out again...
+    other = swapper.wait(swapper.fetch("param", 1))
+    with pytest.raises(OSError, match="exhausted|buffer"):
+        swapper.wait(swapper.fetch("param", 2))  # ...not even under pressure
+    assert bool((lent == 5).all())
+    swapper.release("param", 1)
+    swapper.release("param", 0)  # ends the loan: no error, the buffer goes back
+    assert swapper.pool.num_free == 2
+    with pytest.raises(OSError, match="fetch: shard 0 of kind 'param' is invalid"):
+        swapper.fetch("param", 0)
+    assert_others_intact(swapper, data, bad=0)
+    del other
+
+
 @pytest.mark.parametrize("mode", ["error", "submit"])
 def test_a_failed_read_leaves_everything_consistent_and_a_retry_works(rig, mode):
     swapper, handle, data = rig

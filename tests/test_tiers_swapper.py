@@ -174,6 +174,29 @@ def test_fetch_during_a_write_reads_nothing_and_sees_the_new_bytes(store):
     swapper.check_invariants()
 
 
+def test_a_reader_may_borrow_new_bytes_while_their_write_is_in_flight(store):
+    handle = RecordingHandle()
+    swapper = make(store, handle=handle)
+    fill(swapper)
+    buf = swapper.wait(swapper.fetch("param", 0))
+    buf.fill_(9)
+    write = swapper.release("param", 0, dirty=True)
+    log = len(handle.log)
+    again = swapper.fetch("param", 0)
+    assert swapper.ready(again, lend=True) and not swapper.ready(again)
+    lent = swapper.wait(again, lend=True)
+    assert handle.log[log:] == []  # neither a read nor a wait for the write
+    assert swapper.state("param", 0) is ShardState.HOST_TO_NVME
+    assert bool((lent == 9).all())
+    swapper.check_invariants()
+    swapper.release("param", 0)
+    swapper.wait(write)
+    assert swapper.state("param", 0) is ShardState.NVME  # no cache: the buffer went back once written
+    assert swapper.pool.num_free == 3
+    assert bool((read(swapper, 0) == 9).all())  # and the disk has the new bytes
+    swapper.check_invariants()
+
+
 def test_a_second_write_waits_for_the_first(store):
     handle = RecordingHandle()
     swapper = make(store, handle=handle)

@@ -74,6 +74,7 @@ class Shard:
     holders: int = 0  # fetches not yet released
     dirty: bool = False  # HOST: changed by a holder; written when the last holder releases it
     completing: bool = False  # a thread is waiting on `transfer` ([Note: completing transfers] in swapper.py)
+    lent: int = 0  # HOST_TO_NVME: holders handed the bytes before the write ended ([Note: lending bytes under a write])
     failure: tuple[Transfer | None, OSError] | None = None  # last failed transfer (None: at submission), and why
 
     @property
@@ -99,7 +100,7 @@ class Shard:
         """A read completed, or a write completed and its buffer stays with the shard."""
         self._leave(ShardState.NVME_TO_HOST, ShardState.HOST_TO_NVME)
         assert self.buffer is not None
-        self.state, self.transfer = ShardState.HOST, None
+        self.state, self.transfer, self.lent = ShardState.HOST, None, 0
 
     def to_nvme(self) -> torch.Tensor | None:
         """The bytes are (still) only on NVMe; returns the buffer to give back, if any."""

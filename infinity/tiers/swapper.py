@@ -23,6 +23,15 @@ condition variable for the state to change. Errors are recorded on the shard and
 whoever waits for that transfer (`wait`), and write errors nobody waited for by `flush`, so
 that an unrelated fetch that only reaped a failed write to free its buffer does not raise.
 
+[Note: lending bytes under a write]
+A holder that only reads the bytes (the parameter tier copying a unit's new values to the
+device) may take them while their write is still in flight: `wait(handle, lend=True)` hands out
+the buffer at once instead of waiting for the write, as the bytes in memory are the newest and
+both the disk and the holder only read them. If that write then fails, the shard is INVALID as
+usual, but its buffer stays out of the pool ("parked") until every lent holder has released it,
+so it is never reused under a reader; their releases end those loans without raising. A holder
+that changes the bytes in place must not borrow them (the write would read torn bytes).
+
 [Note: buffers under pressure]
 When no pool buffer is free, the swapper first drops the cached shard the cache would evict
 first (free at once: cached shards are always clean), then finishes the oldest write in flight
@@ -143,6 +152,7 @@ class Swapper:
         self._shards = {}
         self._writes = {}
         self._unreported = []
+        self._parked: dict[ShardKey, tuple[torch.Tensor, int]] = {}  # failed write's buffer -> loans out
         self._counters = SwapCounters()
         self._cond = threading.Condition(threading.Lock())  # guards every Shard and the fields above
 
@@ -210,11 +220,13 @@ class Swapper:
                 self._counters.misses += 1
                 return FetchHandle(kind, key, transfer)
 
-    def wait(self, handle: FetchHandle | WriteHandle) -> torch.Tensor | None:
+    def wait(self, handle: FetchHandle | WriteHandle, lend: bool = False) -> torch.Tensor | None:
         """Blocks until the transfer of `handle` completed.
 
         For a FetchHandle, returns the shard's bytes: a 1-D uint8 view of a pool buffer, valid
         until the matching `release`. Raises OSError naming the shard if the transfer failed.
+        `lend`: the caller only reads the bytes, which may then be handed out while their write
+        is still in flight ([Note: lending bytes under a write]).
         """
         with self._cond:
             shard = self._shard(handle.kind, handle.key)
@@ -224,6 +236,9 @@ class Swapper:
             while True:
                 if shard.failure is not None and handle.transfer is shard.failure[0] is not None:
                     self._raise_failure(shard)  # the read, or the write it waited on, failed
+                if lend and shard.state is ShardState.HOST_TO_NVME and shard.buffer is not None and shard.holders > 0:
+                    shard.lent += 1
+                    return shard.buffer[: shard.extent.nbytes]
                 if shard.state in (ShardState.NVME_TO_HOST, ShardState.HOST_TO_NVME):
                     self._complete(shard)
                 elif shard.state is ShardState.HOST and shard.holders > 0:
@@ -238,11 +253,21 @@ class Swapper:
         NVMe when the last holder releases the shard, and the handle of that write is returned."""
         with self._cond:
             shard = self._shard(kind, key)
+            if shard.holders == 0 and (kind, key) in self._parked:  # a loan whose write failed meanwhile
+                buffer, loans = self._parked[(kind, key)]
+                if loans > 1:
+                    self._parked[(kind, key)] = (buffer, loans - 1)
+                else:
+                    del self._parked[(kind, key)]
+                    self.pool.release(buffer)
+                    self._cond.notify_all()
+                return None
             if shard.holders == 0:
                 raise ValueError(f"release: {shard.name} is not fetched")
             if dirty and shard.state is not ShardState.HOST:
                 raise ValueError(f"release: {shard.name} cannot be dirty: it was not waited for ({shard.state.name})")
             shard.holders -= 1
+            shard.lent = min(shard.lent, shard.holders)
             shard.dirty |= dirty
             if shard.holders > 0:
                 return None
@@ -332,12 +357,13 @@ class Swapper:
                     raise OSError(first.errno, f"{first.strerror} (and {count - 1} more failed writes)", first.filename)
                 raise first
 
-    def ready(self, handle: FetchHandle) -> bool:
-        """Whether `wait(handle)` would return at once (its read has finished, or there was
+    def ready(self, handle: FetchHandle, lend: bool = False) -> bool:
+        """Whether `wait(handle, lend)` would return at once (its read has finished, or there was
         none to do); never blocks. A handle without `done` is never ready before its wait."""
         with self._cond:
             shard = self._shard(handle.kind, handle.key)
-            if shard.state is ShardState.HOST:
+            if shard.state is ShardState.HOST or (lend and shard.state is ShardState.HOST_TO_NVME
+                                                   and shard.buffer is not None and shard.holders > 0):
                 return True
             transfer = shard.transfer
             if shard.state is not ShardState.NVME_TO_HOST or transfer is None or shard.completing:
@@ -406,7 +432,9 @@ class Swapper:
                 elif shard.state is ShardState.HOST:
                     assert shard.holders > 0, f"{shard.name}: idle in host memory but not cached"
                 assert (shard.state is ShardState.HOST_TO_NVME) == ((kind, key) in self._writes), shard.name
+                assert shard.lent <= shard.holders, f"{shard.name}: {shard.lent} loans, {shard.holders} holders"
             in_use = self.pool.stats.bytes_in_use // self.pool.buffer_size
+            owning += len(self._parked)
             assert in_use == owning + outside, f"pool: {in_use} buffers in use, shards own {owning} + {outside} outside"
             if self.cache is not None:
                 assert self.cache.bytes_used == cached_bytes <= self.cache.max_bytes, "cache accounting"
@@ -503,8 +531,11 @@ class Swapper:
         shard.holders = 0  # fetches that waited on this write fail with it, as with a failed read
         if transfer is not None:
             self._unreported.append(failure)
+        loans, shard.lent = shard.lent, 0
         buffer = shard.to_invalid()
-        if buffer is not None:
+        if buffer is not None and loans:  # [Note: lending bytes under a write]
+            self._parked[(shard.kind, shard.key)] = (buffer, loans)
+        elif buffer is not None:
             self.pool.release(buffer)
             self._cond.notify_all()
         return failure

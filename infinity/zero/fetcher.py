@@ -6,7 +6,7 @@ index is appended to the step's trace. The previous step's trace is the schedule
 current step follows it, the fetcher knows what comes next and (1) asks the parameter tier to
 start moving the shards of the next units (up to `prefetch_numel` elements ahead: NVMe reads,
 host-to-device copies), and (2) keeps a unit gathered after use when its next use is within
-`max_reuse_distance` elements. A step that departs from the schedule (another code path) just
+`max_reuse_distance` elements, or when it is the very next use. A step that departs from the schedule (another code path) just
 stops prefetching; at the end of the step its trace becomes the new schedule.
 
 [Note: live budget]
@@ -68,7 +68,7 @@ class Fetcher:
         self.trace = []
         self.on_schedule = self.schedule is not None
         self.in_step = True
-        self._prefetched = set()
+        self._prefetched = set()  # reads started by `prefetch_next_step` are the tier's: it serves them
 
     def end_step(self) -> None:
         """Releases every non-persistent unit; the step's trace becomes the schedule."""
@@ -82,6 +82,16 @@ class Fetcher:
             self.params.set_schedule(self.schedule)
         self.in_step = False
         self.on_schedule = False
+
+    def prefetch_next_step(self) -> None:
+        """[Note: reading across the step boundary] Once a step has updated every unit, the
+        next step's first shards are read while the host is still between steps (the loss
+        print, the next batch), instead of at the next forward's first acquire. A shard that
+        changes before it is used (a checkpoint load, `GatheredParameters` with a modifier)
+        drops its read first (the parameter tier's `_settle`); an evaluation forward uses it."""
+        if self.schedule and not self.in_step:
+            self._prefetched = set()
+            self._prefetch(0)
 
     # ---- per use --------------------------------------------------------------------------
 
@@ -157,8 +167,12 @@ class Fetcher:
         nxt = self._next_use(unit.index)
         if nxt >= len(self.schedule or ()):
             return False
+        if nxt == len(self.trace):
+            # Its next use is the very next one (the tied head's forward, then its backward):
+            # releasing it would only read it again at once, with the same units gathered.
+            return True
         between = sum(self.units[i].padded_numel for i in self.schedule[len(self.trace):nxt])
-        return between < self.max_reuse_distance  # 0 keeps nothing, as in DeepSpeed
+        return between < self.max_reuse_distance  # otherwise 0 keeps nothing, as in DeepSpeed
 
     def _make_room(self, numel: int) -> None:
         if self.live_numel + numel <= self.max_live_numel:

@@ -19,7 +19,13 @@ traffic under backward's compute.
 In the last micro-step the reads do not wait for a unit's gradient: units become final in the
 same order every step (reverse forward order), so the order recorded in the previous step says
 which unit comes next, and its pieces are read from the start of that micro-step's forward,
-while the units before it compute, as far as the pool allows (`_read_ahead`). With the update
+while the units before it compute, as far as the pool allows (`_read_ahead`). When updates wait
+for the next forward ([Note: updates after the norm] in step_policy.py) they run in that
+forward's order, not in the order gradients became final: the reads then follow the last
+deferred order instead, so the first units the next forward updates (the embedding, whose
+gradient is final last) are the first read; where the pool has room, a unit's pieces are
+fetched again for the next step right after its update released them, while their write is in
+flight, which costs no read at all. With the update
 running during backward (no clipping, no fp16: see [Note: update during backward] in engine.py)
 the state of a unit is then in memory when its gradient is final, its update runs at once, and
 its writes drain behind the next unit's backward.
@@ -121,6 +127,7 @@ class NvmeOptimizerState:
         self._updated: set[int] = set()
         self._reading_ahead = False
         self._deferred: list[int] = []  # units whose update waits for their next use, in that order
+        self._defer_order: list[int] = []  # the last deferred order: the next step's, too ([Note: reading ahead in the expected order])
         self._tally = IOTally(self.swapper)
 
     def _kinds(self, index: int) -> tuple[str, ...]:
@@ -171,9 +178,10 @@ class NvmeOptimizerState:
             self._final.add(index)
             self._ready.append(index)
             self._order.append(index)
-            for k in range(len(self._pieces[index])):
-                if not self._read_early(index, k):
-                    break  # the pool is as full as the step's own pipeline allows
+            if not self._defer_order:  # deferred updates run in forward order: `_read_ahead` follows it
+                for k in range(len(self._pieces[index])):
+                    if not self._read_early(index, k):
+                        break  # the pool is as full as the step's own pipeline allows
             self._read_ahead()
         return keep
 
@@ -357,6 +365,7 @@ class NvmeOptimizerState:
         """These units' updates run later, in this order ([Note: updates after the norm] in
         step_policy.py): their reads issued so far are kept for them, and more start now."""
         self._deferred = list(order)
+        self._defer_order = list(order)
         self._reading_ahead = False  # the next step's reads start with its forward
         self._read_ahead()
         for index in self._deferred:  # a shard whose last write failed fails the step now, not one later
@@ -380,7 +389,7 @@ class NvmeOptimizerState:
         self._sq.clear()
         self._updated.clear()
         if self._order:
-            self._expected, self._order = self._order, []
+            self._expected, self._order = self._defer_order or self._order, []
         self._reading_ahead = False
 
     def flush(self) -> None:

@@ -110,7 +110,7 @@ class NvmeParams:
         if unit.index in self._copying:
             return True
         handles = self._prefetched.get(unit.index)
-        if handles is None or not all(self.swapper.ready(h) for h in handles):
+        if handles is None or not all(self.swapper.ready(h, lend=True) for h in handles):
             return False
         self._copying[unit.index] = self._to_device(unit, self._prefetched.pop(unit.index))
         return True
@@ -122,7 +122,7 @@ class NvmeParams:
         for i, ((kind, n), handle) in enumerate(zip(_parts(unit), handles)):  # the swapper times the waits
             self.cache.advance((kind, unit.index))
             try:
-                data = self.swapper.wait(handle)
+                data = self.swapper.wait(handle, lend=True)  # new values still being written: copied meanwhile
             except OSError:
                 for c in copies:
                     self.device.wait_host(c)
@@ -151,8 +151,13 @@ class NvmeParams:
             self._return(block=False)
 
     def _settle(self, index: int) -> None:
-        """Before the unit's shard is written: its pool buffers must be back, once the device
-        copies that read them have ended (on a GPU the host learns that only by asking)."""
+        """Before the unit's shard is written: a read of it started ahead is dropped (its bytes
+        are about to be old), and its pool buffers must be back, once the device copies that
+        read them have ended (on a GPU the host learns that only by asking)."""
+        for handle in self._prefetched.pop(index, ()):
+            self.swapper.let_go(handle)
+        if index in self._copying:
+            self._returning.append((index, self._copying.pop(index)))
         mine = [(i, copies) for i, copies in self._returning if i == index]
         if mine:
             self._returning = [(i, copies) for i, copies in self._returning if i != index]
