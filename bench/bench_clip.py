@@ -2,7 +2,7 @@
 interleaved in one process (issue [7/7] section 2).
 
     python bench/bench_clip.py                       # 134M GPT, bf16, batch 2x256, 6 rounds
-    python bench/bench_clip.py --layers 8 --dim 256 --vocab 8000 --micro 4 --seq 64   # 7.4M
+    python bench/bench_clip.py --layers 8 --dim 256 --vocab 4096 --micro 4 --seq 64   # 7.4M
 
 Engines, all with the same knobs (params and optimizer state on NVMe, offload_param.max_in_cpu
 0, 8 MiB aio blocks, queue depth 32; stage3_prefetch_bucket_size, sub_group_size and buffer

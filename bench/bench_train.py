@@ -6,18 +6,19 @@ against DeepSpeed ZeRO-Infinity on the same model and config.
 In one run it measures
   * infinity: the step with offload_param and offload_optimizer on NVMe (bf16, stage 3);
   * the compute floor: forward + backward + CPU Adam of the same model all in memory; for a
-    model that does not fit, `--floor-layers` layers are timed and scaled to the full depth;
-  * the I/O floor: the bytes a step must move (params read twice, written once; optimizer
-    state read and written) over the read and write GB/s of our handle, measured now;
-  * DeepSpeed 0.19.8 ZeRO-Infinity on the CPU accelerator with the same config, in the
-    virtual environment given by --ds-python (skipped when missing).
-It prints the step times and the ratios step / max(floors) and DeepSpeed / infinity.
+    model that does not fit, it is timed at two depths and extrapolated linearly in depth;
+  * the I/O floor: the bytes a step must move (see io_floor) over the read and write GB/s of
+    our handle, measured before and after the runs;
+  * DeepSpeed 0.19.8 ZeRO-Infinity on the CPU accelerator with the same model and data, in the
+    virtual environment given by --ds-python (skipped when missing), with the same knobs
+    (`--knobs same`) or each engine at its own best (`--knobs tuned`): see KNOBS.
+It prints medians with min-max, the ratios step / max(floors) and DeepSpeed / infinity, and
+records the commit and command in --output.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib.util
 import json
 import os
@@ -43,7 +44,21 @@ def load_gpt():
     return module
 
 
-def ds_config(nvme_path: str, micro: int, bf16: bool = True, clip: float = 1.0) -> dict:
+# The knobs a config leaves to the user, for both engines. "same": one set given to both
+# (DeepSpeed 0.19.8 needs stage3_prefetch_bucket_size 0 with NVMe params and max_in_cpu 0, its
+# issue #3062, so neither prefetches). "tuned": each at its best setting found here (see
+# bench/results/train.md for the DeepSpeed settings tried).
+KNOBS = {
+    "same": {"prefetch": 0, "sub_group_size": 2.5e7, "param_buffers": 8, "optimizer_buffers": 48,
+             "block_size": 1 << 20},
+    "infinity-tuned": {"prefetch": 5e8, "sub_group_size": 2.5e7, "param_buffers": 8, "optimizer_buffers": 48,
+                       "block_size": 8 << 20},
+    "deepspeed-tuned": {"prefetch": 0, "sub_group_size": 2.5e7, "param_buffers": 8, "optimizer_buffers": 4,
+                        "block_size": 1 << 20},
+}
+
+
+def ds_config(nvme_path: str, micro: int, knobs: dict, bf16: bool = True, clip: float = 1.0) -> dict:
     return {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,
@@ -55,12 +70,14 @@ def ds_config(nvme_path: str, micro: int, bf16: bool = True, clip: float = 1.0) 
             "stage": 3,
             "stage3_param_persistence_threshold": 0,
             "stage3_max_reuse_distance": 0,
-            "stage3_prefetch_bucket_size": 0,  # DeepSpeed fails with 'Not enough buffers' otherwise (its #3062)
-            "offload_param": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 5, "max_in_cpu": 0,
-                              "buffer_size": 1e8},
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 4},
+            "stage3_prefetch_bucket_size": knobs["prefetch"],
+            "sub_group_size": knobs["sub_group_size"],
+            "offload_param": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": knobs["param_buffers"],
+                              "max_in_cpu": 0, "buffer_size": 1e8},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path,
+                                  "buffer_count": knobs["optimizer_buffers"]},
         },
-        "aio": {"block_size": 1048576, "queue_depth": 32, "thread_count": 1, "single_submit": False,
+        "aio": {"block_size": knobs["block_size"], "queue_depth": 32, "thread_count": 1, "single_submit": False,
                 "overlap_events": True},
     }
 
@@ -93,14 +110,8 @@ def run_infinity(args, gpt) -> dict:
     torch.manual_seed(0)
     model = gpt.GPT(cfg)
     work = tempfile.mkdtemp(prefix="bench-train-", dir=args.nvme_path)
-    config = ds_config(work, args.micro, clip=args.clip)
-    z = config["zero_optimization"]
-    z["stage3_prefetch_bucket_size"] = 5e8  # ours prefetches in the recorded order
-    z["offload_param"]["buffer_count"] = 8
-    # 100 MB pieces, and a pool big enough to read a third of a 1B model's state during backward.
-    z["offload_optimizer"]["buffer_count"] = 48
-    z["sub_group_size"] = 2.5e7
-    z["offload_optimizer"]["max_grad_in_cpu"] = args.max_grad_in_cpu
+    config = ds_config(work, args.micro, our_knobs(args), clip=args.clip)
+    config["zero_optimization"]["offload_optimizer"]["max_grad_in_cpu"] = args.max_grad_in_cpu
     try:
         engine, *_ = infinity.initialize(model=model, config=config)
         times = time_steps(engine, args, args.steps)
@@ -108,14 +119,22 @@ def run_infinity(args, gpt) -> dict:
         engine.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {"step_s": statistics.median(times), "times": times, "params": cfg.num_params(), "report": report}
+    return {"step_s": statistics.median(times), "times": times, "params": cfg.num_params(), "report": report,
+            "config": config}
 
 
-def compute_floor(args, gpt) -> dict:
-    """Forward + backward + CPU Adam (one fused pass, bf16 copy out) all in memory."""
+def our_knobs(args) -> dict:
+    return KNOBS["same" if args.knobs == "same" else "infinity-tuned"]
+
+
+def ds_knobs(args) -> dict:
+    return KNOBS["same" if args.knobs == "same" else "deepspeed-tuned"]
+
+
+def _in_memory_step(args, gpt, layers: int) -> tuple[list[float], list[float]]:
+    """Per step: forward + backward, and CPU Adam (one fused pass, bf16 copy out), all in memory."""
     from infinity.optim.functional import adam_update
 
-    layers = min(args.layers, args.floor_layers)
     cfg = gpt.GPTConfig(vocab_size=args.vocab, seq_len=args.seq, dim=args.dim, layers=layers, heads=args.dim // 64)
     torch.manual_seed(0)
     model = gpt.GPT(cfg).to(torch.bfloat16)
@@ -137,37 +156,62 @@ def compute_floor(args, gpt) -> dict:
         if s:
             fb.append(t1 - t0)
             opt.append(t2 - t1)
-    # Scale the blocks' share to the full depth; embeddings and head are timed as they are.
-    block = 12 * args.dim * args.dim
-    full = gpt.GPTConfig(vocab_size=args.vocab, seq_len=args.seq, dim=args.dim, layers=args.layers).num_params()
-    scale = full / cfg.num_params()
-    step = (statistics.median(fb) + statistics.median(opt)) * scale
-    return {"step_s": step, "measured_layers": layers, "scale": scale, "block_params": block,
-            "forward_backward_s": statistics.median(fb), "adam_s": statistics.median(opt)}
+    return fb, opt
 
 
-def io_floor(args, num_params: int) -> dict:
+def compute_floor(args, gpt) -> dict:
+    """The step with the whole model in memory. A model too large for that is timed at two
+    depths (`--floor-layers` and half of it) and the time extrapolated linearly in the number
+    of layers: the embedding, head and loss are the fixed part, each block adds the same."""
+    deep = min(args.layers, args.floor_layers)
+    fb, opt = _in_memory_step(args, gpt, deep)
+    steps = [a + b for a, b in zip(fb, opt)]
+    out = {"measured_layers": [deep], "forward_backward_s": statistics.median(fb), "adam_s": statistics.median(opt)}
+    if deep < args.layers:
+        shallow = max(1, deep // 2)
+        fb2, opt2 = _in_memory_step(args, gpt, shallow)
+        per_layer = [(a - b) / (deep - shallow) for a, b in zip(steps, (x + y for x, y in zip(fb2, opt2)))]
+        steps = [t + (args.layers - deep) * d for t, d in zip(steps, per_layer)]
+        out["measured_layers"].append(shallow)
+        out["per_layer_s"] = statistics.median(per_layer)
+    out.update(step_s=statistics.median(steps), step_s_min=min(steps), step_s_max=max(steps))
+    return out
+
+
+def handle_gbps(args) -> tuple[list[float], list[float]]:
+    """Read and write GB/s of our handle (1 GiB file, the engine's block size and queue depth), 3 each."""
     from infinity.io import AsyncIOHandle, aligned_empty
 
     size = 1 << 30
     work = tempfile.mkdtemp(prefix="bench-io-", dir=args.nvme_path)
     try:
-        handle = AsyncIOHandle(block_size=1 << 20, queue_depth=32)
+        handle = AsyncIOHandle(block_size=int(our_knobs(args)["block_size"]), queue_depth=32)
         buf = aligned_empty(size)
         buf.fill_(1)
         path = os.path.join(work, "f")
         handle.write(buf, path)
         w, r = [], []
         for _ in range(3):
-            t = time.perf_counter(); handle.write(buf, path); w.append(size / (time.perf_counter() - t) / 1e9)
-            t = time.perf_counter(); handle.read(buf, path); r.append(size / (time.perf_counter() - t) / 1e9)
+            t = time.perf_counter(); handle.write(buf, path); w.append(size / (time.perf_counter() - t) / 1e9)  # noqa: E702
+            t = time.perf_counter(); handle.read(buf, path); r.append(size / (time.perf_counter() - t) / 1e9)  # noqa: E702
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    read_bytes = (2 + 2 + 12) * num_params   # bf16 params in forward and backward, fp32 master + moments
-    write_bytes = (2 + 12) * num_params      # new bf16 params, fp32 master + moments
-    read_gbps, write_gbps = statistics.median(r), statistics.median(w)
-    return {"step_s": read_bytes / read_gbps / 1e9 + write_bytes / write_gbps / 1e9, "read_gbps": read_gbps,
-            "write_gbps": write_gbps, "read_bytes": read_bytes, "write_bytes": write_bytes}
+    return r, w
+
+
+def io_floor(args, num_params: int, r: list[float], w: list[float]) -> dict:
+    """The bytes a step must move over the handle's GB/s: bf16 params read once (backward;
+    forward can take them from the update that wrote them) and written once, fp32 master and
+    both moments read and written, and the gradients beyond max_grad_in_cpu written in backward
+    and read by the update (clipping only: without it nothing waits for the norm). Spread: from
+    the slowest and fastest of the handle's runs."""
+    spilled = max(0.0, num_params - args.max_grad_in_cpu) if args.clip > 0 else 0.0
+    read_bytes = 14 * num_params + 4 * spilled
+    write_bytes = 14 * num_params + 4 * spilled
+    floor = lambda rg, wg: (read_bytes / rg + write_bytes / wg) / 1e9  # noqa: E731
+    return {"step_s": floor(statistics.median(r), statistics.median(w)), "step_s_min": floor(max(r), max(w)),
+            "step_s_max": floor(min(r), min(w)), "read_gbps": r, "write_gbps": w, "read_bytes": read_bytes,
+            "write_bytes": write_bytes, "spilled_grad_params": spilled}
 
 
 DS_SCRIPT = r"""
@@ -206,7 +250,8 @@ def run_deepspeed(args) -> dict | None:
     work = tempfile.mkdtemp(prefix="bench-ds-", dir=args.nvme_path)
     try:
         payload = {"gpt_file": GPT_FILE, "vocab": args.vocab, "seq": args.seq, "dim": args.dim, "layers": args.layers,
-                   "micro": args.micro, "steps": args.steps, "config": ds_config(work, args.micro, clip=args.clip)}
+                   "micro": args.micro, "steps": args.steps,
+                   "config": ds_config(work, args.micro, ds_knobs(args), clip=args.clip)}
         env = dict(os.environ, DS_ACCELERATOR="cpu")
         out = subprocess.run([args.ds_python, "-c", DS_SCRIPT, json.dumps(payload)], env=env, cwd=tempfile.gettempdir(),
                              stdout=subprocess.PIPE, text=True, timeout=args.ds_timeout)
@@ -228,11 +273,13 @@ def main() -> int:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--micro", type=int, default=2)
-    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
     p.add_argument("--floor-layers", type=int, default=4, help="layers timed in memory for the compute floor")
     p.add_argument("--nvme-path", default=".")
     p.add_argument("--clip", type=float, default=1.0,
                    help="gradient_clipping; 0 lets infinity update each unit during backward")
+    p.add_argument("--knobs", choices=("same", "tuned"), default="same",
+                   help="same: one set of knobs for both engines; tuned: each at its best (KNOBS)")
     p.add_argument("--max-grad-in-cpu", type=float, default=1e9,
                    help="offload_optimizer.max_grad_in_cpu: gradient elements held in host memory")
     p.add_argument("--ds-python", default="/work/venv-ds/bin/python")
@@ -243,36 +290,51 @@ def main() -> int:
     p.add_argument("--output")
     args = p.parse_args()
     gpt = load_gpt()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=HERE).stdout.strip()
+    meta = {"args": vars(args), "commit": commit, "command": " ".join(sys.argv),
+            "knobs": {"infinity": our_knobs(args), "deepspeed": ds_knobs(args)}}
     if args.only_deepspeed:
         ds = run_deepspeed(args)
         print(json.dumps(ds))
         if args.output:
             with open(args.output, "w") as f:
-                json.dump({"args": vars(args), "deepspeed": ds}, f, indent=2)
+                json.dump({**meta, "deepspeed": ds}, f, indent=2)
         return 0
 
     # Floors first, on a quiet machine: measured after the NVMe run, they caught its aftermath
-    # (freeing gigabytes of page cache and files) and came out up to 25% slower.
-    print(f"compute floor ({min(args.layers, args.floor_layers)} layers in memory, scaled):", flush=True)
+    # (freeing gigabytes of page cache and files) and came out up to 25% slower. The handle's
+    # GB/s are taken before and after the runs.
+    print(f"compute floor ({min(args.layers, args.floor_layers)} layers in memory):", flush=True)
     floor_c = compute_floor(args, gpt)
     full = gpt.GPTConfig(vocab_size=args.vocab, seq_len=args.seq, dim=args.dim, layers=args.layers).num_params()
-    floor_io = io_floor(args, full)
+    r1, w1 = handle_gbps(args)
     print("infinity, params and optimizer on NVMe:", flush=True)
     ours = run_infinity(args, gpt)
     ds = None if args.skip_deepspeed else run_deepspeed(args)
+    r2, w2 = handle_gbps(args)
+    floor_io = io_floor(args, full, r1 + r2, w1 + w2)
 
     floor = max(floor_c["step_s"], floor_io["step_s"])
-    print(f"\n{ours['params'] / 1e9:.2f}B params, bf16, micro-batch {args.micro} x {args.seq} tokens, 1 process")
-    print(f"infinity step (median of {args.steps}):   {ours['step_s']:.2f} s")
-    print(f"compute floor (fwd+bwd+Adam in memory): {floor_c['step_s']:.2f} s")
-    print(f"I/O floor ({floor_io['read_bytes'] / 1e9:.1f} GB read at {floor_io['read_gbps']:.2f} GB/s, "
-          f"{floor_io['write_bytes'] / 1e9:.1f} GB written at {floor_io['write_gbps']:.2f} GB/s): {floor_io['step_s']:.2f} s")
-    print(f"step / max(floors) = {ours['step_s'] / floor:.3f}")
+    span = lambda d: f"{d['step_s']:.2f} s ({d['step_s_min']:.2f}-{d['step_s_max']:.2f})"  # noqa: E731
+    times = ours["times"]
+    print(f"\n{ours['params'] / 1e9:.2f}B params, bf16, micro-batch {args.micro} x {args.seq} tokens, "
+          f"clipping {args.clip}, knobs {args.knobs}, commit {commit}")
+    print(f"infinity step, median of {len(times)} (min-max): {ours['step_s']:.2f} s ({min(times):.2f}-{max(times):.2f})")
+    print(f"compute floor (fwd+bwd+Adam in memory), median (min-max): {span(floor_c)}")
+    print(f"I/O floor ({floor_io['read_bytes'] / 1e9:.1f} GB read, {floor_io['write_bytes'] / 1e9:.1f} GB written, "
+          f"handle {statistics.median(floor_io['read_gbps']):.2f} / {statistics.median(floor_io['write_gbps']):.2f} GB/s): "
+          f"{span(floor_io)}")
+    ratios = (ours["step_s"] / max(floor_c["step_s_max"], floor_io["step_s_max"]),
+              ours["step_s"] / max(floor_c["step_s_min"], floor_io["step_s_min"]))
+    print(f"step / max(floors) = {ours['step_s'] / floor:.3f} (with the floors' spread: {ratios[0]:.3f}-{ratios[1]:.3f})")
     if ds and "step_s" in ds:
-        print(f"DeepSpeed step: {ds['step_s']:.2f} s -> infinity is {ds['step_s'] / ours['step_s']:.2f}x faster")
+        print(f"DeepSpeed step, median of {len(ds['times'])}: {ds['step_s']:.2f} s "
+              f"({min(ds['times']):.2f}-{max(ds['times']):.2f}) -> DeepSpeed / infinity = {ds['step_s'] / ours['step_s']:.2f}")
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"args": vars(args), "infinity": ours, "compute_floor": floor_c, "io_floor": floor_io,
+            json.dump({**meta, "infinity": ours, "compute_floor": floor_c, "io_floor": floor_io,
+                       "step_over_floors": ours["step_s"] / floor, "step_over_floors_spread": ratios,
                        "deepspeed": ds}, f, indent=2, default=float)
     return 0
 
