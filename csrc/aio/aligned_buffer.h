@@ -21,9 +21,9 @@ class AlignedBuffer {
 
   char* data() const { return data_; }
   size_t size() const { return size_; }
-  // Page-locks the memory (mlock): the kernel pins the pages of every O_DIRECT request, and
-  // locked ones need no fault handling (measured by bench/bench_aio.py --buffers-ab).
-  // Returns 0 or errno (RLIMIT_MEMLOCK).
+  // Page-locks the memory (mlock). Not a speed-up for O_DIRECT into touched pages (see
+  // [Note: page-locked even without a GPU] in infinity/io/memory.py). Returns 0 or errno
+  // (RLIMIT_MEMLOCK).
   int lock();
   bool locked() const { return locked_; }
   bool huge_pages() const { return huge_; }  // whether huge pages were asked for (the kernel may refuse)

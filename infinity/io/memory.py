@@ -10,10 +10,11 @@ when the tensor dies the buffer's release hook unregisters the pages and then fr
 that order, so the driver never holds a registration on freed memory.
 
 [Note: page-locked even without a GPU]
-The kernel pins user pages for every O_DIRECT request, and locked ones need no fault handling:
-`bench/bench_aio.py --buffers-ab` measures our handle on locked and on ordinary (already
-touched) pages, figures in bench/results/aio.md. So host buffers are locked whether or not CUDA
-is there. A process
+Host buffers are locked whether or not CUDA is there, so that they behave the same with and
+without a GPU and no page of a buffer is ever reclaimed while the engine owns it. Locking is not
+a speed-up: on this machine's disk O_DIRECT into locked and into ordinary, already touched pages
+ran the same (`bench/bench_aio.py --buffers-ab`, bench/results/aio.md); what counts there is
+how many physically contiguous runs the pages form, which huge pages see to. A process
 whose RLIMIT_MEMLOCK is too small gets one warning and unlocked memory, never an error.
 Buffers of 2 MiB and more are also backed by transparent huge pages where the kernel allows it
 ([Note: huge pages for I/O buffers] in csrc/aio/aligned_buffer.cpp).
@@ -55,7 +56,7 @@ def _mlock(buf: _aio.AlignedBuffer) -> None:
     if err and not _warned_mlock:
         _warned_mlock = True
         warnings.warn(f"could not page-lock {buf.nbytes} bytes of host memory ({os.strerror(err)}); "
-                      "O_DIRECT reads into unlocked memory are slower: raise `ulimit -l`", RuntimeWarning,
+                      "it stays pageable: raise `ulimit -l` to lock it", RuntimeWarning,
                       stacklevel=3)
 
 
