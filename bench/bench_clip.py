@@ -9,8 +9,8 @@ Engines, all with the same knobs (params and optimizer state on NVMe, offload_pa
 counts as bench_train.py gives infinity):
   * nvme, clip 1.0 and nvme, clip 0;
   * the compute floor: the same engine with params and optimizer state in CPU memory, clip 1.0;
-  * plain PyTorch (bf16 module, fused AdamW on fp32 masters is not what we run, so it is the
-    model's forward + backward + torch.optim.AdamW on a bf16 copy: a reference, not a floor).
+  * plain PyTorch, clip 1.0: the fp32 module under bf16 autocast, clip_grad_norm_ and
+    torch.optim.AdamW(fused=True) (the usual mixed-precision step: a reference, not a floor).
 The I/O floor is the bytes a step must move (from the model's size: see main) over
 the read and write GB/s of our handle with the same block size and queue depth, measured in the
 same run before and after the rounds; the bytes the engine reports moving are printed beside it. Rounds interleave
@@ -95,7 +95,32 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-ENGINES = (("nvme clip 1.0", "nvme", 1.0), ("nvme clip 0", "nvme", 0.0), ("cpu clip 1.0", "cpu", 1.0))
+ENGINES = (("nvme clip 1.0", "nvme", 1.0), ("nvme clip 0", "nvme", 0.0), ("cpu clip 1.0", "cpu", 1.0),
+           ("torch clip 1.0", "torch", 1.0))
+
+
+class PlainTorch:
+    """The step in plain PyTorch, with the engine's calling convention."""
+
+    def __init__(self, model: torch.nn.Module, clip: float):
+        self.model, self.clip = model, clip
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+        self.report = type("Report", (), {"last": {"waits": {}, "compute_wait_s": 0.0}})()
+
+    def __call__(self, idx, tgt):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.model(idx, tgt)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def close(self):
+        pass
 
 
 def run_rounds(args, gpt, cfg, work: str) -> dict:
@@ -108,6 +133,9 @@ def run_rounds(args, gpt, cfg, work: str) -> dict:
     try:
         for name, place, clip in ENGINES:
             torch.manual_seed(0)
+            if place == "torch":
+                engines[name] = PlainTorch(gpt.GPT(cfg), clip)
+                continue
             sub = os.path.join(work, name.replace(" ", "_"))
             os.makedirs(sub)
             engines[name], *_ = infinity.initialize(model=gpt.GPT(cfg),
@@ -184,6 +212,10 @@ def main() -> int:
     clip_ratio = [a / b for a, b in zip(runs["nvme clip 1.0"]["times"], runs["nvme clip 0"]["times"])]
     result["clip_over_noclip"] = clip_ratio
     print(f"clipped / unclipped, per round: {spread(clip_ratio)}")
+    for a, b in (("nvme clip 1.0", "cpu clip 1.0"), ("cpu clip 1.0", "torch clip 1.0"), ("nvme clip 1.0", "torch clip 1.0")):
+        ratio = [x / y for x, y in zip(runs[a]["times"], runs[b]["times"])]
+        result[f"{a} / {b}"] = ratio
+        print(f"{a} / {b}, per round: {spread(ratio)}")
     if args.output:
         with open(args.output, "w") as f:
             json.dump(result, f, indent=1)
