@@ -20,7 +20,7 @@ GPT_134M=(--layers 12 --dim 768 --vocab 64000 --seq 256 --micro 2)
 GPT_1B=(--layers 20 --dim 2048 --vocab 32000 --seq 256 --micro 2)
 
 if want aio; then
-  run python bench/bench_aio.py --dir "$NVME" --size 2G --rounds 8 --buffers-ab --reserve-hugepages --output $R/aio.json
+  run python bench/bench_aio.py --dir "$NVME" --size 1G --rounds 8 --buffers-ab --reserve-hugepages --output $R/aio.json
 fi
 if want adam; then
   run python bench/bench_adam.py --sizes 100e6 --threads 1,2 --rounds 30 --out $R/adam_100m.md
