@@ -51,11 +51,15 @@ def load_gpt():
 KNOBS = {
     "same": {"prefetch": 0, "sub_group_size": 2.5e7, "param_buffers": 8, "optimizer_buffers": 48,
              "block_size": 1 << 20},
-    "infinity-tuned": {"prefetch": 5e8, "sub_group_size": 2.5e7, "param_buffers": 8, "optimizer_buffers": 48,
+    # 96 optimizer buffers (9.6 GB of pool): with clipping, the state the pool holds is read during
+    # backward for the next forward's updates; at 1.07B (12.9 GB of state) the rest is read in forward.
+    "infinity-tuned": {"prefetch": 5e8, "sub_group_size": 2.5e7, "param_buffers": 8, "optimizer_buffers": 96,
                        "block_size": 8 << 20},
-    # The fastest of the settings tried at 134M (bench/results/deepspeed_knobs_134m.json): prefetch
-    # runs once offload_param has 16 buffers; 48 optimizer buffers were slower than its default 4.
-    "deepspeed-tuned": {"prefetch": 5e7, "sub_group_size": 2.5e7, "param_buffers": 16, "optimizer_buffers": 4,
+    # The fastest of the settings tried at 134M that also runs to the end
+    # (bench/results/deepspeed_knobs_134m.json): 48 optimizer buffers were slower than its
+    # default 4; prefetch with 16 param buffers ran 4 steps once and failed at step 1 in another
+    # run ("param 0 already assigned swap buffer id", in its NVMe prefetch), so it stays off.
+    "deepspeed-tuned": {"prefetch": 0, "sub_group_size": 2.5e7, "param_buffers": 8, "optimizer_buffers": 4,
                         "block_size": 8 << 20},
 }
 
@@ -168,14 +172,19 @@ def compute_floor(args, gpt) -> dict:
     deep = min(args.layers, args.floor_layers)
     fb, opt = _in_memory_step(args, gpt, deep)
     steps = [a + b for a, b in zip(fb, opt)]
-    out = {"measured_layers": [deep], "forward_backward_s": statistics.median(fb), "adam_s": statistics.median(opt)}
+    out = {"measured_layers": [deep], "forward_backward_s": statistics.median(fb), "adam_s": statistics.median(opt),
+           "measured_steps_s": steps}
+    step = statistics.median(steps)
     if deep < args.layers:
+        # Medians at each depth: a difference of single steps would multiply their noise by the
+        # layers added. The spread is the deep run's, scaled to the full depth.
         shallow = max(1, deep // 2)
         fb2, opt2 = _in_memory_step(args, gpt, shallow)
-        per_layer = [(a - b) / (deep - shallow) for a, b in zip(steps, (x + y for x, y in zip(fb2, opt2)))]
-        steps = [t + (args.layers - deep) * d for t, d in zip(steps, per_layer)]
-        out["measured_layers"].append(shallow)
-        out["per_layer_s"] = statistics.median(per_layer)
+        shallow_steps = [x + y for x, y in zip(fb2, opt2)]
+        per_layer = (step - statistics.median(shallow_steps)) / (deep - shallow)
+        full = step + (args.layers - deep) * per_layer
+        steps = [t * full / step for t in steps]
+        out.update(measured_layers=[deep, shallow], per_layer_s=per_layer, shallow_steps_s=shallow_steps)
     out.update(step_s=statistics.median(steps), step_s_min=min(steps), step_s_max=max(steps))
     return out
 
