@@ -157,13 +157,18 @@ def test_shared_fetches_and_release_before_wait(store):
     assert swapper.stats.hits == 1 and swapper.stats.misses == 2
 
 
-def test_fetch_during_a_write_reads_nothing_and_sees_the_new_bytes(store):
+def changed_and_being_written(store, value: int):
+    """A swapper whose shard ("param", 0) was changed to `value` and is being written back."""
     handle = RecordingHandle()
     swapper = make(store, handle=handle)
     fill(swapper)
-    buf = swapper.wait(swapper.fetch("param", 0))
-    buf.fill_(7)
-    swapper.release("param", 0, dirty=True)
+    swapper.wait(swapper.fetch("param", 0)).fill_(value)
+    write = swapper.release("param", 0, dirty=True)
+    return handle, swapper, write
+
+
+def test_fetch_during_a_write_reads_nothing_and_sees_the_new_bytes(store):
+    handle, swapper, _ = changed_and_being_written(store, 7)
     reads = sum(1 for op, _ in handle.log if op == "read")
     again = swapper.fetch("param", 0)  # while the write is in flight
     assert swapper.state("param", 0) is ShardState.HOST_TO_NVME
@@ -175,12 +180,7 @@ def test_fetch_during_a_write_reads_nothing_and_sees_the_new_bytes(store):
 
 
 def test_a_reader_may_borrow_new_bytes_while_their_write_is_in_flight(store):
-    handle = RecordingHandle()
-    swapper = make(store, handle=handle)
-    fill(swapper)
-    buf = swapper.wait(swapper.fetch("param", 0))
-    buf.fill_(9)
-    write = swapper.release("param", 0, dirty=True)
+    handle, swapper, write = changed_and_being_written(store, 9)
     log = len(handle.log)
     again = swapper.fetch("param", 0)
     assert swapper.ready(again, lend=True) and not swapper.ready(again)
