@@ -364,3 +364,28 @@ def test_updates_after_the_norm_are_seen_by_every_read_before_the_next_forward(t
     for name, value in ref.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-5)
     engine.close()
+
+
+def test_a_checkpoint_loaded_between_steps_is_what_the_next_forward_reads(tmp_path, model):
+    """[Note: reading across the step boundary] in fetcher.py: the next step's first shards are
+    read as soon as a step ends; a load before that forward must drop those reads."""
+    for sub in ("nvme", "nvme2"):
+        (tmp_path / sub).mkdir()
+    engine, *_ = infinity.initialize(copy.deepcopy(model), config=nvme_config(tmp_path / "nvme", "nvme", "cpu"))
+    data = batches(3, 4)
+    engine_run(engine, data[:1], gas=1)
+    engine.save_checkpoint(str(tmp_path / "ckpt"), tag="one")
+    engine_run(engine, data[1:2], gas=1)  # on the recorded order: ends by reading the next step's first shards
+    root = next(u.index for u in engine.units if u.name == "<root>")
+    assert root in engine.params._prefetched
+    engine.load_checkpoint(str(tmp_path / "ckpt"), tag="one")
+    idx, tgt = data[2]
+    with torch.no_grad():
+        loss = engine(idx, tgt).item()
+    engine.close()
+    fresh, *_ = infinity.initialize(copy.deepcopy(model), config=nvme_config(tmp_path / "nvme2", "nvme", "cpu"))
+    fresh.load_checkpoint(str(tmp_path / "ckpt"), tag="one")
+    with torch.no_grad():
+        expected = fresh(idx, tgt).item()
+    fresh.close()
+    assert loss == expected
