@@ -36,7 +36,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_train import batch, load_gpt  # noqa: E402
+from bench_train import batch, handle_gbps, load_gpt  # noqa: E402
 
 
 def engine_config(work: str, args, *, place: str, clip: float) -> dict:
@@ -55,23 +55,6 @@ def engine_config(work: str, args, *, place: str, clip: float) -> dict:
         "aio": {"block_size": args.block_size, "queue_depth": args.queue_depth, "thread_count": 1,
                 "single_submit": False, "overlap_events": True},
     }
-
-
-def handle_gbps(work: str, args) -> tuple[float, float]:
-    from infinity.io import AsyncIOHandle, aligned_empty
-
-    size = 1 << 30
-    handle = AsyncIOHandle(block_size=args.block_size, queue_depth=args.queue_depth)
-    buf = aligned_empty(size)
-    buf.fill_(1)
-    path = os.path.join(work, "io-floor")
-    handle.write(buf, path)
-    w, r = [], []
-    for _ in range(3):
-        t = time.perf_counter(); handle.write(buf, path); w.append(size / (time.perf_counter() - t) / 1e9)  # noqa: E702
-        t = time.perf_counter(); handle.read(buf, path); r.append(size / (time.perf_counter() - t) / 1e9)  # noqa: E702
-    os.unlink(path)
-    return statistics.median(r), statistics.median(w)
 
 
 def spread(xs: list[float]) -> str:
@@ -177,9 +160,9 @@ def main() -> int:
                         heads=max(1, args.dim // 64))
     work = tempfile.mkdtemp(prefix="bench-clip-", dir=args.nvme_path)
     try:
-        gbps_before = handle_gbps(work, args)
+        gbps_before = [statistics.median(x) for x in handle_gbps(work, args.block_size, args.queue_depth)]
         runs = run_rounds(args, gpt, cfg, work)
-        gbps_after = handle_gbps(work, args)
+        gbps_after = [statistics.median(x) for x in handle_gbps(work, args.block_size, args.queue_depth)]
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -189,14 +189,14 @@ def compute_floor(args, gpt) -> dict:
     return out
 
 
-def handle_gbps(args) -> tuple[list[float], list[float]]:
-    """Read and write GB/s of our handle (1 GiB file, the engine's block size and queue depth), 3 each."""
+def handle_gbps(nvme_path: str, block_size: int, queue_depth: int = 32) -> tuple[list[float], list[float]]:
+    """Read and write GB/s of our handle on a 1 GiB file in `nvme_path`, 3 of each."""
     from infinity.io import AsyncIOHandle, aligned_empty
 
     size = 1 << 30
-    work = tempfile.mkdtemp(prefix="bench-io-", dir=args.nvme_path)
+    work = tempfile.mkdtemp(prefix="bench-io-", dir=nvme_path)
     try:
-        handle = AsyncIOHandle(block_size=int(our_knobs(args)["block_size"]), queue_depth=32)
+        handle = AsyncIOHandle(block_size=int(block_size), queue_depth=queue_depth)
         buf = aligned_empty(size)
         buf.fill_(1)
         path = os.path.join(work, "f")
@@ -319,11 +319,11 @@ def main() -> int:
     print(f"compute floor ({min(args.layers, args.floor_layers)} layers in memory):", flush=True)
     floor_c = compute_floor(args, gpt)
     full = gpt.GPTConfig(vocab_size=args.vocab, seq_len=args.seq, dim=args.dim, layers=args.layers).num_params()
-    r1, w1 = handle_gbps(args)
+    r1, w1 = handle_gbps(args.nvme_path, our_knobs(args)["block_size"])
     print("infinity, params and optimizer on NVMe:", flush=True)
     ours = run_infinity(args, gpt)
     ds = None if args.skip_deepspeed else run_deepspeed(args)
-    r2, w2 = handle_gbps(args)
+    r2, w2 = handle_gbps(args.nvme_path, our_knobs(args)["block_size"])
     floor_io = io_floor(args, full, r1 + r2, w1 + w2)
 
     floor = max(floor_c["step_s"], floor_io["step_s"])

@@ -78,6 +78,12 @@ class Shard:
     failure: tuple[Transfer | None, OSError] | None = None  # last failed transfer (None: at submission), and why
 
     @property
+    def lendable(self) -> bool:
+        """Held, with its newest bytes in a pool buffer that a write is still reading
+        ([Note: lending bytes under a write] in swapper.py)."""
+        return self.state is ShardState.HOST_TO_NVME and self.buffer is not None and self.holders > 0
+
+    @property
     def name(self) -> str:
         return f"shard {self.key!r} of kind {self.kind!r}"
 

@@ -236,7 +236,7 @@ class Swapper:
             while True:
                 if shard.failure is not None and handle.transfer is shard.failure[0] is not None:
                     self._raise_failure(shard)  # the read, or the write it waited on, failed
-                if lend and shard.state is ShardState.HOST_TO_NVME and shard.buffer is not None and shard.holders > 0:
+                if lend and shard.lendable:
                     shard.lent += 1
                     return shard.buffer[: shard.extent.nbytes]
                 if shard.state in (ShardState.NVME_TO_HOST, ShardState.HOST_TO_NVME):
@@ -362,8 +362,7 @@ class Swapper:
         none to do); never blocks. A handle without `done` is never ready before its wait."""
         with self._cond:
             shard = self._shard(handle.kind, handle.key)
-            if shard.state is ShardState.HOST or (lend and shard.state is ShardState.HOST_TO_NVME
-                                                   and shard.buffer is not None and shard.holders > 0):
+            if shard.state is ShardState.HOST or (lend and shard.lendable):
                 return True
             transfer = shard.transfer
             if shard.state is not ShardState.NVME_TO_HOST or transfer is None or shard.completing:

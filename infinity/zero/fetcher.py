@@ -6,8 +6,9 @@ index is appended to the step's trace. The previous step's trace is the schedule
 current step follows it, the fetcher knows what comes next and (1) asks the parameter tier to
 start moving the shards of the next units (up to `prefetch_numel` elements ahead: NVMe reads,
 host-to-device copies), and (2) keeps a unit gathered after use when its next use is within
-`max_reuse_distance` elements, or when it is the very next use. A step that departs from the schedule (another code path) just
-stops prefetching; at the end of the step its trace becomes the new schedule.
+`max_reuse_distance` elements, or is the very next use. A step that departs from the schedule
+(another code path) just stops prefetching; at the end of the step its trace becomes the new
+schedule.
 
 [Note: live budget]
 `live_numel` counts the elements of gathered units that are not persistent. Before a unit is
