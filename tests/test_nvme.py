@@ -389,3 +389,8 @@ def test_a_checkpoint_loaded_between_steps_is_what_the_next_forward_reads(tmp_pa
         expected = fresh(idx, tgt).item()
     fresh.close()
     assert loss == expected
+    # And both are plain PyTorch's numbers after that one step.
+    _, ref_model = reference_run(model, data[:1], gas=1)
+    with torch.no_grad():
+        plain = ref_model(idx, tgt).item()
+    assert abs(loss - plain) <= 1e-5 * abs(plain), (loss, plain)
