@@ -176,9 +176,19 @@ class Engine:
                 at_once = set()
             return NvmeOptimizerState(self.accelerator, offload, self.config.aio, self.config.zero.sub_group_size,
                                       rank=self.rank,
-                                      units=[u for u in self.units if u.trainable], no_accumulator=at_once)
+                                      units=[u for u in self.units if u.trainable], no_accumulator=at_once,
+                                      update_order=self._expected_update_order())
         return ResidentOptimizerState(self.accelerator, on_device=offload.device == "none",
                                       units=[u for u in self.units if u.trainable])
+
+    def _expected_update_order(self) -> list[int]:
+        """The order the step will update units in, as far as construction can tell (the first
+        step records the real one): forward uses the root first (gathered for its whole pass) and
+        the other units in module order; deferred updates run in that order ([Note: updates after
+        the norm] in step_policy.py), updates in backward in its reverse."""
+        forward = sorted(self.units, key=lambda u: (u.name != "<root>", u.index))
+        order = [u.index for u in forward]
+        return order[::-1] if self.update_in_backward else order
 
     # ---- the training loop ----------------------------------------------------------------
 

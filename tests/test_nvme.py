@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import time
 
 import pytest
@@ -162,6 +163,51 @@ def test_gradients_beyond_max_grad_in_cpu_spill_to_nvme(tmp_path, model, gas, bu
         engine.close()
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+
+
+def test_pieces_cut_a_shard_evenly_without_slivers():
+    """Every piece takes a whole pool buffer per kind: a sliver left after cutting at
+    sub_group_size wastes them ([Note: cutting pieces])."""
+    from infinity.zero.nvme_optim import PIECE_ALIGN, cut_pieces
+
+    for numel in (1, 1000, 4096, 4097, 50_343_936, 65_536_000, 3 * 2 ** 20 + 5, 10 ** 9 + 7):
+        for target in (4096, 2.5e7, 1e9):
+            pieces = cut_pieces(numel, target)
+            assert [s for s, _ in pieces] == list(itertools.accumulate([0] + [n for _, n in pieces[:-1]]))
+            assert sum(n for _, n in pieces) == numel and all(s % PIECE_ALIGN == 0 for s, _ in pieces)
+            sizes = [n for _, n in pieces]
+            assert max(sizes) <= 1.5 * target + PIECE_ALIGN
+            assert len(pieces) == 1 or min(sizes) >= max(sizes) - len(pieces) * PIECE_ALIGN
+    # A 2048-wide transformer block at sub_group_size 2.5e7: two pieces, not two and a sliver.
+    assert [n for _, n in cut_pieces(50_343_936, 2.5e7)] == [25_171_968, 25_171_968]
+
+
+def test_deferred_updates_keep_the_first_updated_gradients_in_memory(tmp_path, model):
+    """With clipping the updates run in the next forward's order, so the gradient read back
+    from the store should be the last one needed, not the embedding's, needed first."""
+    cfg = nvme_config(tmp_path, "nvme", "nvme")
+    engine, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
+    sizes = sorted(u.shard_numel for u in engine.units)  # blocks, then the root (embedding and head)
+    engine.close()
+    # Room for two accumulators: the root's and one block's.
+    cfg["zero_optimization"]["offload_optimizer"].update(max_grad_in_cpu=sizes[-1] + sizes[-2], buffer_count=12)
+    engine, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
+    state = engine.optim_state
+    updated, real_update = [], state.update
+    state.update = lambda unit, *a, **k: (updated.append(unit.index), real_update(unit, *a, **k))
+    grad_reads, real_fetch = [], state.swapper.fetch
+    state.swapper.fetch = lambda kind, key: (grad_reads.append(key[0]) if kind == "grad" else None,
+                                             real_fetch(kind, key))[1]
+    data = batches(3, 4)
+    engine_run(engine, data[:2], gas=1)
+    updated.clear()
+    grad_reads.clear()
+    engine.backward(engine(*data[2]))  # runs the second step's updates, deferred to this forward
+    engine.step()
+    # The first two updates (the root's, then the first block's) read no spilled gradient.
+    assert len(updated) == len(engine.units) and grad_reads
+    assert not set(updated[:2]) & set(grad_reads) and updated[-1] in grad_reads
+    engine.close()
 
 
 @pytest.mark.parametrize("spill", [False, True])

@@ -78,7 +78,7 @@ from infinity.models.presets import (
 )
 from infinity.tiers._messages import human_bytes
 from infinity.zero.nvme_io import MIN_BUFFERS
-from infinity.zero.nvme_optim import KINDS, PIECE_ALIGN
+from infinity.zero.nvme_optim import KINDS, cut_pieces
 
 HALF = 2  # bytes of a bf16 element, the compute dtype the recommended config enables
 FP32 = 4
@@ -360,7 +360,7 @@ def _optimizer_items(model: ModelSize, world: int, optimizer: str, nvme_path: st
             room -= n
         else:
             spilled += n
-    piece = min(max(PIECE_ALIGN, zero.sub_group_size // PIECE_ALIGN * PIECE_ALIGN), max(trains, default=1))
+    piece = max((n for t in trains for _, n in cut_pieces(t, zero.sub_group_size)), default=1)
     count = max(defaults.buffer_count, 3 * (len(KINDS) + (1 if spilled else 0)))  # reading, updating, writing
     items = [Item("nvme", "fp32 master + exp_avg + exp_avg_sq", len(KINDS) * FP32 * t),
              Item("host", "fp32 gradient accumulators", FP32 * (t - spilled)),
@@ -495,7 +495,7 @@ NOTES = (
      "is kept"),
     "host includes the pinned pools of NVMe placements, sized as the recommended block sizes them",
     ("offload_optimizer nvme: fp32 gradient accumulators (for clipping, fp16 or accumulation) stay in host memory "
-     "up to max_grad_in_cpu elements, the rest spill to NVMe; its pool holds 9 (12 with spills) pieces of "
+     "up to max_grad_in_cpu elements, the rest spill to NVMe; its pool holds 9 (12 with spills) pieces of about "
      "sub_group_size fp32 elements: a smaller sub_group_size shrinks it"),
 )
 

@@ -1,5 +1,16 @@
 """`offload_optimizer.device: nvme`: fp32 master, exp_avg and exp_avg_sq of every shard live in
-the NVMe store, cut into pieces of at most `sub_group_size` elements.
+the NVMe store, cut into pieces of about `sub_group_size` elements ([Note: cutting pieces]).
+
+[Note: cutting pieces]
+Every pool buffer is as large as the largest piece, and a piece takes one buffer per kind
+whatever its size. Cut at sub_group_size with the remainder left over, a transformer block of
+50.3M elements at 2.5e7 gave two full pieces and a sliver of 0.3M, whose three buffers held
+1% of their bytes: a third of the pool's pieces held almost nothing, and at 1.07B parameters
+the state that fit in the pool before the next forward was two thirds of what its bytes
+allowed. So a shard of n elements is cut into round(n / sub_group_size) pieces (at least one)
+of equal size, rounded up to PIECE_ALIGN: a piece is at most 1.5x sub_group_size (DeepSpeed's
+sub-groups, cut at parameter boundaries, also exceed it), and the tools/estimate.py pool
+follows the same cut (`cut_pieces`).
 
 [Note: pipelined step]
 A unit's update streams its pieces through the pool: the three reads of piece k+1 are in
@@ -41,7 +52,9 @@ or works, and never waits for a buffer that nobody will release.
 Gradients are reduced to this rank's shard and accumulated in fp32 on the host. When the update
 waits for the step (clipping or fp16 needs the global norm first, or several micro-steps
 accumulate), every unit needs an accumulator until then: units are given one in host memory in
-backward order while `max_grad_in_cpu` elements last; the gradients of the others spill to the
+the order the step updates them while `max_grad_in_cpu` elements last (backward order; forward
+order when the updates wait for the next forward, where the embedding's gradient, final last,
+is the first one needed); the gradients of the others spill to the
 store as kind "grad", cut into the same pieces as the state, so the update reads them beside
 master, exp_avg and exp_avg_sq (4 bytes a parameter written in backward and read in the step;
 a later micro-step reads, adds and writes back). With the update in backward on one micro-step
@@ -68,6 +81,15 @@ PIECE_ALIGN = 1024  # elements: 4 KiB of fp32, so every piece's extent is O_DIRE
 assert PIECE_ALIGN % NORM_ROW == 0  # pieces start on norm rows ([Note: gradient norm by rows])
 
 
+def cut_pieces(numel: int, sub_group_size: int) -> list[tuple[int, int]]:
+    """(start, count) of each piece of a shard of `numel` elements ([Note: cutting pieces])."""
+    target = max(PIECE_ALIGN, int(sub_group_size))
+    count = max(1, (numel + target // 2) // target)
+    size = -(-numel // count)
+    size = -(-size // PIECE_ALIGN) * PIECE_ALIGN
+    return [(s, min(size, numel - s)) for s in range(0, numel, size)]
+
+
 class NvmeOptimizerState:
     """The NVMe optimizer tier (same methods as `ResidentOptimizerState`), over the trainable
     part of each unit's shard (`units`: those with one).
@@ -75,26 +97,27 @@ class NvmeOptimizerState:
     no_accumulator: units whose gradient feeds their update the moment it is final (update in
     backward, one micro-step); every other unit's gradient outlives its backward in an
     accumulator, in host memory or spilled ([Note: gradient spill]).
+    update_order: unit indices in the order the step is expected to update them (default:
+    reverse unit order); the first ones keep their accumulators in memory ([Note: gradient spill]).
     """
 
     on_device = False  # the state is updated by the CPU kernel, from host buffers
     defers_updates = True  # [Note: updates after the norm] in step_policy.py
 
     def __init__(self, device: Device, offload, aio, sub_group_size: int, *, rank: int, units: list[Unit],
-                 no_accumulator: set[int] = frozenset()):
+                 no_accumulator: set[int] = frozenset(), update_order: list[int] | None = None):
         self.device = device
         self._landing = GradientLanding(device, units, "offload_optimizer")
-        piece = max(PIECE_ALIGN, int(sub_group_size) // PIECE_ALIGN * PIECE_ALIGN)
         self._pieces: dict[int, list[tuple[int, int]]] = {
-            u.index: [(s, min(piece, u.train_shard_numel - s)) for s in range(0, u.train_shard_numel, piece)]
-            for u in units}
+            u.index: cut_pieces(u.train_shard_numel, sub_group_size) for u in units}
         self._grads: dict[int, torch.Tensor] = {}  # host accumulators
         self._spilled: set[int] = set()  # units whose accumulators live in the store
         self._no_accumulator = set(no_accumulator)
         # Units with something to update; the others' state is never read for an update.
         self._updatable = {u.index for u in units if u.segments}
         room = offload.max_grad_in_cpu
-        for u in reversed(units):  # backward order: the units the step updates first stay in memory
+        by_index = {u.index: u for u in units}
+        for u in (by_index[i] for i in update_order or [u.index for u in reversed(units)] if i in by_index):
             if u.index in self._no_accumulator:
                 continue
             if u.train_shard_numel <= room:
