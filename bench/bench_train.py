@@ -5,8 +5,9 @@ against DeepSpeed ZeRO-Infinity on the same model and config.
 
 In one run it measures
   * infinity: the step with offload_param and offload_optimizer on NVMe (bf16, stage 3);
-  * the compute floor: forward + backward + CPU Adam of the same model all in memory; for a
-    model that does not fit, it is timed at two depths and extrapolated linearly in depth;
+  * the compute floor: the same engine and knobs with params and optimizer state in CPU memory,
+    before and after the NVMe run; a model that does not fit is timed at two depths
+    (--floor-layers) and extrapolated linearly in depth;
   * the I/O floor: the bytes a step must move (see io_floor) over the read and write GB/s of
     our handle, measured before and after the runs;
   * DeepSpeed 0.19.8 ZeRO-Infinity on the CPU accelerator with the same model and data, in the
@@ -19,6 +20,7 @@ records the commit and command in --output.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import os
@@ -108,21 +110,29 @@ def time_steps(engine, args, steps: int) -> list[float]:
     return times
 
 
-def run_infinity(args, gpt) -> dict:
+def run_infinity(args, gpt, place: str = "nvme", layers: int | None = None) -> dict:
+    """Our step with params and optimizer state on NVMe (`place` "nvme") or in CPU memory ("cpu",
+    the compute floor), the same knobs otherwise."""
     import infinity
 
-    cfg = gpt.GPTConfig(vocab_size=args.vocab, seq_len=args.seq, dim=args.dim, layers=args.layers,
+    cfg = gpt.GPTConfig(vocab_size=args.vocab, seq_len=args.seq, dim=args.dim, layers=layers or args.layers,
                         heads=args.dim // 64)
     torch.manual_seed(0)
     model = gpt.GPT(cfg)
     work = tempfile.mkdtemp(prefix="bench-train-", dir=args.nvme_path)
     config = ds_config(work, args.micro, our_knobs(args), clip=args.clip)
     config["zero_optimization"]["offload_optimizer"]["max_grad_in_cpu"] = args.max_grad_in_cpu
+    if place == "cpu":
+        for section in ("offload_param", "offload_optimizer"):
+            config["zero_optimization"][section] = {"device": "cpu"}
     try:
         engine, *_ = infinity.initialize(model=model, config=config)
+        del model
         times = time_steps(engine, args, args.steps)
         report = dict(engine.report.last)
         engine.close()
+        del engine
+        gc.collect()  # the next engine in this process needs the memory back
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return {"step_s": statistics.median(times), "times": times, "params": cfg.num_params(), "report": report,
@@ -137,56 +147,30 @@ def ds_knobs(args) -> dict:
     return KNOBS["same" if args.knobs == "same" else "deepspeed-tuned"]
 
 
-def _in_memory_step(args, gpt, layers: int) -> tuple[list[float], list[float]]:
-    """Per step: forward + backward, and CPU Adam (one fused pass, bf16 copy out), all in memory."""
-    from infinity.optim.functional import adam_update
-
-    cfg = gpt.GPTConfig(vocab_size=args.vocab, seq_len=args.seq, dim=args.dim, layers=layers, heads=args.dim // 64)
-    torch.manual_seed(0)
-    model = gpt.GPT(cfg).to(torch.bfloat16)
-    params = [p for p in model.parameters()]
-    masters = [p.detach().float() for p in params]
-    m = [torch.zeros_like(x) for x in masters]
-    v = [torch.zeros_like(x) for x in masters]
-    fb, opt = [], []
-    for s in range(args.steps + 1):
-        idx, tgt = batch(args.vocab, args.micro, args.seq, s)
-        t0 = time.perf_counter()
-        model(idx, tgt).backward()
-        t1 = time.perf_counter()
-        for p, w, a, b in zip(params, masters, m, v):
-            adam_update(w.view(-1), p.grad.view(-1), a.view(-1), b.view(-1), step=s + 1, lr=1e-4, beta1=0.9,
-                        beta2=0.999, eps=1e-8, weight_decay=0.01, half_out=p.data.view(-1))
-            p.grad = None
-        t2 = time.perf_counter()
-        if s:
-            fb.append(t1 - t0)
-            opt.append(t2 - t1)
-    return fb, opt
-
-
 def compute_floor(args, gpt) -> dict:
-    """The step with the whole model in memory. A model too large for that is timed at two
-    depths (`--floor-layers` and half of it) and the time extrapolated linearly in the number
-    of layers: the embedding, head and loss are the fixed part, each block adds the same."""
-    deep = min(args.layers, args.floor_layers)
-    fb, opt = _in_memory_step(args, gpt, deep)
-    steps = [a + b for a, b in zip(fb, opt)]
-    out = {"measured_layers": [deep], "forward_backward_s": statistics.median(fb), "adam_s": statistics.median(opt),
-           "measured_steps_s": steps}
+    """The step of the same engine with params and optimizer state in CPU memory: the same
+    arithmetic with no tier below. A model too large for memory is timed at two depths
+    (`--floor-layers` and half of it) and the time extrapolated linearly in the number of layers:
+    the embedding, head and loss are the fixed part, each block adds the same."""
+    deep = min(args.layers, args.floor_layers or args.layers)
+    steps = run_infinity(args, gpt, "cpu", deep)["times"]
+    out = {"measured_layers": [deep], "measured_steps_s": steps}
     step = statistics.median(steps)
     if deep < args.layers:
         # Medians at each depth: a difference of single steps would multiply their noise by the
         # layers added. The spread is the deep run's, scaled to the full depth.
         shallow = max(1, deep // 2)
-        fb2, opt2 = _in_memory_step(args, gpt, shallow)
-        shallow_steps = [x + y for x, y in zip(fb2, opt2)]
+        shallow_steps = run_infinity(args, gpt, "cpu", shallow)["times"]
         per_layer = (step - statistics.median(shallow_steps)) / (deep - shallow)
         full = step + (args.layers - deep) * per_layer
         steps = [t * full / step for t in steps]
         out.update(measured_layers=[deep, shallow], per_layer_s=per_layer, shallow_steps_s=shallow_steps)
-    out.update(step_s=statistics.median(steps), step_s_min=min(steps), step_s_max=max(steps))
+    out.update(steps_s=steps)
     return out
+
+
+def spread_of(steps: list[float]) -> dict:
+    return {"step_s": statistics.median(steps), "step_s_min": min(steps), "step_s_max": max(steps)}
 
 
 def handle_gbps(nvme_path: str, block_size: int, queue_depth: int = 32) -> tuple[list[float], list[float]]:
@@ -285,7 +269,8 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--micro", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--floor-layers", type=int, default=4, help="layers timed in memory for the compute floor")
+    p.add_argument("--floor-layers", type=int, default=None,
+                   help="layers timed in CPU memory for the compute floor (default: all of them)")
     p.add_argument("--nvme-path", default=".")
     p.add_argument("--clip", type=float, default=1.0,
                    help="gradient_clipping; 0 lets infinity update each unit during backward")
@@ -313,17 +298,21 @@ def main() -> int:
                 json.dump({**meta, "deepspeed": ds}, f, indent=2)
         return 0
 
-    # Floors first, on a quiet machine: measured after the NVMe run, they caught its aftermath
-    # (freeing gigabytes of page cache and files) and came out up to 25% slower. The handle's
-    # GB/s are taken before and after the runs.
-    print(f"compute floor ({min(args.layers, args.floor_layers)} layers in memory):", flush=True)
-    floor_c = compute_floor(args, gpt)
+    # The compute floor is measured before and after the NVMe run and the handle's GB/s around
+    # it, so that floors and step share the machine's state (this VM's speed drifts by more than
+    # the margins); the spread of each floor is reported.
     full = gpt.GPTConfig(vocab_size=args.vocab, seq_len=args.seq, dim=args.dim, layers=args.layers).num_params()
+    deep = min(args.layers, args.floor_layers or args.layers)
+    print(f"compute floor (the engine in CPU memory, {deep} layers):", flush=True)
+    floors = [compute_floor(args, gpt)]
     r1, w1 = handle_gbps(args.nvme_path, our_knobs(args)["block_size"])
     print("infinity, params and optimizer on NVMe:", flush=True)
     ours = run_infinity(args, gpt)
-    ds = None if args.skip_deepspeed else run_deepspeed(args)
     r2, w2 = handle_gbps(args.nvme_path, our_knobs(args)["block_size"])
+    print(f"compute floor again ({deep} layers):", flush=True)
+    floors.append(compute_floor(args, gpt))
+    ds = None if args.skip_deepspeed else run_deepspeed(args)
+    floor_c = {**spread_of([t for f in floors for t in f["steps_s"]]), "runs": floors}
     floor_io = io_floor(args, full, r1 + r2, w1 + w2)
 
     floor = max(floor_c["step_s"], floor_io["step_s"])
@@ -332,7 +321,7 @@ def main() -> int:
     print(f"\n{ours['params'] / 1e9:.2f}B params, bf16, micro-batch {args.micro} x {args.seq} tokens, "
           f"clipping {args.clip}, knobs {args.knobs}, commit {commit}")
     print(f"infinity step, median of {len(times)} (min-max): {ours['step_s']:.2f} s ({min(times):.2f}-{max(times):.2f})")
-    print(f"compute floor (fwd+bwd+Adam in memory), median (min-max): {span(floor_c)}")
+    print(f"compute floor (the engine in CPU memory), median (min-max): {span(floor_c)}")
     print(f"I/O floor ({floor_io['read_bytes'] / 1e9:.1f} GB read, {floor_io['write_bytes'] / 1e9:.1f} GB written, "
           f"handle {statistics.median(floor_io['read_gbps']):.2f} / {statistics.median(floor_io['write_gbps']):.2f} GB/s): "
           f"{span(floor_io)}")
