@@ -20,7 +20,6 @@ records the commit and command in --output.
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.util
 import json
 import os
@@ -106,7 +105,7 @@ def time_steps(engine, args, steps: int) -> list[float]:
         engine.step()
         if s:
             times.append(time.perf_counter() - t0)
-        print(f"  step {s}: {time.perf_counter() - t0:.2f} s, loss {loss.item():.3f}", flush=True)
+        print(f"  step {s}: {time.perf_counter() - t0:.2f} s, loss {loss.item():.3f}", file=sys.stderr, flush=True)
     return times
 
 
@@ -127,12 +126,9 @@ def run_infinity(args, gpt, place: str = "nvme", layers: int | None = None) -> d
             config["zero_optimization"][section] = {"device": "cpu"}
     try:
         engine, *_ = infinity.initialize(model=model, config=config)
-        del model
         times = time_steps(engine, args, args.steps)
         report = dict(engine.report.last)
         engine.close()
-        del engine
-        gc.collect()  # the next engine in this process needs the memory back
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return {"step_s": statistics.median(times), "times": times, "params": cfg.num_params(), "report": report,
@@ -147,20 +143,30 @@ def ds_knobs(args) -> dict:
     return KNOBS["same" if args.knobs == "same" else "deepspeed-tuned"]
 
 
+def run_apart(args, place: str, layers: int | None = None) -> dict:
+    """run_infinity in a process of its own: the memory of a 1.07B engine in CPU memory (21 GB
+    here) and of the NVMe one's pools do not come back to the OS reliably inside one process."""
+    cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--phase", f"{place}:{layers or args.layers}"]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{place} run at {layers} layers failed (exit {proc.returncode})")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def compute_floor(args, gpt) -> dict:
     """The step of the same engine with params and optimizer state in CPU memory: the same
     arithmetic with no tier below. A model too large for memory is timed at two depths
     (`--floor-layers` and half of it) and the time extrapolated linearly in the number of layers:
     the embedding, head and loss are the fixed part, each block adds the same."""
     deep = min(args.layers, args.floor_layers or args.layers)
-    steps = run_infinity(args, gpt, "cpu", deep)["times"]
+    steps = run_apart(args, "cpu", deep)["times"]
     out = {"measured_layers": [deep], "measured_steps_s": steps}
     step = statistics.median(steps)
     if deep < args.layers:
         # Medians at each depth: a difference of single steps would multiply their noise by the
         # layers added. The spread is the deep run's, scaled to the full depth.
         shallow = max(1, deep // 2)
-        shallow_steps = run_infinity(args, gpt, "cpu", shallow)["times"]
+        shallow_steps = run_apart(args, "cpu", shallow)["times"]
         per_layer = (step - statistics.median(shallow_steps)) / (deep - shallow)
         full = step + (args.layers - deep) * per_layer
         steps = [t * full / step for t in steps]
@@ -284,8 +290,14 @@ def main() -> int:
     p.add_argument("--only-deepspeed", action="store_true",
                    help="run DeepSpeed alone (at sizes where both do not fit in memory at once)")
     p.add_argument("--output")
+    p.add_argument("--phase", help=argparse.SUPPRESS)  # PLACE:LAYERS, one engine's run (run_apart)
     args = p.parse_args()
     gpt = load_gpt()
+    if args.phase:
+        place, layers = args.phase.split(":")
+        out = run_infinity(args, gpt, place, int(layers))
+        print("\n" + json.dumps(out, default=float))
+        return 0
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=HERE).stdout.strip()
     meta = {"args": vars(args), "commit": commit, "command": " ".join(sys.argv),
@@ -307,7 +319,7 @@ def main() -> int:
     floors = [compute_floor(args, gpt)]
     r1, w1 = handle_gbps(args.nvme_path, our_knobs(args)["block_size"])
     print("infinity, params and optimizer on NVMe:", flush=True)
-    ours = run_infinity(args, gpt)
+    ours = run_apart(args, "nvme")
     r2, w2 = handle_gbps(args.nvme_path, our_knobs(args)["block_size"])
     print(f"compute floor again ({deep} layers):", flush=True)
     floors.append(compute_floor(args, gpt))
