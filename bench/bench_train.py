@@ -149,11 +149,11 @@ def run_apart(args, place: str, layers: int | None = None) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--phase", f"{place}:{layers or args.layers}"]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     if proc.returncode:
-        raise RuntimeError(f"{place} run at {layers} layers failed (exit {proc.returncode})")
+        raise RuntimeError(f"{place} run at {layers or args.layers} layers failed (exit {proc.returncode})")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def compute_floor(args, gpt) -> dict:
+def compute_floor(args) -> dict:
     """The step of the same engine with params and optimizer state in CPU memory: the same
     arithmetic with no tier below. A model too large for memory is timed at two depths
     (`--floor-layers` and half of it) and the time extrapolated linearly in the number of layers:
@@ -173,10 +173,6 @@ def compute_floor(args, gpt) -> dict:
         out.update(measured_layers=[deep, shallow], per_layer_s=per_layer, shallow_steps_s=shallow_steps)
     out.update(steps_s=steps)
     return out
-
-
-def spread_of(steps: list[float]) -> dict:
-    return {"step_s": statistics.median(steps), "step_s_min": min(steps), "step_s_max": max(steps)}
 
 
 def handle_gbps(nvme_path: str, block_size: int, queue_depth: int = 32) -> tuple[list[float], list[float]]:
@@ -267,6 +263,27 @@ def run_deepspeed(args) -> dict | None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def summarize(args, commit: str, ours: dict, floor_c: dict, floor_io: dict, ds: dict | None):
+    """Prints the run's figures; returns max(floors) and step / max(floors) at the floors' spread."""
+    floor = max(floor_c["step_s"], floor_io["step_s"])
+    span = lambda d: f"{d['step_s']:.2f} s ({d['step_s_min']:.2f}-{d['step_s_max']:.2f})"  # noqa: E731
+    times = ours["times"]
+    print(f"\n{ours['params'] / 1e9:.2f}B params, bf16, micro-batch {args.micro} x {args.seq} tokens, "
+          f"clipping {args.clip}, knobs {args.knobs}, commit {commit}")
+    print(f"infinity step, median of {len(times)} (min-max): {ours['step_s']:.2f} s ({min(times):.2f}-{max(times):.2f})")
+    print(f"compute floor (the engine in CPU memory), median (min-max): {span(floor_c)}")
+    print(f"I/O floor ({floor_io['read_bytes'] / 1e9:.1f} GB read, {floor_io['write_bytes'] / 1e9:.1f} GB written, "
+          f"handle {statistics.median(floor_io['read_gbps']):.2f} / {statistics.median(floor_io['write_gbps']):.2f} GB/s): "
+          f"{span(floor_io)}")
+    ratios = (ours["step_s"] / max(floor_c["step_s_max"], floor_io["step_s_max"]),
+              ours["step_s"] / max(floor_c["step_s_min"], floor_io["step_s_min"]))
+    print(f"step / max(floors) = {ours['step_s'] / floor:.3f} (with the floors' spread: {ratios[0]:.3f}-{ratios[1]:.3f})")
+    if ds and "step_s" in ds:
+        print(f"DeepSpeed step, median of {len(ds['times'])}: {ds['step_s']:.2f} s "
+              f"({min(ds['times']):.2f}-{max(ds['times']):.2f}) -> DeepSpeed / infinity = {ds['step_s'] / ours['step_s']:.2f}")
+    return floor, ratios
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=20)
@@ -316,33 +333,19 @@ def main() -> int:
     full = gpt.GPTConfig(vocab_size=args.vocab, seq_len=args.seq, dim=args.dim, layers=args.layers).num_params()
     deep = min(args.layers, args.floor_layers or args.layers)
     print(f"compute floor (the engine in CPU memory, {deep} layers):", flush=True)
-    floors = [compute_floor(args, gpt)]
+    floors = [compute_floor(args)]
     r1, w1 = handle_gbps(args.nvme_path, our_knobs(args)["block_size"])
     print("infinity, params and optimizer on NVMe:", flush=True)
     ours = run_apart(args, "nvme")
     r2, w2 = handle_gbps(args.nvme_path, our_knobs(args)["block_size"])
     print(f"compute floor again ({deep} layers):", flush=True)
-    floors.append(compute_floor(args, gpt))
+    floors.append(compute_floor(args))
     ds = None if args.skip_deepspeed else run_deepspeed(args)
-    floor_c = {**spread_of([t for f in floors for t in f["steps_s"]]), "runs": floors}
+    steps = [t for f in floors for t in f["steps_s"]]
+    floor_c = {"step_s": statistics.median(steps), "step_s_min": min(steps), "step_s_max": max(steps), "runs": floors}
     floor_io = io_floor(args, full, r1 + r2, w1 + w2)
 
-    floor = max(floor_c["step_s"], floor_io["step_s"])
-    span = lambda d: f"{d['step_s']:.2f} s ({d['step_s_min']:.2f}-{d['step_s_max']:.2f})"  # noqa: E731
-    times = ours["times"]
-    print(f"\n{ours['params'] / 1e9:.2f}B params, bf16, micro-batch {args.micro} x {args.seq} tokens, "
-          f"clipping {args.clip}, knobs {args.knobs}, commit {commit}")
-    print(f"infinity step, median of {len(times)} (min-max): {ours['step_s']:.2f} s ({min(times):.2f}-{max(times):.2f})")
-    print(f"compute floor (the engine in CPU memory), median (min-max): {span(floor_c)}")
-    print(f"I/O floor ({floor_io['read_bytes'] / 1e9:.1f} GB read, {floor_io['write_bytes'] / 1e9:.1f} GB written, "
-          f"handle {statistics.median(floor_io['read_gbps']):.2f} / {statistics.median(floor_io['write_gbps']):.2f} GB/s): "
-          f"{span(floor_io)}")
-    ratios = (ours["step_s"] / max(floor_c["step_s_max"], floor_io["step_s_max"]),
-              ours["step_s"] / max(floor_c["step_s_min"], floor_io["step_s_min"]))
-    print(f"step / max(floors) = {ours['step_s'] / floor:.3f} (with the floors' spread: {ratios[0]:.3f}-{ratios[1]:.3f})")
-    if ds and "step_s" in ds:
-        print(f"DeepSpeed step, median of {len(ds['times'])}: {ds['step_s']:.2f} s "
-              f"({min(ds['times']):.2f}-{max(ds['times']):.2f}) -> DeepSpeed / infinity = {ds['step_s'] / ours['step_s']:.2f}")
+    floor, ratios = summarize(args, commit, ours, floor_c, floor_io, ds)
     if args.output:
         with open(args.output, "w") as f:
             json.dump({**meta, "infinity": ours, "compute_floor": floor_c, "io_floor": floor_io,

@@ -116,8 +116,8 @@ class NvmeOptimizerState:
         # Units with something to update; the others' state is never read for an update.
         self._updatable = {u.index for u in units if u.segments}
         room = offload.max_grad_in_cpu
-        by_index = {u.index: u for u in units}
-        for u in (by_index[i] for i in update_order or [u.index for u in reversed(units)] if i in by_index):
+        place = {index: k for k, index in enumerate(update_order or [u.index for u in reversed(units)])}
+        for u in sorted(units, key=lambda u: place.get(u.index, len(place))):
             if u.index in self._no_accumulator:
                 continue
             if u.train_shard_numel <= room:
