@@ -5,13 +5,15 @@ from __future__ import annotations
 import copy
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from gpt import TinyGPT, batches, config, engine_run, reference_run
 
 import infinity
-from gpt import TinyGPT, batches, config, engine_run, reference_run
 
 STEPS = 20
 
@@ -310,3 +312,40 @@ def test_a_scheduler_of_the_users_optimizer_sets_the_engines_lr(model):
     engine.step()
     assert engine.get_lr() == [pytest.approx(5e-4)]  # the engine's groups are the user optimizer's
     engine.close()
+
+
+_DESTROY_JOB = """
+import gc, os, sys
+import torch.distributed as dist
+import infinity
+from gpt import TinyGPT, config
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+start = threads()
+dist.init_process_group("gloo")
+gloo = threads() - start
+engine, *_ = infinity.initialize(TinyGPT(), config=config(3, "cpu", "cpu"))
+engine.close()
+before = threads()
+dist.destroy_process_group()
+gc.collect()
+print(gloo, before - threads())
+"""
+
+
+def test_destroy_process_group_stops_gloo_after_an_engine_ran():
+    """A process group that outlives `destroy_process_group` keeps gloo's threads running into
+    interpreter shutdown, where one of them can abort the process ("terminate called without
+    an active exception"). The engine builds a torch optimizer, and torch's first optimizer
+    imports modules whose default arguments capture the live group ([Note: importing
+    torch.distributed.nn early] in infinity/zero/dist.py). Counted in /proc: every thread gloo
+    started is gone after destroy_process_group."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
+           "WORLD_SIZE": "1", "PYTHONPATH": os.path.dirname(__file__), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", _DESTROY_JOB], env=env, capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    started, stopped = map(int, out.stdout.split())
+    assert started > 0 and stopped == started, f"gloo started {started} threads; {stopped} stopped"

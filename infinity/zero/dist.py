@@ -11,6 +11,19 @@ import os
 import torch
 import torch.distributed as dist
 
+# [Note: importing torch.distributed.nn early]
+# torch.distributed.nn.functional declares `group=group.WORLD` as default arguments, which
+# capture the process group that exists when the module is first imported. torch imports it
+# lazily (through torch._dynamo) the first time any torch optimizer is built, so a job that
+# initialises its group and then builds an engine (or any optimizer) pins that group for the
+# life of the process: destroy_process_group() can no longer free it, gloo's threads run into
+# interpreter shutdown, and one of them, dropping the last reference to a finished collective's
+# tensor, needs the GIL and aborts the process ("terminate called without an active
+# exception"; one run in 5 in a two-rank job with 20 all_gathers). Importing it here, before
+# any group exists (a job imports infinity first), makes the defaults None.
+if dist.is_available():
+    import torch.distributed.nn
+
 
 def init_distributed(nccl: bool) -> tuple[int, int]:
     """(rank, world size). Initialises the process group when a launcher's environment is
