@@ -187,7 +187,10 @@ def main() -> int:
     if args.what == "copies":
         result = copies(args)
     elif args.mode == "plain":
-        result = step_plain(args)
+        try:
+            result = step_plain(args)
+        except torch.cuda.OutOfMemoryError as e:  # the size does not fit this GPU: that is the finding
+            result = {"oom": str(e).splitlines()[0], "gpu_peak_bytes": torch.cuda.max_memory_allocated()}
     else:
         result = step_engine(args)
     result.update(info)

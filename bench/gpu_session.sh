@@ -2,6 +2,7 @@
 # What a lent GPU machine runs (bench/results/gpu.md records what it showed): build, the `gpu`
 # tests, host <-> device copies, bf16 steps, then the whole suite on the CUDA device.
 #   bash bench/gpu_session.sh OUT_DIR [STEP_LAYERS] [STEP_DIM]
+#   ONLY_BIG=1 BIG=1 bash bench/gpu_session.sh OUT_DIR   # just the largest NVMe step (one call)
 set -uo pipefail
 out=${1:?output directory}
 layers=${2:-8}
@@ -20,12 +21,25 @@ if ! python3 -c "import infinity._aio" 2>/dev/null; then
     python3 -m pip wheel -q --no-deps --no-build-isolation -w "$out" . && python3 -m pip install -q --no-deps "$out"/*.whl
   fi || { echo "build failed"; exit 1; }
 fi
+if [ "${ONLY_BIG:-0}" != 1 ]; then
 cd tests && python3 -m pytest -m gpu -q -p no:cacheprovider -p no:benchmark 2>&1 | tee "$out/gpu_tests.txt"; cd ..
 python3 bench/bench_gpu.py copies --output "$out/copies.json" 2>&1 | tail -3
 for mode in plain nvme; do
   python3 bench/bench_gpu.py step --mode $mode --layers "$layers" --dim "$dim" --nvme-path /tmp \
     --output "$out/step_${mode}.json" 2>&1 | grep -v '^step ' | tail -8
 done
+fi
+# BIG=1: the largest GPT (dim 4096) whose parameters and optimizer state fit this disk on NVMe
+# (14 bytes a parameter in 90% of the free space: about 4.4B parameters on a 64 GiB disk), with
+# plain PyTorch at the same size (expected to run out of GPU memory; its JSON says so).
+if [ "${BIG:-0}" = 1 ]; then
+  nvme=${NVME:-/tmp}
+  big=$(python3 -c "import shutil; n = shutil.disk_usage('$nvme').free * 0.9 / 14; print(max(1, int((n - 32000 * 4096) // (12 * 4096 ** 2))))")
+  for mode in nvme plain; do
+    python3 bench/bench_gpu.py step --mode $mode --layers "$big" --dim 4096 --steps 2 --nvme-path "$nvme" \
+      --output "$out/step_big_${mode}.json" 2>&1 | grep -v '^step ' | tail -8
+  done
+fi
 # The whole suite on the CUDA device (its parity tests compare with plain PyTorch on the CPU).
 [ "${FULL_SUITE:-0}" = 1 ] && (cd tests && timeout "${SUITE_TIMEOUT:-300}" python3 -m pytest -v -n 8 -p no:cacheprovider \
   -p no:benchmark . > "$out/suite.txt" 2>&1; grep -E "FAILED|ERROR" "$out/suite.txt" | sort | uniq | head -80)
