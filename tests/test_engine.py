@@ -335,7 +335,7 @@ print(gloo, before - threads())
 """
 
 
-def test_destroy_process_group_stops_gloo_after_an_engine_ran():
+def test_destroy_process_group_stops_gloo_after_an_engine_ran(tmp_path):
     """A process group that outlives `destroy_process_group` keeps gloo's threads running into
     interpreter shutdown, where one of them can abort the process ("terminate called without
     an active exception"). The engine builds a torch optimizer, and torch's first optimizer
@@ -345,7 +345,7 @@ def test_destroy_process_group_stops_gloo_after_an_engine_ran():
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
            "WORLD_SIZE": "1", "PYTHONPATH": os.path.dirname(__file__), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", _DESTROY_JOB], env=env, capture_output=True, text=True, timeout=120,
-                         check=False)
+                         cwd=tmp_path, check=False)  # not the checkout's root: it would shadow the installed package
     assert out.returncode == 0, out.stderr[-3000:]
     started, stopped = map(int, out.stdout.split())
     assert started > 0 and stopped == started, f"gloo started {started} threads; {stopped} stopped"
