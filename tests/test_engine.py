@@ -11,7 +11,9 @@ import sys
 import pytest
 import torch
 import torch.multiprocessing as mp
-from gpt import TinyGPT, batches, config, engine_run, reference_run
+import torch.nn.functional as F
+from gpt import DIM, VOCAB, TinyGPT, batches, config, engine_run, reference_run
+from torch import nn
 
 import infinity
 
@@ -168,6 +170,42 @@ def test_activation_checkpointing_matches_pytorch(model):
     engine, *_ = infinity.initialize(ckpt_model, config=config(3, "cpu", "cpu", stage3_max_reuse_distance=0))
     _close(engine_run(engine, data, gas=1), ref_losses)
     _params_close(engine, ref_model)
+
+
+class _UnlikeLayers(nn.Module):
+    """No list of like blocks: an embedding and a ModuleList of unlike layers, which is never
+    called itself (its children are)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList([nn.Linear(DIM, 2 * DIM), nn.LayerNorm(2 * DIM), nn.Linear(2 * DIM, VOCAB)])
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return F.cross_entropy(x.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+@pytest.mark.parametrize("make", [lambda: TinyGPT(layers=1), _UnlikeLayers], ids=["one-block", "unlike-layers"])
+@pytest.mark.parametrize("param,optim", [("none", "none"), ("cpu", "cpu")])
+def test_models_without_a_list_of_blocks_match_pytorch(make, param, optim):
+    """A single-block model's block is still a unit, and no unit rests on a container that is
+    never called (its parameters were never gathered)."""
+    torch.manual_seed(0)
+    model = make()
+    data = batches(6, 4)
+    ref_losses, ref_model = reference_run(model, data, gas=1)
+    engine, *_ = infinity.initialize(copy.deepcopy(model), config=config(3, param, optim))
+    _close(engine_run(engine, data, gas=1), ref_losses)
+    _params_close(engine, ref_model)
+    assert len(engine.units) >= 2  # not everything in the root
+
+
+def test_a_unit_policy_naming_a_container_is_an_error(model):
+    with pytest.raises(ValueError, match=r"units: blocks is a ModuleList, which is never called"):
+        infinity.initialize(copy.deepcopy(model), config=config(3, "cpu", "cpu"), units=[nn.ModuleList])
 
 
 def test_gathered_parameters_read_and_modify(model):

@@ -3,9 +3,10 @@
 [Note: choosing units]
 By default the units are the modules of the class that fills the largest nn.ModuleList /
 nn.Sequential whose children are all of one class (the transformer block of nearly every
-model), wherever that class occurs outside another unit (so an encoder-decoder's encoder and
-decoder blocks both are units); if a model has none, each direct child holding parameters is a
-unit. The user can name module classes or pass a callable `(qualified_name, module) -> bool`
+model, a list of one included), wherever that class occurs outside another unit (so an
+encoder-decoder's encoder and decoder blocks both are units); if a model has none, each direct
+child holding parameters is a unit, and a child that is a ModuleList / ModuleDict gives its own
+children instead, since a container is never called and its forward hook would never gather it. The user can name module classes or pass a callable `(qualified_name, module) -> bool`
 instead. Whatever no unit claims (embeddings, final norm, LM head) forms the root unit; it is
 gathered for the root module's whole forward (which may use any of its parameters, also outside
 the module that holds it: `h @ self.emb.weight.t()`) and by the forward of every module that
@@ -34,26 +35,41 @@ class UnitPlan(NamedTuple):
     params: list[tuple[str, nn.Parameter]]
 
 
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # never called: their children are
+
+
+def _called_children(prefix: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The children of `module` holding parameters, with containers replaced by their children."""
+    out = []
+    for name, child in module.named_children():
+        name = f"{prefix}.{name}" if prefix else name
+        if isinstance(child, _CONTAINERS):
+            out += _called_children(name, child)
+        elif any(True for _ in child.parameters()):
+            out.append((name, child))
+    return out
+
+
 def _auto_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     best: list[tuple[str, nn.Module]] = []
-    best_numel = 0
+    best_key = (0, 0)
     for name, m in model.named_modules():
-        if not isinstance(m, (nn.ModuleList, nn.Sequential)) or len(m) < 2:
+        if not isinstance(m, (nn.ModuleList, nn.Sequential)) or len(m) == 0:
             continue
         kids = list(m.named_children())
-        if len({type(k) for _, k in kids}) != 1 or isinstance(kids[0][1], (nn.ModuleList, nn.ModuleDict)):
+        if len({type(k) for _, k in kids}) != 1 or isinstance(kids[0][1], _CONTAINERS):
             continue  # mixed, or containers that are never called themselves
-        numel = sum(p.numel() for p in m.parameters())
-        if numel > best_numel:
+        key = (sum(p.numel() for p in m.parameters()), len(kids))  # a tie: the list with more blocks
+        if key > best_key and key[0] > 0:
             best = [(f"{name}.{k}" if name else k, child) for k, child in kids]
-            best_numel = numel
+            best_key = key
     if best:  # every list of that class: an encoder's blocks and a decoder's
         block = type(best[0][1])
         lists = {id(m) for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 0
                  and all(type(c) is block for c in m.children())}
         children = {id(c) for name, m in model.named_modules() if id(m) in lists for c in m.children()}
         return _select(model, lambda _name, module: id(module) in children)
-    return [(n, c) for n, c in model.named_children() if any(True for _ in c.parameters())]
+    return _called_children("", model)
 
 
 def _select(model: nn.Module, policy: UnitPolicy) -> list[tuple[str, nn.Module]]:
@@ -72,6 +88,9 @@ def _select(model: nn.Module, policy: UnitPolicy) -> list[tuple[str, nn.Module]]
         if m is model or any(name.startswith(t + ".") for t in taken):
             continue  # outermost match wins: a unit is never nested in another
         if match(name, m):
+            if isinstance(m, _CONTAINERS):
+                raise ValueError(f"units: {name} is a {type(m).__name__}, which is never called, so its forward "
+                                 f"could not gather it; name the class of its elements instead")
             chosen.append((name, m))
             taken.add(name)
     return chosen
