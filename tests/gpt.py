@@ -66,18 +66,23 @@ def batches(steps: int, batch: int, seed: int = 1) -> list[tuple[torch.Tensor, t
     return out
 
 
-def reference_run(model: nn.Module, data, *, gas: int, lr: float = 3e-3, wd: float = 0.01, clip: float = 1.0):
+def reference_run(model: nn.Module, data, *, gas: int, lr: float = 3e-3, wd: float = 0.01, clip: float = 1.0,
+                  world: int = 1):
     """Plain PyTorch: AdamW + clip_grad_norm_, `gas` micro-batches per step. Returns per-step
-    mean losses and the trained model."""
+    mean losses and the trained model. With `world` > 1 each micro-batch is cut in `world`
+    slices whose gradients are summed, as data parallelism computes them: the same gradients up
+    to rounding, and the rounding of a batch-2 matmul differs from a batch-4 one's by CPU."""
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
     losses = []
     for i in range(0, len(data), gas):
         total = 0.0
         for idx, tgt in data[i:i + gas]:
-            loss = model(idx, tgt)
-            (loss / gas).backward()
-            total += loss.item() / gas
+            n = idx.size(0) // world
+            for r in range(world):
+                loss = model(idx[r * n:(r + 1) * n], tgt[r * n:(r + 1) * n])
+                (loss / (gas * world)).backward()
+                total += loss.item() / (gas * world)
         if clip > 0:  # DeepSpeed's gradient_clipping 0 means no clipping
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()

@@ -102,11 +102,12 @@ def _two_ranks_match_pytorch(model, cases, tmp_path) -> dict:
         mp.spawn(_two_rank_worker, args=(_free_port(), model, cases, results, str(tmp_path)), nprocs=2)
         results = dict(results)
     for key, (stage, param, optim, gas, clip, spill) in cases.items():
-        ref_losses, ref_model = reference_run(model, batches(STEPS * gas, 4), gas=gas, clip=clip)
+        ref_losses, ref_model = reference_run(model, batches(STEPS * gas, 4), gas=gas, clip=clip, world=2)
         losses, state = results[key]
         _close(losses, ref_losses)
         for name, value in ref_model.state_dict().items():
-            torch.testing.assert_close(state[name], value, atol=1e-5, rtol=1e-5, msg=f"{key}: {name}")
+            torch.testing.assert_close(state[name], value, atol=1e-5, rtol=1e-5,
+                                       msg=lambda m, where=f"{key}: {name}": f"{where}\n{m}")
     return {key: state for key, (_, state) in results.items()}
 
 
