@@ -209,6 +209,43 @@ def test_a_unit_policy_naming_a_container_is_an_error(model):
         infinity.initialize(copy.deepcopy(model), config=config(3, "cpu", "cpu"), units=[nn.ModuleList])
 
 
+def _mlp(inplace: bool = False) -> nn.Module:
+    """Three Linear units of 144, 272 and 68 elements, which all pad to the same size."""
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace), nn.Linear(16, 16), nn.ReLU(inplace), nn.Linear(16, 4))
+
+
+def _mlp_against_pytorch(model: nn.Module, cfg: dict, *, clip: float, first=None, steps: int = 4) -> None:
+    """Trains `model` with the engine and with plain PyTorch; `first(engine, model)` runs before."""
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(steps)]
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.01)
+    engine, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
+    if first is not None:
+        first(engine, ref)
+    for x, y in data:
+        loss = F.cross_entropy(ref(x), y)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        engine_loss = F.cross_entropy(engine(x), y)
+        engine.backward(engine_loss)
+        engine.step()
+        assert engine_loss.item() == pytest.approx(loss.item(), rel=1e-6)
+        assert engine.get_global_grad_norm() == pytest.approx(norm.item(), rel=1e-5)
+    _params_close(engine, ref)
+    engine.close()
+
+
+@pytest.mark.parametrize("param,optim", [("none", "none"), ("cpu", "cpu")])
+def test_units_of_one_padded_size_clip_on_their_own_gradients(param, optim):
+    """Units whose sizes pad to the same size share a reused gradient buffer: the 144-element
+    unit, reduced after the 272-element one, must not count that one's tail in the norm."""
+    torch.manual_seed(0)
+    _mlp_against_pytorch(_mlp(), config(3, param, optim, clip=0.1), clip=0.1)
+
+
 def test_gathered_parameters_read_and_modify(model):
     engine, *_ = infinity.initialize(copy.deepcopy(model), config=config(3, "cpu", "cpu"))
     block = engine.module.blocks[1]

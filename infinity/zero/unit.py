@@ -251,9 +251,11 @@ class Unit:
         """The flat gradient of the trainable region (zeros where a parameter got none); clears
         .grad of every parameter.
 
-        `out`: a buffer of train_padded_numel elements to reuse, whose padding is already zero
-        (a fresh one per call would be page-faulted in every time: 25 ms per 100 MB here)."""
+        `out`: a buffer of train_padded_numel elements to reuse (a fresh one per call would be
+        page-faulted in every time: 25 ms per 100 MB here). Units of other sizes that pad to the
+        same size share it, so the padding is cleared too: it goes into the gradient norm."""
         assert out.numel() == self.train_padded_numel and out.dtype == self.dtype
+        out[self.train_numel:].zero_()
         for s in self.slots:
             g = s.param.grad
             s.param.grad = None
