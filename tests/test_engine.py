@@ -246,6 +246,27 @@ def test_units_of_one_padded_size_clip_on_their_own_gradients(param, optim):
     _mlp_against_pytorch(_mlp(), config(3, param, optim, clip=0.1), clip=0.1)
 
 
+@pytest.mark.parametrize("model", [lambda: _mlp(inplace=True), lambda: _Residual()], ids=["relu-inplace", "add-inplace"])
+def test_in_place_ops_on_a_units_output_match_pytorch(model):
+    torch.manual_seed(0)
+    _mlp_against_pytorch(model(), config(3, "cpu", "cpu"), clip=1.0)
+
+
+class _Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            y = block(h)
+            y += h  # in place, on a unit's output
+            h = y
+        return self.out(h)
+
+
 def test_gathered_parameters_read_and_modify(model):
     engine, *_ = infinity.initialize(copy.deepcopy(model), config=config(3, "cpu", "cpu"))
     block = engine.module.blocks[1]

@@ -54,7 +54,9 @@ class _PreBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hooks: "UnitHooks", unit: Unit, call: _Call | None, *tensors: torch.Tensor):
         ctx.hooks, ctx.unit, ctx.call = hooks, unit, call
-        return tuple(t.view_as(t) for t in tensors)
+        # detach, not view_as: autograd forbids in-place ops on a view made in a custom Function
+        # (`ReLU(inplace=True)` after a unit, `y += h`); the version counter stays shared.
+        return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
