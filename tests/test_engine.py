@@ -267,6 +267,21 @@ class _Residual(nn.Module):
         return self.out(h)
 
 
+@pytest.mark.parametrize("param,optim", [("none", "none"), ("cpu", "cpu")])
+def test_inference_mode_before_the_first_step_leaves_training_intact(param, optim):
+    """An evaluation under torch.inference_mode() first (a trainer's sanity check) gathered the
+    units into inference tensors, which no later training forward could fill."""
+    torch.manual_seed(0)
+
+    def evaluate(engine, model):
+        x = torch.randn(4, 8)
+        with torch.inference_mode():
+            torch.testing.assert_close(engine(x), model(x), rtol=0, atol=0)
+        assert not any(p.is_inference() for p in engine.module.parameters())  # released ones too
+
+    _mlp_against_pytorch(_mlp(), config(3, param, optim), clip=1.0, first=evaluate)
+
+
 def test_gathered_parameters_read_and_modify(model):
     engine, *_ = infinity.initialize(copy.deepcopy(model), config=config(3, "cpu", "cpu"))
     block = engine.module.blocks[1]

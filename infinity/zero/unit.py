@@ -202,7 +202,8 @@ class Unit:
         self._set_param_data(None)
 
     def _set_param_data(self, flat: torch.Tensor | None) -> None:
-        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        with torch.inference_mode(False):  # released under inference_mode: still a normal tensor
+            empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for s in self.slots:
             s.param.data = empty if flat is None else flat[s.offset:s.offset + s.numel].view(s.shape)
 
@@ -214,6 +215,10 @@ class Unit:
         that views taken by the user may outlive the release."""
         assert self.state is UnitState.RELEASED, self
         assert parts.train.numel() == self.train_shard_numel and parts.frozen.numel() == self.frozen_shard_numel
+        with torch.inference_mode(False):  # a first gather under inference_mode must not leave
+            self._gather(parts, fresh)     # inference tensors that training cannot write into
+
+    def _gather(self, parts: ShardParts, fresh: bool) -> None:
         if fresh:
             flat = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
         elif self._flat.numel() == 0:  # the first gather: views autograd saves must all share this tensor
