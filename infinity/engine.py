@@ -230,12 +230,14 @@ class Engine:
         fp16 loss scale; reduces gradients. Returns the loss as scaled for accumulation, as
         DeepSpeed does."""
         self._check_open()
-        if self._grads_final:
+        if self._grads_final or self._backward_done:
             gas = self.config.batch.gradient_accumulation_steps
+            what = ("the gradients of the last accumulation boundary have not been applied" if self._grads_final
+                    else "this micro-batch's gradients are accumulated already, and would count twice")
             raise RuntimeError(
-                "engine.backward() was called again before engine.step(): the gradients of the last "
-                f"accumulation boundary (gradient_accumulation_steps={gas}) have not been applied; call "
-                "engine.step() after every engine.backward(), as with DeepSpeed")
+                f"engine.backward() was called again before engine.step(): {what} (gradient_accumulation_steps="
+                f"{gas}); call engine.step() after every engine.backward(), as with DeepSpeed, and sum the "
+                "losses of one micro-batch before its backward")
         t0 = time.perf_counter()
         gas_scale = 1.0 / self.config.batch.gradient_accumulation_steps if scale_wrt_gas else 1.0
         scale = gas_scale
@@ -252,7 +254,10 @@ class Engine:
             # this pass (gradients in flight, state read ahead) holds a buffer.
             self.optim_state.abort_pass()
             self.hooks.reset_backward()
-            self.micro_steps -= self.micro_steps % self.config.batch.gradient_accumulation_steps
+            if dropped := self.micro_steps % self.config.batch.gradient_accumulation_steps:
+                log.warning("infinity: backward failed; the %d earlier micro-batches of this accumulation are "
+                            "discarded, and the next micro-batch starts a new one", dropped)
+            self.micro_steps -= dropped
             if self.update_in_backward and self.policy.last_micro:
                 self._broken = "a backward that updates units as their gradients are final failed"
             self.policy.abandon()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 import infinity
-from gpt import TinyGPT, batches, config
+from gpt import TinyGPT, batches, config, reference_run
 
 
 def nvme(tmp_path, *, clip: float = 1.0, gas: int = 1) -> dict:
@@ -33,6 +35,29 @@ def test_backward_twice_without_step_is_an_error_in_both_modes(tmp_path, clip):
     engine.step()
     assert engine.global_steps == 2
     engine.close()
+
+
+def test_a_second_backward_inside_an_accumulation_is_an_error_and_counts_once():
+    """gradient_accumulation_steps 2: backward twice on the first micro-batch would add its
+    gradients twice; it is refused, and the step is plain PyTorch's."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    data = batches(4, 4)
+    ref_losses, ref_model = reference_run(model, data, gas=2)
+    engine, *_ = infinity.initialize(copy.deepcopy(model), config=config(3, "cpu", "cpu", gas=2))
+    losses = []
+    for i, (idx, tgt) in enumerate(data):
+        loss = engine(idx, tgt)
+        engine.backward(loss, retain_graph=True)
+        if i == 0:
+            with pytest.raises(RuntimeError, match=r"called again before engine.step\(\).*would count twice"):
+                engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert [(a + b) / 2 for a, b in zip(losses[::2], losses[1::2])] == pytest.approx(ref_losses, rel=1e-6)
+    state = engine.consolidated_state_dict()
+    for name, value in ref_model.state_dict().items():
+        torch.testing.assert_close(state[name], value, atol=1e-5, rtol=1e-5)
 
 
 def test_a_failed_backward_leaves_the_engine_usable(tmp_path):
