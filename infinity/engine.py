@@ -79,6 +79,7 @@ class Engine:
         self._signals = SignalGate(agree=self._agree_on_signals if self.world_size > 1 else None)
         self._holding_step = False  # this engine holds the signals until the step that ends the accumulation
         self._broken: str | None = None  # why the state may be half-updated (a failed step), until the next step
+        self._broken_by_load = False  # a load that failed part way: broken until a load succeeds, not a step
         self._checkpointing = False
         self.last_checkpoint: dict[str, Any] | None = None  # path, bytes, seconds, gbps of the last save
         self._tracing = False  # recording the timeline for config.trace ([Note: the timeline])
@@ -306,13 +307,15 @@ class Engine:
             if boundary:
                 self._step(lr_kwargs)
         except BaseException as e:
-            self._broken = f"step {self.global_steps + 1} failed ({type(e).__name__}: {e})"
+            if not self._broken_by_load:
+                self._broken = f"step {self.global_steps + 1} failed ({type(e).__name__}: {e})"
             self._end_step_hold(boundary=False)
             raise
         finally:
             self.micro_steps += 1
         if boundary:
-            self._broken = None
+            if not self._broken_by_load:
+                self._broken = None
             self._end_step_hold(boundary=True)  # held signal handlers run now ([Note: signals at step boundaries])
 
     def _end_step_hold(self, boundary: bool) -> None:
@@ -435,13 +438,15 @@ class Engine:
             self._checkpointing = False
             self._signals.release(boundary=ok)
 
-    def check_step_boundary(self, what: str) -> None:
-        """Raises unless the engine is between steps (what checkpoints read and write)."""
+    def check_step_boundary(self, what: str, replaces_all: bool = False) -> None:
+        """Raises unless the engine is between steps (what checkpoints read and write);
+        `replaces_all`: a load of every value, which mends a half-updated state."""
         self._check_open()
-        if self._broken is not None:
+        if self._broken is not None and not replaces_all:
+            remedy = ("Load a whole checkpoint (with its optimizer states)" if self._broken_by_load
+                      else "Run a step, load a checkpoint")
             raise RuntimeError(f"{what}: {self._broken}, so the parameters and optimizer state may be partly "
-                               "updated; no checkpoint is taken of them. Run a step, load a checkpoint, or build a "
-                               "new engine")
+                               f"updated; no checkpoint is taken of them. {remedy}, or build a new engine")
         if self._in_pass:
             raise RuntimeError(f"{what}: a training forward is under way and its backward has not run; call it "
                                "between steps (after engine.step())")
@@ -450,9 +455,11 @@ class Engine:
                                "first, so that the state is the step's result")
         self.policy.settle_all()  # [Note: updates after the norm] in step_policy.py
 
-    def mark_broken(self, why: str) -> None:
-        """The values may be half-updated: no checkpoint is taken until a step or a load succeeds."""
+    def mark_broken(self, why: str, *, until_load: bool = False) -> None:
+        """The values may be half-updated: no checkpoint is taken until a step or a load succeeds
+        (`until_load`: a load; a step on half-loaded values does not mend them)."""
         self._broken = why
+        self._broken_by_load = self._broken_by_load or until_load
 
     def after_load(self) -> None:
         """New values were loaded: nothing of the step before them carries over."""
@@ -461,6 +468,7 @@ class Engine:
         self._grad_norm = None
         self._values_cache = None
         self._broken = None
+        self._broken_by_load = False
 
     # ---- DeepSpeed's engine surface -------------------------------------------------------
 

@@ -548,13 +548,23 @@ def test_a_load_that_fails_part_way_is_said_and_blocks_saving(tmp_path):
     raw = bytearray(path.read_bytes())
     raw[-100] ^= 1  # the last unit's extent: the units before it are loaded already
     path.write_bytes(bytes(raw))
-    from gpt import TinyGPT, config
+    from gpt import TinyGPT, batches, config
     engine, *_ = infinity.initialize(TinyGPT(layers=2), config=config(3, "cpu", "cpu"))
     try:
-        with pytest.raises(CheckpointError, match=r"rank00000\.exp_avg\.bin: checksum mismatch"):
+        with pytest.raises(CheckpointError, match=r"rank00000\.exp_avg\.bin: checksum mismatch") as failed:
             engine.load_checkpoint(tmp_path / "ckpt")
+        assert any("units before the failure hold the checkpoint's values" in n for n in failed.value.__notes__)
         with pytest.raises(RuntimeError, match="load_checkpoint failed part way"):
             engine.save_checkpoint(tmp_path / "other")
+        # A step on half-loaded values does not mend them: still no checkpoint of the mix.
+        idx, tgt = batches(1, 4)[0]
+        engine.backward(engine(idx, tgt))
+        engine.step()
+        with pytest.raises(RuntimeError, match="load_checkpoint failed part way"):
+            engine.save_checkpoint(tmp_path / "other")
+        path.write_bytes(bytes(raw[:-100]) + bytes([raw[-100] ^ 1]) + bytes(raw[-99:]))  # repaired
+        engine.load_checkpoint(tmp_path / "ckpt")
+        engine.save_checkpoint(tmp_path / "other")  # a load that succeeded ends it
     finally:
         engine.close()
 

@@ -230,7 +230,8 @@ def load_checkpoint(engine: "Engine", load_dir: str, tag: Any = None, *, load_mo
     error = path = manifest = state = None
     buffers: dict = {}
     try:  # everything that can be checked before a value changes, on every rank
-        engine.check_step_boundary("load_checkpoint")
+        engine.check_step_boundary("load_checkpoint",
+                                   replaces_all=optimizer_states and load_module_strict and not load_module_only)
         path = resolve(load_dir, tag)
         if path is not None:
             manifest = Manifest.read(path)
@@ -299,7 +300,9 @@ def _load_shards(engine: "Engine", manifest: Manifest, optimizer_states: bool) -
         agree(error, "load_checkpoint")
     except BaseException as e:
         engine.mark_broken(f"load_checkpoint failed part way ({type(e).__name__}: {e}), leaving some values loaded "
-                           "and others not")
+                           "and others not", until_load=True)
+        e.add_note("load_checkpoint failed part way: units before the failure hold the checkpoint's values, the "
+                   "others their own; no checkpoint is saved from this engine until a load succeeds")
         raise
     finally:
         for u in gathered:
