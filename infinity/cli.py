@@ -74,6 +74,22 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _check_finetune_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if not os.path.isdir(args.nvme_path):
+        parser.error(f"--nvme-path {args.nvme_path}: not a directory")
+    for flag, path in (("--data", args.data), ("--config", args.config)):
+        if path is not None and not os.path.isfile(path):
+            parser.error(f"{flag} {path}: not a file")
+    if args.model and not os.path.isdir(args.model) and (os.sep in args.model or os.path.exists(args.model)):
+        parser.error(f"--model {args.model}: not a directory (expected a Hugging Face model directory or a preset name)")
+    if args.config:
+        given = [flag for flag, value in (("--lr", args.lr), ("--batch", args.batch), ("--offload", args.offload))
+                 if value is not None]
+        if given:
+            parser.error(f"{', '.join(given)}: only set the built-in config; with --config, set them in its JSON "
+                         "(optimizer.params.lr, train_micro_batch_size_per_gpu, zero_optimization.offload_*)")
+
+
 def main(argv: list[str] | None = None) -> int:
     from infinity.tools.estimate import add_arguments as add_estimate_arguments
 
@@ -96,9 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if args.command == "finetune":
-        if not os.path.isdir(args.nvme_path):
-            parser.error(f"--nvme-path {args.nvme_path}: not a directory")
-        return finetune(args)
+        _check_finetune_arguments(parser, args)
+        try:
+            return finetune(args)
+        except (ValueError, OSError) as e:  # bad input found on the way (data, config, model): no traceback
+            print(f"infinity finetune: {e}", file=sys.stderr)
+            return 2
     if args.command == "consolidate":
         if not os.path.isdir(args.checkpoint_dir):
             parser.error(f"checkpoint_dir {args.checkpoint_dir}: not a directory")

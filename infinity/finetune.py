@@ -37,16 +37,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora", type=_non_negative, default=0, help="LoRA rank on the attention and MLP projections "
                                                                  "(0: train every weight)")
     p.add_argument("--steps", type=_positive, default=200)
-    p.add_argument("--batch", type=_positive, default=4, help="sequences per step")
+    p.add_argument("--batch", type=_positive, help="sequences per step for the built-in config (default 4)")
     p.add_argument("--seq-len", type=_positive, default=128)
-    p.add_argument("--lr", type=float, default=None, help="default 3e-3, or 1e-4 for a pretrained model")
+    p.add_argument("--lr", type=_positive_float, help="for the built-in config: default 3e-3, or 1e-4 for a "
+                   "pretrained model")
     p.add_argument("--save", help="checkpoint directory: every --save-every steps, on SIGTERM, and at the end")
     p.add_argument("--save-every", type=_positive, default=50)
     p.add_argument("--resume", help="a checkpoint directory to continue from (its `latest` tag)")
     p.add_argument("--export", help="write the fine-tuned model here (Hugging Face layout)")
     p.add_argument("--plot", help="draw the loss and per-step I/O into this image (needs matplotlib)")
     p.add_argument("--nvme-path", default=tempfile.gettempdir(), help="directory for the offload files")
-    p.add_argument("--offload", choices=["cpu", "nvme"], default="nvme", help="tier for the built-in config")
+    p.add_argument("--offload", choices=["cpu", "nvme"], help="tier for the built-in config (default nvme)")
     p.add_argument("--trace", help="write a timeline of steps 2-4 here (Chrome trace JSON; the config's `trace` section)")
     p.add_argument("--sample-tokens", type=_non_negative, default=48)
     p.add_argument("--seed", type=int, default=0)
@@ -56,6 +57,16 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
     return value
 
 
@@ -287,7 +298,7 @@ def run(args) -> int:
         config = args.config
     else:
         work = tempfile.mkdtemp(prefix="infinity-finetune-", dir=args.nvme_path)
-        config = _default_config(work, args.offload, args.batch, lr)
+        config = _default_config(work, args.offload or "nvme", args.batch or 4, lr)
     if args.trace:
         if not isinstance(config, dict):
             with open(config, encoding="utf-8") as f:
@@ -307,7 +318,7 @@ def run(args) -> int:
             _, client = engine.load_checkpoint(args.resume)
             if client is None:
                 raise SystemExit(f"--resume: {args.resume} has no checkpoint (no 'latest' file)")
-            start = client["next_step"]
+            start = client.get("next_step", engine.global_steps)  # saved through the API: its step count
             print(f"resumed from {args.resume} at step {start}")
         if args.save:
             def preempted(signum, frame):  # runs at the end of the step it arrived in

@@ -23,9 +23,34 @@ def test_finetune_a_preset_on_nvme_runs_and_cleans_up(tmp_path, capsys):
     assert os.listdir(tmp_path) == []  # the job's NVMe files are gone
 
 
-def test_finetune_names_an_unknown_preset(tmp_path):
-    with pytest.raises(ValueError, match="llama-tiny"):
-        infinity_main(["finetune", "--model", "no-such-model", "--nvme-path", str(tmp_path)])
+def test_finetune_names_an_unknown_preset(tmp_path, capsys):
+    assert infinity_main(["finetune", "--model", "no-such-model", "--nvme-path", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model preset 'no-such-model'" in err and "llama-tiny" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("extra,said", [
+    (["--data", "/no/such.txt"], "--data /no/such.txt: not a file"),
+    (["--config", "/no/such.json"], "--config /no/such.json: not a file"),
+    (["--model", "/no/such/model"], "--model /no/such/model: not a directory"),
+    (["--config", "CFG", "--lr", "1e-3", "--batch", "2"], "--lr, --batch: only set the built-in config"),
+    (["--lr", "-1"], "argument --lr: expected a positive number, got -1")])
+def test_finetune_bad_paths_and_conflicts_are_refused_before_any_work(tmp_path, capsys, extra, said):
+    (tmp_path / "ds.json").write_text("{}")
+    argv = ["finetune", "--nvme-path", str(tmp_path)] + [str(tmp_path / "ds.json") if a == "CFG" else a for a in extra]
+    with pytest.raises(SystemExit) as exit_:
+        infinity_main(argv)
+    assert exit_.value.code == 2
+    assert said in capsys.readouterr().err
+
+
+def test_finetune_data_shorter_than_a_sequence_is_an_error_not_a_traceback(tmp_path, capsys):
+    (tmp_path / "tiny.txt").write_text("a few words")
+    rc = infinity_main(["finetune", "--model", "llama-tiny", "--data", str(tmp_path / "tiny.txt"), "--seq-len", "64",
+                        "--steps", "1", "--sample-tokens", "0", "--nvme-path", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--data:" in err and "fewer than one sequence of 64" in err
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("infinity-finetune-")]  # nothing left on disk
 
 
 def test_estimate(capsys):
