@@ -6,7 +6,8 @@ nn.Sequential whose children are all of one class (the transformer block of near
 model, a list of one included), wherever that class occurs outside another unit (so an
 encoder-decoder's encoder and decoder blocks both are units); if a model has none, each direct
 child holding parameters is a unit, and a child that is a ModuleList / ModuleDict gives its own
-children instead, since a container is never called and its forward hook would never gather it. The user can name module classes or pass a callable `(qualified_name, module) -> bool`
+children instead, since a container is never called and its forward hook would never gather it.
+The user can name module classes or pass a callable `(qualified_name, module) -> bool`
 instead. Whatever no unit claims (embeddings, final norm, LM head) forms the root unit; it is
 gathered for the root module's whole forward (which may use any of its parameters, also outside
 the module that holds it: `h @ self.emb.weight.t()`) and by the forward of every module that
