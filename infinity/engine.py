@@ -178,7 +178,8 @@ class Engine:
             return NvmeOptimizerState(self.accelerator, offload, self.config.aio, self.config.zero.sub_group_size,
                                       rank=self.rank,
                                       units=[u for u in self.units if u.trainable], no_accumulator=at_once,
-                                      update_order=self._expected_update_order())
+                                      update_order=self._expected_update_order(),
+                                      deferred=not self.update_in_backward)
         return ResidentOptimizerState(self.accelerator, on_device=offload.device == "none",
                                       units=[u for u in self.units if u.trainable])
 

@@ -210,6 +210,35 @@ def test_deferred_updates_keep_the_first_updated_gradients_in_memory(tmp_path, m
     engine.close()
 
 
+@pytest.mark.parametrize("clip", [1.0, 0.0])
+def test_the_first_step_reads_state_ahead_in_the_order_of_its_updates(tmp_path, model, clip):
+    """No order is recorded before the first step, yet its reads of optimizer state should start
+    with its forward, in the order the updates will run: the next forward's with clipping
+    (before, they began in backward, in backward's order, and the next forward waited for the
+    root's state), backward's without."""
+    cfg = nvme_config(tmp_path, "nvme", "nvme")
+    cfg["gradient_clipping"] = clip
+    cfg["zero_optimization"]["offload_optimizer"]["buffer_count"] = 30  # room to read ahead
+    engine, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
+    state = engine.optim_state
+    reads, real_fetch = [], state.swapper.fetch
+    state.swapper.fetch = lambda kind, key: (reads.append(key[0]) if kind == "master" else None,
+                                             real_fetch(kind, key))[1]
+    updated, real_update = [], state.update
+    state.update = lambda unit, *a, **k: (updated.append(unit.index), real_update(unit, *a, **k))
+    data = batches(2, 4)
+    loss = engine(*data[0])
+    read_in_forward = list(dict.fromkeys(reads))
+    engine.backward(loss)
+    engine.step()
+    engine.backward(engine(*data[1]))  # with clipping, this forward runs the first step's updates
+    engine.step()
+    first_updates = updated[:len(state._pieces)]
+    assert sorted(first_updates) == sorted(state._pieces)
+    assert read_in_forward and read_in_forward == first_updates[:len(read_in_forward)]
+    engine.close()
+
+
 @pytest.mark.parametrize("spill", [False, True])
 def test_every_step_moves_the_bytes_the_layout_predicts(tmp_path, spill):
     torch.manual_seed(0)

@@ -28,9 +28,10 @@ traffic under backward's compute.
 
 [Note: reading ahead in the expected order]
 In the last micro-step the reads do not wait for a unit's gradient: units become final in the
-same order every step (reverse forward order), so the order recorded in the previous step says
-which unit comes next, and its pieces are read from the start of that micro-step's forward,
-while the units before it compute, as far as the pool allows (`_read_ahead`). When updates wait
+same order every step (reverse forward order), so the order recorded in the previous step (in
+the first step, the order the engine expects from the module order) says which unit comes next,
+and its pieces are read from the start of that micro-step's forward, while the units before it
+compute, as far as the pool allows (`_read_ahead`). When updates wait
 for the next forward ([Note: updates after the norm] in step_policy.py) they run in that
 forward's order, not in the order gradients became final: the reads then follow the last
 deferred order instead, so the first units the next forward updates (the embedding, whose
@@ -98,14 +99,17 @@ class NvmeOptimizerState:
     backward, one micro-step); every other unit's gradient outlives its backward in an
     accumulator, in host memory or spilled ([Note: gradient spill]).
     update_order: unit indices in the order the step is expected to update them (default:
-    reverse unit order); the first ones keep their accumulators in memory ([Note: gradient spill]).
+    reverse unit order); the first ones keep their accumulators in memory ([Note: gradient spill]),
+    and the first step reads ahead in it ([Note: reading ahead in the expected order]).
+    deferred: whether the updates will wait for the next forward ([Note: updates after the norm]).
     """
 
     on_device = False  # the state is updated by the CPU kernel, from host buffers
     defers_updates = True  # [Note: updates after the norm] in step_policy.py
 
     def __init__(self, device: Device, offload, aio, sub_group_size: int, *, rank: int, units: list[Unit],
-                 no_accumulator: set[int] = frozenset(), update_order: list[int] | None = None):
+                 no_accumulator: set[int] = frozenset(), update_order: list[int] | None = None,
+                 deferred: bool = False):
         self.device = device
         self._landing = GradientLanding(device, units, "offload_optimizer")
         self._pieces: dict[int, list[tuple[int, int]]] = {
@@ -116,7 +120,8 @@ class NvmeOptimizerState:
         # Units with something to update; the others' state is never read for an update.
         self._updatable = {u.index for u in units if u.segments}
         room = offload.max_grad_in_cpu
-        place = {index: k for k, index in enumerate(update_order or [u.index for u in reversed(units)])}
+        update_order = update_order or [u.index for u in reversed(units)]
+        place = {index: k for k, index in enumerate(update_order)}
         for u in sorted(units, key=lambda u: place.get(u.index, len(place))):
             if u.index in self._no_accumulator:
                 continue
@@ -145,12 +150,14 @@ class NvmeOptimizerState:
         self._early: dict[tuple[int, int], list] = {}  # (unit, piece) -> fetch handles issued before the update
         self._ready: list[int] = []  # units in the order their gradients became final, not yet updated
         self._order: list[int] = []  # this step's order of final gradients
-        self._expected: list[int] = []  # the previous step's: what `_read_ahead` follows
+        # The previous step's order (before the first, the expected one): what `_read_ahead` follows.
+        self._expected = [index for index in update_order if index in self._updatable]
         self._final: set[int] = set()  # units whose gradient is final this step
         self._updated: set[int] = set()
         self._reading_ahead = False
         self._deferred: list[int] = []  # units whose update waits for their next use, in that order
-        self._defer_order: list[int] = []  # the last deferred order: the next step's, too ([Note: reading ahead in the expected order])
+        # The last deferred order: the next step's, too ([Note: reading ahead in the expected order]).
+        self._defer_order = list(self._expected) if deferred else []
         self._tally = IOTally(self.swapper)
 
     def _kinds(self, index: int) -> tuple[str, ...]:
