@@ -37,15 +37,15 @@ if want train; then
   done
 fi
 if want train1b; then
-  run python bench/bench_train.py "${GPT_1B[@]}" --steps 3 --nvme-path "$NVME" \
+  run python bench/bench_train.py "${GPT_1B[@]}" --steps 5 --nvme-path "$NVME" \
     --clip 1.0 --knobs tuned --skip-deepspeed --output $R/train_1b.json
-  run python bench/bench_train.py "${GPT_1B[@]}" --steps 3 --nvme-path "$NVME" \
+  run python bench/bench_train.py "${GPT_1B[@]}" --steps 5 --nvme-path "$NVME" \
     --clip 0 --knobs tuned --skip-deepspeed --output $R/train_1b_noclip.json
 fi
 if want deepspeed1b; then
   # One engine at a time at this size: DeepSpeed alone, with the knobs of --knobs same.
   run python bench/bench_train.py "${GPT_1B[@]}" --steps 2 --nvme-path "$NVME" --clip 1.0 --knobs same \
     --only-deepspeed --ds-timeout 2400 --output $R/train_1b_deepspeed.json
-  run python bench/bench_train.py "${GPT_1B[@]}" --steps 3 --nvme-path "$NVME" \
+  run python bench/bench_train.py "${GPT_1B[@]}" --steps 5 --nvme-path "$NVME" \
     --clip 1.0 --knobs same --skip-deepspeed --output $R/train_1b_same.json
 fi
