@@ -80,8 +80,7 @@ def test_make_device_names_the_variable_on_a_typo(monkeypatch):
 
 
 def test_the_suite_runs_on_the_async_device():
-    if torch.cuda.is_available():
-        pytest.skip("a GPU runs the suite on itself")
+    """On every host, a GPU one too: the suite's references are computed on the CPU."""
     engine, *_ = infinity.initialize(TinyGPT(), config=config(3, "cpu", "cpu"))
     assert isinstance(engine.accelerator, AsyncTestDevice)
     engine.close()
@@ -170,6 +169,20 @@ def test_each_rank_takes_its_local_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(RuntimeError, match="LOCAL_RANK=3: .* 1 GPU"):
         local_index()
+
+
+def test_a_gpu_machine_whose_engine_runs_on_the_cpu_gets_gloo(monkeypatch):
+    """With INFINITY_DEVICE=cpu on a GPU machine the engine's collectives run on CPU tensors, so
+    the process group that `deepspeed.init_distributed` starts must be gloo, not NCCL."""
+    from infinity.device import default_dist_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for kind in ("cpu", "async-test"):
+        monkeypatch.setenv("INFINITY_DEVICE", kind)
+        assert default_dist_backend() == "gloo"
+    monkeypatch.setenv("INFINITY_DEVICE", "tpu")
+    with pytest.raises(ValueError, match="INFINITY_DEVICE"):
+        default_dist_backend()
 
 
 def _imports(path: pathlib.Path, package: str) -> set[str]:

@@ -318,6 +318,7 @@ def test_read_delay_overlaps_with_work(store):
     assert serialized >= 4 * 0.15 and overlapped < 0.6 * serialized
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning:torch.*")  # torch's own, about CUDA, on a GPU host
 def test_profiler_names(store):
     swapper = make(store)
     with profile(activities=[ProfilerActivity.CPU]) as prof:

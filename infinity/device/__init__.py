@@ -38,28 +38,36 @@ import torch
 from infinity.device.base import Device, InFlight
 from infinity.device.cpu import AsyncTestDevice, CpuDevice
 
-__all__ = ["AsyncTestDevice", "CpuDevice", "Device", "InFlight", "make_device"]
+__all__ = ["AsyncTestDevice", "CpuDevice", "Device", "InFlight", "device_kind", "make_device"]
 
 KINDS = ("cuda", "cpu", "async-test")
 
 
-def make_device(kind: str | None = None) -> Device:
-    """The device the engine runs on: `kind`, else $INFINITY_DEVICE, else CUDA when present."""
+def device_kind(kind: str | None = None) -> str:
+    """The kind of device the engine runs on: `kind`, else $INFINITY_DEVICE, else CUDA when present."""
     kind = kind or os.environ.get("INFINITY_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind not in KINDS:
+        raise ValueError(f"INFINITY_DEVICE: expected one of {', '.join(KINDS)}, got {kind!r}")
+    return kind
+
+
+def make_device(kind: str | None = None) -> Device:
+    """The device the engine runs on (`device_kind`)."""
+    kind = device_kind(kind)
     if kind == "cuda":
         from infinity.device.cuda import CudaDevice
         return CudaDevice()
     if kind == "cpu":
         return CpuDevice()
-    if kind == "async-test":  # INFINITY_ASYNC_DELAY_S: how late a copy may land and be reported
-        return AsyncTestDevice(max_delay_s=float(os.environ.get("INFINITY_ASYNC_DELAY_S", "0.004")))
-    raise ValueError(f"INFINITY_DEVICE: expected one of {', '.join(KINDS)}, got {kind!r}")
+    # INFINITY_ASYNC_DELAY_S: how late a copy may land and be reported
+    return AsyncTestDevice(max_delay_s=float(os.environ.get("INFINITY_ASYNC_DELAY_S", "0.004")))
 
 
 def default_dist_backend() -> str:
-    """The process-group backend for this machine: NCCL with CUDA (after putting this process on
-    its LOCAL_RANK's GPU, which NCCL needs first), gloo without."""
-    if not torch.cuda.is_available():
+    """The process-group backend for the device the engine will run on: NCCL on CUDA (after
+    putting this process on its LOCAL_RANK's GPU, which NCCL needs first), gloo otherwise, also on
+    a GPU machine whose engine runs on the CPU (INFINITY_DEVICE=cpu)."""
+    if device_kind() != "cuda":
         return "gloo"
     from infinity.device.cuda import local_index
     torch.cuda.set_device(local_index())
