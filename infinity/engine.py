@@ -83,7 +83,9 @@ class Engine:
         self._checkpointing = False
         self.last_checkpoint: dict[str, Any] | None = None  # path, bytes, seconds, gbps of the last save
         self._tracing = False  # recording the timeline for config.trace ([Note: the timeline])
-        groups = _param_groups(model, model_parameters)
+        # A client optimizer's own groups say what trains and with which hyper-parameters, as in
+        # DeepSpeed; `model_parameters` only builds the optimizer of the config.
+        groups = list(optimizer.param_groups) if optimizer is not None else _param_groups(model, model_parameters)
         self.optimizer = ZeroOptimizer(groups, config.optimizer, optimizer)
         self.lr_scheduler = lr_scheduler
         if lr_scheduler is None and config.scheduler is not None:
@@ -755,8 +757,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if config is not None and config_params is not None:
         raise ValueError("config and config_params: give one of them (config_params is DeepSpeed's older name)")
     config = config if config is not None else config_params
-    if config is None and args is not None:
-        config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    in_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if config is not None and in_args is not None:
+        raise ValueError("args.deepspeed_config and config: the DeepSpeed config was given twice; give it one way")
+    config = config if config is not None else in_args
     if config is None:
         raise ValueError("config: expected a DeepSpeed JSON config (dict or path), got None")
     accelerator = make_device()
@@ -768,6 +772,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(list(model_parameters) if model_parameters is not None else
                               [p for p in model.parameters() if p.requires_grad])
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer: the callable returned {type(optimizer).__name__}, expected a torch optimizer")
     scheduler_factory = None
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         scheduler_factory, lr_scheduler = lr_scheduler, None

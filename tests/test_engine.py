@@ -461,3 +461,53 @@ def test_destroy_process_group_stops_gloo_after_an_engine_ran(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     started, stopped = map(int, out.stdout.split())
     assert started > 0 and stopped == started, f"gloo started {started} threads; {stopped} stopped"
+
+
+def _two_groups(params) -> list[dict]:
+    """Weight matrices decayed at one lr, everything else (biases, norms, positions) at another."""
+    params = list(params)
+    decay = [p for p in params if p.dim() >= 2]
+    rest = [p for p in params if p.dim() < 2]
+    return [{"params": decay, "lr": 3e-3, "weight_decay": 0.1}, {"params": rest, "lr": 1e-2, "weight_decay": 0.0}]
+
+
+@pytest.mark.parametrize("given", ["optimizer", "factory"])
+def test_a_user_optimizers_param_groups_are_the_engines(model, given):
+    """DeepSpeed takes the groups of a client optimizer (or of the one a factory builds from
+    `model_parameters`, a generator as DeepSpeed's examples pass): each parameter trains with
+    its own group's lr and weight decay, as plain PyTorch with that optimizer. The engine used to
+    put every parameter in group 0 (a client optimizer), or to see an exhausted generator and
+    train nothing (a factory)."""
+    data = batches(6, 4)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(_two_groups(ref.parameters()))
+    ref_losses = []
+    for idx, tgt in data:
+        loss = ref(idx, tgt)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    cfg = config(3, "cpu", "cpu")
+    del cfg["optimizer"]
+    m = copy.deepcopy(model)
+    if given == "optimizer":
+        engine, *_ = infinity.initialize(model=m, optimizer=torch.optim.AdamW(_two_groups(m.parameters())),
+                                         model_parameters=m.parameters(), config=cfg)
+    else:
+        engine, *_ = infinity.initialize(model=m, model_parameters=m.parameters(), config=cfg,
+                                         optimizer=lambda params: torch.optim.AdamW(_two_groups(params)))
+    assert engine.frozen_numel == 0
+    _close(engine_run(engine, data, gas=1), ref_losses)
+    _params_close(engine, ref)
+    engine.close()
+
+
+def test_a_config_in_args_and_in_the_call_is_an_error(model, tmp_path):
+    import argparse
+    path = tmp_path / "ds.json"
+    path.write_text(__import__("json").dumps(config(3, "cpu", "cpu")))
+    with pytest.raises(ValueError, match="args.deepspeed_config and config"):
+        infinity.initialize(args=argparse.Namespace(deepspeed_config=str(path)), model=copy.deepcopy(model),
+                            config=config(3, "cpu", "cpu"))
