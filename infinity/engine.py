@@ -118,7 +118,8 @@ class Engine:
                                  self.accelerator, clip=config.gradient_clipping, scaler=self.scaler,
                                  skip_nonfinite=config.bf16.check_grad_overflow)
         self.optimizer.settle = self.policy.settle_all
-        self.hooks = UnitHooks(self.units, modules, self.fetcher, self.policy.on_unit_grads)
+        self.hooks = UnitHooks(self.units, modules, self.fetcher, self.policy.on_unit_grads,
+                               outside_backward=self._backward_outside_engine)
         self.report = StepReport(wall_clock_breakdown=config.wall_clock_breakdown,
                                  steps_per_print=config.steps_per_print, rank=self.rank)
         for u in self.units:
@@ -254,30 +255,49 @@ class Engine:
                 (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
                 self.hooks.finish_backward()
         except BaseException:
-            # The accumulation is abandoned: the next micro-step starts a new one, and nothing of
-            # this pass (gradients in flight, state read ahead) holds a buffer.
-            self.optim_state.abort_pass()
-            self.hooks.reset_backward()
-            if dropped := self.micro_steps % self.config.batch.gradient_accumulation_steps:
-                log.warning("infinity: backward failed; the %d earlier micro-batches of this accumulation are "
-                            "discarded, and the next micro-batch starts a new one", dropped)
-            self.micro_steps -= dropped
-            if self.update_in_backward and self.policy.last_micro:
-                self._broken = "a backward that updates units as their gradients are final failed"
-            self.policy.abandon()
+            self._abandon_backward("backward failed")
             failed = True
             raise
         finally:
             self.hooks.in_backward = False
-            self.fetcher.end_step()
-            self._in_pass = False
-            if failed:
-                self._end_step_hold(boundary=False)
+            self._end_pass(failed)
         self.policy.first_micro = False
         self._grads_final = self.policy.last_micro
         self._backward_done = True
         self.report.add_time("backward", time.perf_counter() - t0)
         return loss * gas_scale if gas_scale != 1.0 else loss
+
+    def _abandon_backward(self, what: str) -> None:
+        """The accumulation is abandoned: the next micro-step starts a new one, and nothing of
+        this pass (gradients in flight, state read ahead) holds a buffer."""
+        self.optim_state.abort_pass()
+        self.hooks.reset_backward()
+        for unit in self.units:  # what autograd accumulated before the failure, not handed on yet
+            for slot in unit.slots:
+                slot.param.grad = None
+        if dropped := self.micro_steps % self.config.batch.gradient_accumulation_steps:
+            log.warning("infinity: %s; the %d earlier micro-batches of this accumulation are discarded, and the "
+                        "next micro-batch starts a new one", what, dropped)
+        self.micro_steps -= dropped
+        if self.update_in_backward and self.policy.last_micro:
+            self._broken = "a backward that updates units as their gradients are final failed"
+        self.policy.abandon()
+
+    def _end_pass(self, failed: bool) -> None:
+        self.fetcher.end_step()
+        self._in_pass = False
+        if failed:
+            self._end_step_hold(boundary=False)
+
+    def _backward_outside_engine(self) -> None:
+        """Called by the hooks at the first parameter gradient of a backward that
+        `engine.backward` did not start (`loss.backward()`): nothing has been reduced or
+        updated yet, so the micro-batch is discarded whole and the error says what to call."""
+        self._abandon_backward("a backward ran outside engine.backward()")
+        self._end_pass(failed=True)
+        raise RuntimeError("a backward through the engine's model ran outside engine.backward() (loss.backward()?): "
+                           "call engine.backward(loss), which scales the loss for gradient accumulation and fp16 and "
+                           "hands each unit's gradients to the partitioned optimizer; this micro-batch is discarded")
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the micro-step under way (from its forward to its `step()`) ends an

@@ -511,3 +511,26 @@ def test_a_config_in_args_and_in_the_call_is_an_error(model, tmp_path):
     with pytest.raises(ValueError, match="args.deepspeed_config and config"):
         infinity.initialize(args=argparse.Namespace(deepspeed_config=str(path)), model=copy.deepcopy(model),
                             config=config(3, "cpu", "cpu"))
+
+
+@pytest.mark.parametrize("clip,threshold", [(1.0, 0), (0.0, 0), (1.0, 100_000)])
+def test_loss_backward_outside_the_engine_is_an_error_and_changes_nothing(model, clip, threshold):
+    """`loss.backward()` instead of `engine.backward(loss)` skipped the update silently (global_steps
+    stayed 0), updated units inside backward without counting a step (clipping 0), or broke the
+    next iteration ("size of tensor a (0)"). It is an error at the first gradient, the micro-batch
+    is discarded, and the engine then trains as one that never saw it."""
+    data = batches(4, 4)
+    cfg = config(3, "cpu", "cpu", clip=clip, stage3_param_persistence_threshold=threshold)
+    engine, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"engine.backward\(loss\)"):
+            engine(*data[0]).backward()
+    engine.step()  # nothing to apply: the micro-batch was discarded
+    assert engine.global_steps == 0
+    losses = engine_run(engine, data, gas=1)
+    state = engine.consolidated_state_dict()
+    engine.close()
+    fresh, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
+    assert engine_run(fresh, data, gas=1) == losses
+    assert all(torch.equal(v, state[k]) for k, v in fresh.consolidated_state_dict().items())
+    fresh.close()

@@ -76,6 +76,61 @@ def test_a_failed_backward_leaves_the_engine_usable(tmp_path):
     engine.close()
 
 
+class _FailOnce(torch.autograd.Function):
+    """Identity whose backward raises while `armed`: a backward that fails half way, after the
+    units above it have their gradients."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _FailOnce.armed:
+            raise RuntimeError("failed half way")
+        return grad
+
+
+class _BreakableGPT(TinyGPT):
+    def __init__(self):
+        super().__init__()
+        self.blocks[1].register_forward_pre_hook(lambda module, args: (_FailOnce.apply(args[0]),))
+
+
+def test_a_backward_that_fails_half_way_leaves_no_gradient_behind():
+    """The parameters that got a gradient before the failure (the final norm's, above the
+    failure, in a unit not finished yet) must not carry it into the next micro-batch: after the
+    failure the engine trains as one that never saw that micro-batch. (With clipping 0 the units
+    above the failure are updated as their gradients are final; that failure leaves the engine
+    refusing to save until the next step.)"""
+    torch.manual_seed(0)
+    model = _BreakableGPT()
+    data = batches(3, 4)
+    cfg = config(3, "cpu", "cpu", clip=1.0)
+    engine, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
+    _FailOnce.armed = True
+    try:
+        with pytest.raises(RuntimeError, match="failed half way"):
+            engine.backward(engine(*data[0]))
+    finally:
+        _FailOnce.armed = False
+    engine.step()
+    runs = []
+    for e in (engine, infinity.initialize(copy.deepcopy(model), config=cfg)[0]):
+        losses = []
+        for idx, tgt in data:
+            loss = e(idx, tgt)
+            e.backward(loss)
+            e.step()
+            losses.append(loss.item())
+        runs.append((losses, e.consolidated_state_dict()))
+        e.close()
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(v, runs[1][1][k]) for k, v in runs[0][1].items())
+
+
 def test_a_closed_engine_says_so(tmp_path):
     engine, *_ = infinity.initialize(TinyGPT(), config=nvme(tmp_path))
     idx, tgt = batches(1, 4)[0]

@@ -70,11 +70,12 @@ def _tensors_requiring_grad(tree) -> list[torch.Tensor]:
 
 class UnitHooks:
     def __init__(self, units: list[Unit], modules: list[list[torch.nn.Module]], fetcher: Fetcher,
-                 on_unit_grads: Callable[[Unit], None]):
+                 on_unit_grads: Callable[[Unit], None], outside_backward: Callable[[], None] = lambda: None):
         self.units = units
         self.fetcher = fetcher
         self.on_unit_grads = on_unit_grads
-        self.in_backward = False
+        self.outside_backward = outside_backward  # a parameter's gradient arrives outside engine.backward
+        self.in_backward = False  # engine.backward runs
         self.reduce_seconds = 0.0
         self._pending: dict[int, int] = {}  # unit -> hooked parameters still without a gradient
         self._open_calls: dict[int, int] = {}  # unit -> calls whose backward runs (input gradients pending)
@@ -172,6 +173,8 @@ class UnitHooks:
 
     def _grad_ready(self, unit: Unit, trainable: bool):
         def hook(param):
+            if not self.in_backward:
+                self.outside_backward()  # raises: nothing of this pass is reduced or updated
             if not trainable:
                 param.grad = None  # requires grad but is in no param group: frozen, nothing keeps it
             self._pending[unit.index] -= 1
