@@ -134,6 +134,21 @@ def test_init_refuses_a_parameter_nothing_initialises():
         infinity.initialize(model, config=config(3, "cpu", "cpu"))
 
 
+def test_gathering_a_parameter_built_under_init_before_initialize_is_an_error():
+    """Under DeepSpeed's zero.Init a parameter has values from construction, so a custom init
+    with GatheredParameters(modifier_rank=0) right after it works there. Ours are on the meta
+    device until initialize(), which then ran the model's own init over the user's change: the
+    change was lost without a word. It is an error naming what to do instead."""
+    with infinity.Init():
+        model = transformers.LlamaForCausalLM(llama_config())
+    for modifier in (0, None):
+        with pytest.raises(ValueError, match=r"params: parameter 0 \(shape \[64\]\) is on the meta device.*initialize"):
+            with infinity.GatheredParameters(model.model.norm.weight, modifier_rank=modifier):
+                pass
+    with infinity.GatheredParameters(model.model.norm.weight, enabled=False):
+        pass  # disabled: nothing is gathered, so nothing is wrong
+
+
 INIT_PEAK = r"""
 import ctypes, json, sys
 ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: large buffers go back at free
