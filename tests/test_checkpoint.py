@@ -656,3 +656,19 @@ def test_exclude_frozen_parameters_saves_only_trainable_values_and_keeps_the_mod
     same.close()
     other.close()
     assert all(torch.equal(resumed[n], after[n]) for n in after)
+
+
+def test_load_module_only_loads_the_weights_and_returns_the_client_state(tmp_path):
+    """DeepSpeed's load_module_only: the module's weights, not the optimizer state or the
+    counters, and the client_state saved with them (it returned {} here)."""
+    engine = _tiny_engine()
+    _one_step(engine)
+    engine.save_checkpoint(tmp_path, client_state={"epoch": 3})
+    saved = engine.consolidated_state_dict()
+    engine.close()
+    fresh = _tiny_engine()
+    path, client = fresh.load_checkpoint(tmp_path, load_module_only=True)
+    assert client == {"epoch": 3}
+    assert fresh.global_steps == 0 and fresh.optimizer.step_count == 0
+    assert all(torch.equal(v, saved[k]) for k, v in fresh.consolidated_state_dict().items())
+    fresh.close()

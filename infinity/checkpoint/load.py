@@ -237,8 +237,7 @@ def load_checkpoint(engine: "Engine", load_dir: str, tag: Any = None, *, load_mo
             manifest = Manifest.read(path)
             check_model(manifest, engine, strict=load_module_strict, optimizer_states=optimizer_states)
             _check_files(manifest)
-            if not load_module_only:
-                state = _read_state(manifest, engine.rank if engine.rank < manifest.world_size else 0)
+            state = _read_state(manifest, engine.rank if engine.rank < manifest.world_size else 0)
             buffers = load_file(_read_small(manifest, BUFFERS)) if BUFFERS in manifest.files else {}
             _check_buffers(engine, buffers, strict=load_module_strict, where=path)
     except Exception as e:  # noqa: BLE001 (every rank hears of it, then it is raised)
@@ -253,9 +252,8 @@ def load_checkpoint(engine: "Engine", load_dir: str, tag: Any = None, *, load_mo
     for name, buf in persistent_buffers(engine.module).items():
         if name in buffers:
             buf.copy_(buffers[name])
-    client_state: dict = {}
-    if state is not None:
-        client_state = state["client_state"]
+    client_state: dict = state["client_state"] if state is not None else {}
+    if state is not None and not load_module_only:  # DeepSpeed's load_module_only keeps the counters too
         engine.global_steps, engine.skipped_steps = state["global_steps"], state["skipped_steps"]
         engine.micro_steps = state["micro_steps"]
         engine.global_samples = state.get("global_samples", engine.global_steps * engine.train_batch_size())
