@@ -83,6 +83,8 @@ class Engine:
         self._checkpointing = False
         self.last_checkpoint: dict[str, Any] | None = None  # path, bytes, seconds, gbps of the last save
         self._tracing = False  # recording the timeline for config.trace ([Note: the timeline])
+        self._traced = False  # it has started (once per engine)
+        self._trace_from = 0  # the first step recorded
         # A client optimizer's own groups say what trains and with which hyper-parameters, as in
         # DeepSpeed; `model_parameters` only builds the optimizer of the config.
         groups = list(optimizer.param_groups) if optimizer is not None else _param_groups(model, model_parameters)
@@ -384,15 +386,17 @@ class Engine:
         self.report.finish_step(self.global_steps, facts, {"gather": self.fetcher.gather_seconds,
                                                            "reduce": self.hooks.reduce_seconds})
         trace = self.config.trace
-        if self._tracing and self.global_steps >= trace.start_step + trace.steps - 1:
+        if self._tracing and self.global_steps >= self._trace_from + trace.steps - 1:
             self._write_trace()
 
     def _maybe_start_trace(self) -> None:
         trace = self.config.trace
-        if (trace.path is not None and not self._tracing and self.policy.first_micro
-                and self.global_steps + 1 == trace.start_step):
+        # At start_step, or at the first step after it where a resumed run begins.
+        if (trace.path is not None and not self._traced and self.policy.first_micro
+                and self.global_steps + 1 >= trace.start_step):
             TIMELINE.start()
-            self._tracing = True
+            self._tracing = self._traced = True
+            self._trace_from = self.global_steps + 1
 
     def _write_trace(self) -> None:
         """Writes the steps recorded so far ([Note: the timeline])."""
@@ -401,7 +405,7 @@ class Engine:
         path = str(self.config.trace.path) + (f".rank{self.rank}" if self.rank else "")
         TIMELINE.write(path, events, self.rank)
         log.info("infinity: timeline of steps %d-%d written to %s (open it in https://ui.perfetto.dev)",
-                 self.config.trace.start_step, self.global_steps, path)
+                 self._trace_from, self.global_steps, path)
 
     # ---- checkpoints and export ([Note: checkpoint layout] in infinity/checkpoint/layout.py) --------
 
@@ -732,6 +736,9 @@ class Engine:
         self._holding_step = False
         if self._tracing:  # closed before the last recorded step: what was recorded
             self._write_trace()
+        elif self.config.trace.path is not None and not self._traced:
+            log.warning("infinity: trace.path %s: nothing recorded, the engine closed at step %d, before "
+                        "trace.start_step %d", self.config.trace.path, self.global_steps, self.config.trace.start_step)
         self._signals.close()  # the user's handlers are back (and run for what arrived) while it is open
         self.closed = True
         self.hooks.remove()

@@ -534,3 +534,29 @@ def test_loss_backward_outside_the_engine_is_an_error_and_changes_nothing(model,
     assert engine_run(fresh, data, gas=1) == losses
     assert all(torch.equal(v, state[k]) for k, v in fresh.consolidated_state_dict().items())
     fresh.close()
+
+
+def test_a_resumed_run_traces_from_its_first_step_and_a_short_one_says_it_traced_nothing(model, tmp_path, caplog):
+    """trace.start_step 2 after resuming at step 2 (a run that never has a step 2 of its own)
+    recorded nothing and wrote no file, silently; so did a run that closed before start_step."""
+    import json
+    data = batches(4, 4)
+    first, *_ = infinity.initialize(copy.deepcopy(model), config=config(3, "cpu", "cpu"))
+    engine_run(first, data[:2], gas=1)
+    first.save_checkpoint(tmp_path / "ckpt")
+    first.close()
+    cfg = config(3, "cpu", "cpu")
+    cfg["trace"] = {"path": str(tmp_path / "trace.json"), "start_step": 2, "steps": 2}
+    resumed, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    engine_run(resumed, data[2:], gas=1)  # steps 3 and 4
+    resumed.close()
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert [e["name"] for e in events if e.get("cat") == "phase"].count("step") == 2
+    cfg["trace"] = {"path": str(tmp_path / "short.json"), "start_step": 2}
+    short, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
+    engine_run(short, data[:1], gas=1)
+    with caplog.at_level("WARNING", logger="infinity"):
+        short.close()
+    assert not (tmp_path / "short.json").exists()
+    assert "nothing recorded" in caplog.text and "trace.start_step 2" in caplog.text

@@ -526,7 +526,8 @@ class TraceConfig:
     path: Path | None = _spec(_optional(_path), default=None)
     """The file to write (rank r > 0 writes `<path>.rank<r>`); None records nothing."""
     start_step: int = _spec(_int, minimum=1, default=2)
-    """The first optimizer step recorded (the first one also builds the prefetch schedule)."""
+    """The first optimizer step recorded (the first one also builds the prefetch schedule); a run
+    resumed past it starts recording at its own first step."""
     steps: int = _spec(_int, minimum=1, default=3)
     """How many steps are recorded; the file is written after the last of them."""
 
