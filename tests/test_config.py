@@ -322,7 +322,7 @@ def test_unknown_key_without_a_close_match_lists_the_valid_ones() -> None:
 
 
 @pytest.mark.parametrize(("path", "value"), [
-    ("activation_checkpointing", {"partition_activations": True}),
+    ("activation_checkpointing.partition_activations", True),
     ("tensorboard", {"enabled": True}),
     ("flops_profiler", {"enabled": True}),
     ("comms_logger", {"enabled": True}),  # disabled, they are accepted: test_a_disabled_section_is_accepted
@@ -333,6 +333,9 @@ def test_unknown_key_without_a_close_match_lists_the_valid_ones() -> None:
     ("wandb", {"enabled": True}),
     ("communication_data_type", "fp32"),
     ("zero_optimization.zero_hpz_partition_size", 8),
+    ("data_types.grad_accum_dtype", "bf16"),
+    ("checkpoint.tag_validation", "Fail"),
+    ("checkpoint.use_node_local_storage", True),
     ("zero_optimization.mics_shard_size", 8),
     ("zero_optimization.zero_quantized_weights", True),
     ("zero_optimization.zero_quantized_gradients", True),
@@ -740,3 +743,21 @@ def test_a_disabled_section_is_accepted(section):
     load_config({**base, section: {"enabled": False, "opt_level": "O1"}})
     with pytest.raises(ValueError, match=f"{section}: DeepSpeed key not implemented"):
         load_config({**base, section: {"enabled": True}})
+
+
+def test_sections_of_missing_features_at_deepspeeds_defaults_are_accepted() -> None:
+    """Configs written for DeepSpeed (Hugging Face's examples among them) spell these out at
+    their "off" values, which is what infinity does; they were refused as unimplemented."""
+    config = {**MINIMAL, "optimizer": {"type": "Adam"},
+              "data_types": {"grad_accum_dtype": "fp32"},  # we accumulate in fp32
+              "checkpoint": {"tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False},
+              "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False,
+                                           "contiguous_memory_optimization": False, "number_checkpoints": None,
+                                           "synchronize_checkpoint_boundary": False, "profile": False},
+              "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 1}}
+    load_config(config)
+    load_config({**config, "data_types": {"grad_accum_dtype": None}, "checkpoint": {"tag_validation": "IGNORE"}})
+    raises({**config, "activation_checkpointing": {"partition_activations": False, "checkpoint_in_cpu": True}},
+           ValueError, "activation_checkpointing: DeepSpeed key not implemented by infinity")
+    raises(with_key(config, "data_types.grad_accum_dtype", "bf16"), ValueError,
+           'data_types.grad_accum_dtype: DeepSpeed key not implemented by infinity except at null or "fp32", got')

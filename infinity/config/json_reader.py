@@ -11,6 +11,9 @@ Every key falls in exactly one class, and none is silently ignored:
 - accepted at DeepSpeed's default only: switches of features infinity lacks that configs often
   spell out at their "off" value (`"amsgrad": false`, `"use_gds": false`). Any other value is
   an error. Tables `_DEFAULT_ONLY_*`.
+- a section of such features, accepted when every key in it is at a value that describes what
+  infinity does (`"activation_checkpointing": {"partition_activations": false, ...}`,
+  `"data_types": {"grad_accum_dtype": "fp32"}`). Tables `_DEFAULTS_ONLY_SECTIONS_*`.
 - a DeepSpeed key infinity does not implement: an error "DeepSpeed key not implemented by
   infinity", whatever its value. Tables `_NOT_IMPLEMENTED_*`.
 - anything else: an unknown key, an error naming the closest valid key.
@@ -75,9 +78,9 @@ _DEFAULT_ONLY_ROOT: dict[str, Any] = {
 }
 _NOT_IMPLEMENTED_ROOT: dict[str, str] = {
     name: "" for name in (
-        "activation_checkpointing", "autotuning", "checkpoint", "comet", "comms_logger",
+        "autotuning", "comet", "comms_logger",
         "communication_data_type", "compile", "compression_training", "csv_monitor",
-        "curriculum_learning", "data_efficiency", "data_types", "datastates", "eigenvalue",
+        "curriculum_learning", "data_efficiency", "datastates", "eigenvalue",
         "elasticity", "expert_parallel", "flops_profiler", "gradient_allreduce_op",
         "graph_harvesting", "hybrid_engine", "log_level", "managed_gradient_accumulation",
         "nebula", "pipeline", "progressive_layer_drop", "quantize_training",
@@ -88,6 +91,18 @@ _NOT_IMPLEMENTED_ROOT: dict[str, str] = {
 } | {
     "amp": "use bf16 or fp16",
     "torch_autocast": "use bf16 or fp16",
+}
+
+# Each key with the values that describe what infinity does (DeepSpeed's default first).
+_DEFAULTS_ONLY_SECTIONS_ROOT: dict[str, dict[str, tuple[Any, ...]]] = {
+    "activation_checkpointing": {  # DeepSpeed's own checkpointing API, off: torch's checkpoint works
+        "partition_activations": (False,), "contiguous_memory_optimization": (False,),
+        "cpu_checkpointing": (False,), "number_checkpoints": (None,),
+        "synchronize_checkpoint_boundary": (False,), "profile": (False,),
+    },
+    "checkpoint": {"tag_validation": ("Warn", "Ignore"), "load_universal": (False,),
+                   "use_node_local_storage": (False,)},
+    "data_types": {"grad_accum_dtype": (None, "fp32")},  # gradients accumulate in fp32 here
 }
 
 _DEFAULT_ONLY_FP16: dict[str, Any] = {"auto_cast": False, "fp16_master_weights_and_grads": False}
@@ -122,11 +137,11 @@ _NO_EFFECT_ZERO: dict[str, _Check] = {
 }
 _DEFAULT_ONLY_ZERO: dict[str, Any] = {
     "load_from_fp32_weights": True, "elastic_checkpoint": False, "compute_grad_norm": True,
-    "parameter_alignment": False,
+    "parameter_alignment": False, "zero_hpz_partition_size": 1,
 }
 _NOT_IMPLEMENTED_ZERO: dict[str, str] = {
     name: "" for name in (
-        "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+        "zero_quantized_weights", "zero_quantized_nontrainable_weights",
         "zero_quantized_gradients", "zeropp_loco_param", "mics_shard_size",
         "mics_hierarchical_params_gather", "zenflow", "leaf_module",
         "stage3_model_persistence_threshold", "save_muon_momentum_buffer_in_memory",
@@ -224,10 +239,12 @@ def _take(raw: Any, path: str, accepted: tuple[str, ...], *,
           default_only: Mapping[str, Any] | None = None,
           not_implemented: Mapping[str, str] | None = None,
           misplaced: Mapping[str, str] | None = None,
+          defaults_only_sections: Mapping[str, Mapping[str, tuple[Any, ...]]] | None = None,
           required: tuple[str, ...] = ()) -> dict[str, Any]:
     """The accepted keys of one JSON object; every other key is checked here and then dropped
     or refused (see [Note: which DeepSpeed keys are accepted])."""
     no_effect, default_only = no_effect or {}, default_only or {}
+    defaults_only_sections = defaults_only_sections or {}
     not_implemented, misplaced = not_implemented or {}, misplaced or {}
     if not isinstance(raw, Mapping):
         raise TypeError(f"{path or 'config'}: expected an object ({{...}}), got {_show(raw)}")
@@ -242,6 +259,8 @@ def _take(raw: Any, path: str, accepted: tuple[str, ...], *,
             no_effect[key](value, key_path)
         elif key in default_only:
             _require_default(value, key_path, default_only[key])
+        elif key in defaults_only_sections:
+            _require_defaults_section(value, key_path, defaults_only_sections[key])
         elif key in not_implemented and isinstance(value, Mapping) and value.get("enabled", True) is False:
             continue  # a disabled feature is not an unimplemented one: {"amp": {"enabled": false}}
         elif key in not_implemented:
@@ -251,7 +270,7 @@ def _take(raw: Any, path: str, accepted: tuple[str, ...], *,
             raise ValueError(f"{key_path}: unknown key here; it belongs in {misplaced[key]} "
                              "(DeepSpeed silently ignores it here)")
         else:
-            valid = (*accepted, *no_effect, *default_only)
+            valid = (*accepted, *no_effect, *default_only, *defaults_only_sections)
             raise ValueError(_unknown_key_message(key, path, valid))
     for key in required:
         if key not in taken:
@@ -259,17 +278,35 @@ def _take(raw: Any, path: str, accepted: tuple[str, ...], *,
     return taken
 
 
-def _require_default(value: Any, path: str, default: Any) -> None:
+def _is_default(value: Any, default: Any) -> bool:
     if isinstance(default, bool) or default is None:
-        is_default = value is default
-    elif isinstance(default, numbers.Real):
-        is_default = (not isinstance(value, bool) and isinstance(value, numbers.Real)
-                      and value == default)
-    else:
-        is_default = value == default
-    if not is_default:
+        return value is default
+    if isinstance(default, numbers.Real):
+        return not isinstance(value, bool) and isinstance(value, numbers.Real) and value == default
+    if isinstance(default, str):  # DeepSpeed upper-cases its mode names ("Warn", "WARN")
+        return isinstance(value, str) and value.casefold() == default.casefold()
+    return value == default
+
+
+def _require_default(value: Any, path: str, default: Any) -> None:
+    if not _is_default(value, default):
         raise ValueError(f"{path}: {NOT_IMPLEMENTED} except at DeepSpeed's default "
                          f"{json.dumps(default)}, got {_show(value)}")
+
+
+def _require_defaults_section(raw: Any, path: str, allowed: Mapping[str, tuple[Any, ...]]) -> None:
+    if isinstance(raw, Mapping) and raw.get("enabled", True) is False:
+        return  # a disabled feature is not an unimplemented one
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"{path}: expected an object ({{...}}), got {_show(raw)}")
+    for key, value in raw.items():
+        if key not in allowed:
+            shown = ", ".join(f"{k} {json.dumps(v[0])}" for k, v in allowed.items())
+            raise ValueError(f"{path}: {NOT_IMPLEMENTED}; accepted only with its keys at DeepSpeed's defaults "
+                             f"({shown}), got the key {key!r}")
+        if not any(_is_default(value, d) for d in allowed[key]):
+            values = " or ".join(json.dumps(d) for d in allowed[key])
+            raise ValueError(f"{_join(path, key)}: {NOT_IMPLEMENTED} except at {values}, got {_show(value)}")
 
 
 def _unknown_key_message(key: str, section: str, valid: tuple[str, ...]) -> str:
@@ -296,7 +333,7 @@ def _parse_section(raw: Any, path: str, cls: type, **tables: Any) -> Any:
 def _parse_root(raw: Any, world_size: int) -> InfinityConfig:
     keys = _take(raw, "", (*_BATCH_KEYS, *_ROOT_SCALARS, *_ROOT_SECTIONS),
                  no_effect=_NO_EFFECT_ROOT, default_only=_DEFAULT_ONLY_ROOT,
-                 not_implemented=_NOT_IMPLEMENTED_ROOT)
+                 not_implemented=_NOT_IMPLEMENTED_ROOT, defaults_only_sections=_DEFAULTS_ONLY_SECTIONS_ROOT)
     if "bf16" in keys and "bfloat16" in keys:
         raise ValueError("bfloat16: DeepSpeed's legacy name for bf16; give only bf16")
     bf16_key = "bfloat16" if "bfloat16" in keys else "bf16"
