@@ -209,6 +209,8 @@ def test_model_directory_is_read_as_json(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, named, says", [
     (["--params", "70X"], "--params", "expected a count"),
+    (["--params", "1e18"], "--params", "at most 1000T"),  # it hung, and 1e30 grew until the OOM killer came
+    (["--params", "7B", "--largest-unit", "1e20"], "--largest-unit", "at most 1000T"),
     (["--params", "7B", "--gpu-mem", "lots"], "--gpu-mem", "expected a size"),
     (["--params", "7B", "--frozen-fraction", "1"], "--frozen-fraction", "below 1"),
     (["--params", "7B", "--gpus", "-1"], "--gpus", "expected"),

@@ -547,6 +547,17 @@ def parse_count(text: str) -> int:
     return _parse_scaled(text, _COUNT_SUFFIXES, "a count of at least 1 such as 70B, 1.5B, 125M or 7e9")
 
 
+MAX_PARAMS = 10**15  # far past any model; the plan's pieces grow with the count
+
+
+def parse_params(text: str) -> int:
+    """`parse_count`, at most MAX_PARAMS."""
+    count = parse_count(text)
+    if count > MAX_PARAMS:
+        raise argparse.ArgumentTypeError(f"expected at most 1000T parameters, got {text!r}")
+    return count
+
+
 def parse_bytes(text: str) -> int:
     """'80G' -> 80 GiB; '512G', '3.6T', '1048576'. Binary units (a drive sold as 4 TB is 3.6T)."""
     t = text.strip().upper().removesuffix("B").removesuffix("I")
@@ -576,7 +587,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "and the config block of the cheapest one that fits. Machine figures not given are read "
                           "from this machine.")
     what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--params", metavar="COUNT", type=parse_count, help="number of parameters: 70B, 1.5B, 125M, 7e9")
+    what.add_argument("--params", metavar="COUNT", type=parse_params, help="number of parameters: 70B, 1.5B, 125M, 7e9")
     what.add_argument("--model", metavar="PRESET_OR_DIR",
                       help="a preset (llama-tiny ... llama-70b) or a Hugging Face model directory with config.json "
                            "(Llama-style shapes)")
@@ -605,7 +616,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train only LoRA adapters of this rank on q,k,v,o,gate,up,down (needs --model)")
     parser.add_argument("--frozen-fraction", metavar="F", type=_number(0, 1, what="a fraction"),
                         help="freeze this fraction of every unit's parameters")
-    parser.add_argument("--largest-unit", metavar="COUNT", type=parse_count,
+    parser.add_argument("--largest-unit", metavar="COUNT", type=parse_params,
                         help="with --params: parameters of the largest unit (default params/32)")
 
 
