@@ -502,3 +502,21 @@ def test_done_polls_without_blocking_and_wait_timed_reports_completion(tmp_path)
     assert before <= finished <= seen_done  # when it completed, not when it was waited for
     with pytest.raises(ValueError, match="not outstanding"):
         handle.done(rid)
+
+
+def test_a_wait_cut_off_by_an_interrupt_is_reported_not_a_key_error(tmp_path):
+    """Ctrl-C landing after the engine finished a request but before the handle forgot it left
+    the handle waiting, at close or __del__, for a request the engine no longer knew: a KeyError
+    ('unknown or already completed request') from __del__. Its outcome is lost, so waiting for it
+    is an error (never a success), and close() gets past it."""
+    handle = AsyncIOHandle(block_size=64 * 1024)
+    buf = aligned_empty(1 << 16)
+    buf.fill_(7)
+    rid = handle.submit_write(buf, tmp_path / "f")
+    handle._engine.wait(rid)  # what the engine did before the interrupt arrived  # noqa: SLF001
+    with pytest.raises(OSError, match=r"write of .*f: its wait was interrupted"):
+        handle.wait(rid)
+    rid = handle.submit_write(buf, tmp_path / "f")
+    handle._engine.wait(rid)  # noqa: SLF001
+    handle.close()  # no KeyError
+    assert handle.num_pending == 0

@@ -84,6 +84,21 @@ def test_sweep_refuses_a_bad_directory(tmp_path):
         sweep_main(["--nvme-path", str(tmp_path), "--io-size", "1000T"])
 
 
+@pytest.mark.parametrize("argv, named", [
+    (["--repeat", "0"], "--repeat"),  # max() of nothing, after the file was written
+    (["--queue-depths", "0"], "--queue-depths"),
+    (["--threads", "-2"], "--threads"),
+    (["--single-submit", "maybe"], "--single-submit"),  # was taken as false
+    (["--output", "/nonexistent/best.json"], "--output"),  # was a traceback after the whole sweep
+])
+def test_sweep_refuses_bad_values_before_any_work(tmp_path, argv, named, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        sweep_main(["--nvme-path", str(tmp_path), "--quick", "--io-size", "8M", *argv])
+    assert exit_.value.code == 2
+    assert named in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+
+
 def test_parse_size():
     assert parse_size("1G") == 1 << 30 and parse_size("512K") == 512 << 10 and parse_size("4096") == 4096
 

@@ -236,7 +236,14 @@ class AsyncIOHandle:
             entry = self._inflight.get(rid)
         if entry is None:
             raise ValueError(f"request: {rid} is not outstanding on this handle (already waited for?)")
-        err, err_offset, finished = self._engine.wait(rid)
+        try:
+            err, err_offset, finished = self._engine.wait(rid)
+        except KeyError:  # the engine finished it, and an interrupt (Ctrl-C) cut off our bookkeeping
+            with self._lock:
+                self._inflight.pop(rid, None)
+            kind = "write" if entry.write else "read"
+            raise OSError(errno_mod.EINTR, f"{kind} of {entry.path}: its wait was interrupted after the request "
+                          "ended, so whether it succeeded is unknown", entry.path) from None
         with self._lock:
             del self._inflight[rid]
         if err:

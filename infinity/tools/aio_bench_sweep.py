@@ -12,6 +12,7 @@ engine's store does; on ext4 writing fresh extents runs at about half speed).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 import os
@@ -131,6 +132,35 @@ def best_setting(results: list[tuple[Setting, str, float]]) -> Setting:
     return max(score, key=score.get)
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer of at least 1, got {text!r}")
+    return value
+
+
+def _flag(text: str) -> bool:
+    word = text.lower()
+    if word not in ("1", "true", "yes", "0", "false", "no"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return word in ("1", "true", "yes")
+
+
+def _check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Before any work: where --output and --plot go, and that --plot can be drawn."""
+    for flag, path in (("--output", args.output), ("--plot", args.plot)):
+        if path is None:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            parser.error(f"{flag} {path}: cannot write a file there")
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot: needs matplotlib (pip install 'infinity[plot]')")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="aio_bench_sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("--nvme-path", required=True, help="directory on the disk to measure")
@@ -138,16 +168,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--read", action="store_true", help="measure reads (default: reads and writes)")
     p.add_argument("--write", action="store_true", help="measure writes (default: reads and writes)")
     p.add_argument("--block-sizes", type=parse_size, nargs="+")
-    p.add_argument("--queue-depths", type=int, nargs="+")
-    p.add_argument("--threads", type=int, nargs="+")
-    p.add_argument("--single-submit", type=lambda v: v.lower() in ("1", "true", "yes"), nargs="+")
-    p.add_argument("--overlap-events", type=lambda v: v.lower() in ("1", "true", "yes"), nargs="+")
+    p.add_argument("--queue-depths", type=_positive, nargs="+")
+    p.add_argument("--threads", type=_positive, nargs="+")
+    p.add_argument("--single-submit", type=_flag, nargs="+")
+    p.add_argument("--overlap-events", type=_flag, nargs="+")
     p.add_argument("--engines", nargs="+", choices=["io_uring", "aio", "psync"])
     p.add_argument("--quick", action="store_true", help="a small grid on 256M: a minute, not an hour")
-    p.add_argument("--repeat", type=int, default=1, help="timings per setting and op (the best is kept)")
+    p.add_argument("--repeat", type=_positive, default=1, help="timings per setting and op (the best is kept)")
     p.add_argument("--output", help="write the best setting here as {\"aio\": {...}}")
     p.add_argument("--plot", help="save a block_size x queue_depth heat map (needs matplotlib)")
     args = p.parse_args(argv)
+    _check_outputs(p, args)
 
     io_size = args.io_size or ((256 << 20) if args.quick else (1 << 30))
     ops = [op for op, on in (("read", args.read), ("write", args.write)) if on] or ["read", "write"]
