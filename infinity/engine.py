@@ -87,7 +87,13 @@ class Engine:
         self._trace_from = 0  # the first step recorded
         # A client optimizer's own groups say what trains and with which hyper-parameters, as in
         # DeepSpeed; `model_parameters` only builds the optimizer of the config.
-        groups = list(optimizer.param_groups) if optimizer is not None else _param_groups(model, model_parameters)
+        # Without an optimizer (none passed, no config section) the engine is for inference, as
+        # DeepSpeed's: every parameter is frozen and backward is an error.
+        self.inference = optimizer is None and config.optimizer is None
+        if optimizer is not None:
+            groups = list(optimizer.param_groups)
+        else:
+            groups = [] if self.inference else _param_groups(model, model_parameters)
         self.optimizer = ZeroOptimizer(groups, config.optimizer, optimizer)
         self.lr_scheduler = lr_scheduler
         if lr_scheduler is None and config.scheduler is not None:
@@ -174,7 +180,7 @@ class Engine:
 
     def _optimizer_tier(self):
         offload = self.config.zero.offload_optimizer
-        if offload.device == "nvme":
+        if offload.device == "nvme" and any(u.trainable for u in self.units):  # else no state, no files
             from infinity.zero.nvme_optim import NvmeOptimizerState
             # A gradient outlives its backward unless it feeds its unit's update at once.
             at_once = {u.index for u in self.units if self.update_in_backward and not u.persistent and u.trainable}
@@ -237,6 +243,11 @@ class Engine:
         fp16 loss scale; reduces gradients. Returns the loss as scaled for accumulation, as
         DeepSpeed does."""
         self._check_open()
+        if self.inference:
+            self._abandon_backward("backward without an optimizer")
+            self._end_pass(failed=True)
+            raise RuntimeError("engine.backward: this engine has no optimizer (the config has no 'optimizer' section "
+                               "and none was passed to initialize), so it is for inference; give one to train")
         if self._grads_final or self._backward_done:
             gas = self.config.batch.gradient_accumulation_steps
             what = ("the gradients of the last accumulation boundary have not been applied" if self._grads_final

@@ -560,3 +560,27 @@ def test_a_resumed_run_traces_from_its_first_step_and_a_short_one_says_it_traced
         short.close()
     assert not (tmp_path / "short.json").exists()
     assert "nothing recorded" in caplog.text and "trace.start_step 2" in caplog.text
+
+
+def test_an_engine_without_an_optimizer_is_for_inference(model, tmp_path):
+    """DeepSpeed builds a ZeRO-3 engine without an optimizer (no config section, none passed)
+    for evaluation or a frozen reference model (TRL, Hugging Face's inference init); it was
+    refused. It computes what the plain model computes, holds no optimizer state, and its
+    backward says why it cannot train."""
+    cfg = config(3, "nvme", "nvme")
+    del cfg["optimizer"]
+    for section in ("offload_param", "offload_optimizer"):
+        cfg["zero_optimization"][section]["nvme_path"] = str(tmp_path)
+    engine, *_ = infinity.initialize(model=copy.deepcopy(model), config=cfg)
+    assert engine.trainable_numel == 0 and engine.frozen_numel == sum(p.numel() for p in model.parameters())
+    assert [p.name for p in tmp_path.iterdir() if "optimizer" in p.name] == []  # no optimizer files
+    idx, tgt = batches(1, 4)[0]
+    with torch.no_grad():
+        assert torch.equal(engine(idx, tgt), model(idx, tgt))
+    state = engine.consolidated_state_dict()
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(RuntimeError, match=r"engine.backward: this engine has no optimizer"):
+        engine.backward(engine(idx, tgt))
+    with torch.no_grad():
+        assert torch.equal(engine(idx, tgt), model(idx, tgt))  # and it goes on
+    engine.close()

@@ -40,9 +40,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             p = config.params
             defaults = {"lr": p.lr, "betas": tuple(p.betas), "eps": p.eps, "weight_decay": p.weight_decay,
                         "adamw_mode": config.decoupled_weight_decay, "bias_correction": True}
-        else:
-            raise ValueError("optimizer: the config has no 'optimizer' section and no optimizer was passed "
-                             "to initialize(); give one of them")
+        else:  # an engine for inference: every parameter frozen, nothing to update
+            defaults = {"lr": 0.0, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "adamw_mode": True}
+            groups = groups or [{"params": []}]  # torch refuses an optimizer without a group
         defaults.setdefault("bias_correction", True)
         super().__init__(groups, defaults)
         self.step_count = 0
