@@ -67,13 +67,15 @@ def batches(steps: int, batch: int, seed: int = 1) -> list[tuple[torch.Tensor, t
 
 
 def reference_run(model: nn.Module, data, *, gas: int, lr: float = 3e-3, wd: float = 0.01, clip: float = 1.0,
-                  world: int = 1):
+                  world: int = 1, optimizer=None):
     """Plain PyTorch: AdamW + clip_grad_norm_, `gas` micro-batches per step. Returns per-step
     mean losses and the trained model. With `world` > 1 each micro-batch is cut in `world`
     slices whose gradients are summed, as data parallelism computes them: the same gradients up
-    to rounding, and the rounding of a batch-2 matmul differs from a batch-4 one's by CPU."""
+    to rounding, and the rounding of a batch-2 matmul differs from a batch-4 one's by CPU.
+    `optimizer`: params -> optimizer, in place of AdamW(lr, wd)."""
     model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
+    opt = (optimizer(model.parameters()) if optimizer is not None else
+           torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd))
     losses = []
     for i in range(0, len(data), gas):
         total = 0.0

@@ -479,16 +479,7 @@ def test_a_user_optimizers_param_groups_are_the_engines(model, given):
     put every parameter in group 0 (a client optimizer), or to see an exhausted generator and
     train nothing (a factory)."""
     data = batches(6, 4)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(_two_groups(ref.parameters()))
-    ref_losses = []
-    for idx, tgt in data:
-        loss = ref(idx, tgt)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(loss.item())
+    ref_losses, ref = reference_run(model, data, gas=1, optimizer=lambda ps: torch.optim.AdamW(_two_groups(ps)))
     cfg = config(3, "cpu", "cpu")
     del cfg["optimizer"]
     m = copy.deepcopy(model)
