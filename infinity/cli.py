@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 
@@ -61,7 +62,7 @@ def consolidate(args: argparse.Namespace) -> int:
     from infinity.tiers._messages import human_bytes
 
     written = run(args.checkpoint_dir, args.out_dir, dtype=DTYPES[args.dtype], tag=args.tag,
-                  max_shard_size=args.max_shard_size)
+                  max_shard_size=args.max_shard_size, lora_scale=args.lora_scale)
     total = sum(os.path.getsize(p) for p in written)
     print(f"wrote {len(written)} files ({human_bytes(total)}) to {args.out_dir}")
     return 0
@@ -71,6 +72,16 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text}")
     return value
 
 
@@ -106,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="dtype of the weights written")
     k.add_argument("--tag", help="the tag under CHECKPOINT_DIR (default: the one 'latest' names)")
     k.add_argument("--max-shard-size", default="5GB", help="split into shards above this size (default 5GB)")
+    k.add_argument("--lora-scale", type=_finite_float, help="merge the checkpoint's LoRA adapters into their "
+                   "weights, each as B @ A * LORA_SCALE (alpha / r: 2 for `infinity finetune --lora`)")
     c = sub.add_parser("clean", help="list and remove what runs killed outright (kill -9, OOM) left on disk")
     c.add_argument("nvme_path", help="the nvme_path of the runs")
     c.add_argument("--dry-run", action="store_true", help="list only")
@@ -123,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"checkpoint_dir {args.checkpoint_dir}: not a directory")
         try:
             return consolidate(args)
-        except (ValueError, FileNotFoundError) as e:
+        except (ValueError, OSError) as e:  # a damaged checkpoint, a bad out_dir, a full disk: no traceback
             print(f"infinity consolidate: {e}", file=sys.stderr)
             return 2
     if args.command == "clean":

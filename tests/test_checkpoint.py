@@ -672,3 +672,158 @@ def test_load_module_only_loads_the_weights_and_returns_the_client_state(tmp_pat
     assert fresh.global_steps == 0 and fresh.optimizer.step_count == 0
     assert all(torch.equal(v, saved[k]) for k, v in fresh.consolidated_state_dict().items())
     fresh.close()
+
+
+# ---- what review found: export into a directory that already holds something --------------------
+
+
+def _tree(directory) -> dict[str, bytes]:
+    """Every file under `directory` (relative name -> bytes): what a user would find there."""
+    out = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, directory)] = f.read()
+    return out
+
+
+def _llama_checkpoint(tmp_path, tie=True):
+    from gpt import config
+    engine, *_ = infinity.initialize(_llama(tie=tie), config=config(3, "cpu", "cpu"))
+    _train_llama(engine)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    return engine
+
+
+def test_a_failed_export_leaves_the_out_dir_as_it_was(tmp_path, monkeypatch):
+    """A damaged checkpoint (consolidate) or a write that fails part way (save_16bit_model):
+    the previous export and the user's own files are there as they were, byte for byte, and a
+    run into a new directory leaves no directory behind. A run that succeeds replaces the old
+    export's files, removes its shards that the new one has not, and keeps the user's files."""
+    from infinity.checkpoint import safetensors_io
+    from infinity.checkpoint.export import consolidate
+    engine = _llama_checkpoint(tmp_path)
+    out = tmp_path / "out"
+    consolidate(str(tmp_path / "ckpt"), str(out), max_shard_size=60_000)  # an earlier export, sharded
+    (out / "notes.txt").write_text("mine")
+    (out / "model-00001-of-00001.safetensors.bak").write_text("mine too")
+    before = _tree(out)
+    assert "model.safetensors.index.json" in before
+
+    def failing_add(self, name, tensor):  # the disk fills up after a few tensors
+        if self._next == 3:
+            raise OSError(28, "No space left on device")
+        return real_add(self, name, tensor)
+
+    real_add = safetensors_io.StreamWriter.add
+    monkeypatch.setattr(safetensors_io.StreamWriter, "add", failing_add)
+    with pytest.raises(OSError, match="No space left"):
+        engine.save_16bit_model(out)
+    assert _tree(out) == before
+    with pytest.raises(OSError, match="No space left"):
+        engine.save_16bit_model(tmp_path / "new" / "deeper")
+    assert not (tmp_path / "new").exists()
+    monkeypatch.setattr(safetensors_io.StreamWriter, "add", real_add)
+
+    master = tmp_path / "ckpt" / "global_step2" / shard_file(0, "master")
+    raw = bytearray(master.read_bytes())
+    raw[100] ^= 0x10
+    master.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        consolidate(str(tmp_path / "ckpt"), str(out))
+    assert _tree(out) == before
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        consolidate(str(tmp_path / "ckpt"), str(tmp_path / "new" / "deeper"))
+    assert not (tmp_path / "new").exists()
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (out / f"model.safetensors.tmp-{int(gone.stdout)}").write_text("what an export killed outright left")
+    (out / f"notes.txt.tmp-{int(gone.stdout)}").write_text("not ours")
+    engine.save_16bit_model(out)  # one file now: the old shards and index go, the user's files stay
+    state = engine.module.state_dict()
+    engine.close()
+    after = _tree(out)
+    assert sorted(after) == ["config.json", "model-00001-of-00001.safetensors.bak", "model.safetensors", "notes.txt",
+                             f"notes.txt.tmp-{int(gone.stdout)}"]
+    assert after["notes.txt"] == b"mine" and after["model-00001-of-00001.safetensors.bak"] == b"mine too"
+    from safetensors.torch import load_file
+    for name, value in load_file(out / "model.safetensors").items():
+        assert torch.equal(value, state[name]), name
+
+
+def test_export_replaces_another_models_config(tmp_path):
+    """save_16bit_model into a directory holding an untied model's config.json: the config is
+    the saved (tied) model's own, so from_pretrained ties lm_head to the exported embeddings
+    instead of initialising it at random."""
+    engine = _llama_checkpoint(tmp_path, tie=True)
+    out = tmp_path / "out"
+    _llama(tie=False).save_pretrained(out)
+    engine.save_16bit_model(out)
+    state = engine.module.state_dict()
+    engine.close()
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    model = transformers.LlamaForCausalLM.from_pretrained(out)
+    assert torch.equal(model.lm_head.weight, state["model.embed_tokens.weight"])
+    assert not [n for n in os.listdir(out) if ".tmp" in n]
+
+
+def test_consolidate_refuses_an_out_dir_that_is_a_file_or_inside_the_checkpoint(tmp_path, capsys):
+    from infinity.cli import main
+    _llama_checkpoint(tmp_path).close()
+    tag = tmp_path / "ckpt" / "global_step2"
+    (tmp_path / "data.txt").write_text("user data")
+    checkpoint = _tree(tmp_path / "ckpt")
+    for out in (tmp_path / "data.txt", tag, tag / "hf", tmp_path / "ckpt"):
+        assert main(["consolidate", str(tmp_path / "ckpt"), str(out)]) == 2, out
+        err = capsys.readouterr().err
+        assert err.startswith(f"infinity consolidate: out_dir {out}:") and err.count("\n") == 1, err
+        assert "Traceback" not in err
+        assert _tree(tmp_path / "ckpt") == checkpoint  # nothing written into the checkpoint
+    assert main(["consolidate", str(tag), str(tag)]) == 2
+    assert "out_dir" in capsys.readouterr().err and _tree(tmp_path / "ckpt") == checkpoint
+    assert (tmp_path / "data.txt").read_text() == "user data"
+
+
+def test_consolidate_merges_lora_adapters_into_the_weights(tmp_path, capsys):
+    """A checkpoint of `infinity finetune --lora`: consolidate writes the fine-tuned model (each
+    B @ A * scale added to its weight, no adapter tensors), or, without the scale, which the
+    checkpoint does not record, a one-line error that says to pass it, and writes nothing."""
+    from gpt import config
+
+    from infinity.checkpoint.export import consolidate
+    from infinity.cli import main
+    from infinity.finetune import add_lora
+    model = _llama(tie=False)
+    wrapped = add_lora(model, 4)
+    scale = model.get_submodule(wrapped[0]).scale
+    engine, *_ = infinity.initialize(model, config=config(3, "cpu", "cpu", lr=1e-2))
+    _train_llama(engine, steps=3)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(7))
+    engine.eval()
+    with torch.no_grad():
+        expected = engine(input_ids=ids).logits
+    state = engine.module.state_dict()
+    engine.close()
+    assert state[f"{wrapped[0]}.lora_B"].abs().sum() > 0  # trained: the merge changes the weight
+
+    assert main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "LoRA" in err and "--lora-scale" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "hf").exists()
+    _llama_checkpoint(tmp_path / "plain").close()
+    with pytest.raises(ValueError, match="lora_scale: the checkpoint holds no LoRA adapters"):
+        consolidate(str(tmp_path / "plain" / "ckpt"), str(tmp_path / "x"), lora_scale=2)
+    assert not (tmp_path / "x").exists()
+
+    assert main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--lora-scale", str(scale)]) == 0
+    tuned, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    from safetensors import safe_open
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
+        assert not [n for n in f.keys() if "lora" in n]
+    merged = state[f"{wrapped[0]}.weight"] + state[f"{wrapped[0]}.lora_B"] @ state[f"{wrapped[0]}.lora_A"] * scale
+    torch.testing.assert_close(tuned.state_dict()[f"{wrapped[0]}.weight"], merged)
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)

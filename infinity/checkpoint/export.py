@@ -6,12 +6,25 @@ fp32 masters (and the frozen parameters' values), never the moments, one unit at
 streams each parameter into the file the moment its unit has been read, so host memory holds
 about one unit. `save_16bit_model` does the same from a live engine with the parameters as the
 model computes with them, gathering one unit at a time on every rank and writing on rank 0.
+Neither changes anything in the directory until every file is written ([Note: publishing an
+export] in safetensors_io.py).
+
+[Note: LoRA adapters in a checkpoint]
+A checkpoint of `infinity finetune --lora` (infinity.finetune.LoRALinear) holds each adapted
+projection as `M.weight` (frozen) beside `M.lora_A` [r, in] and `M.lora_B` [out, r], and the
+module adds B @ A * scale to what `M.weight` gives. A model directory has no place for the
+adapters (from_pretrained drops them without a word), so `consolidate` writes `M.weight` +
+B @ A * scale instead. The scale (alpha / r) is an attribute of the module, not a tensor, and
+the checkpoint does not record it: the caller gives it (`lora_scale`), and without it
+consolidate refuses rather than write the base model under the fine-tuned one's name.
 """
 
 from __future__ import annotations
 
+import math
 import os
-import shutil
+import re
+import tempfile
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,9 +32,11 @@ from tqdm import tqdm
 
 from infinity.checkpoint.layout import BUFFERS, HF_CONFIG, MANIFEST, Manifest
 from infinity.checkpoint.load import ExtentCache, _read_small, param_run, resolve
+from infinity.checkpoint.files import write_atomic
 from infinity.checkpoint.safetensors_io import (
     ShardedWriter,
     check_filename,
+    check_out_dir,
     load_file,
     read_header,
 )
@@ -33,6 +48,7 @@ if TYPE_CHECKING:
 
 DEFAULT_SHARD_BYTES = 5 * 10 ** 9  # Hugging Face's save_pretrained default
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+LORA = re.compile(r"(.+)\.lora_([AB])")  # [Note: LoRA adapters in a checkpoint]
 
 
 def parse_size(text: str | int) -> int:
@@ -57,32 +73,52 @@ def parse_size(text: str | int) -> int:
 
 
 def consolidate(checkpoint: str, out_dir: str, *, dtype: torch.dtype = torch.float32, tag: str | None = None,
-                max_shard_size: str | int = DEFAULT_SHARD_BYTES, filename: str = "model.safetensors") -> list[str]:
+                max_shard_size: str | int = DEFAULT_SHARD_BYTES, filename: str = "model.safetensors",
+                lora_scale: float | None = None) -> list[str]:
     """Writes the checkpoint's weights to `out_dir`; returns the files written. `checkpoint` is a
-    tag directory, or a save directory whose `latest` (or `tag`) names one."""
+    tag directory, or a save directory whose `latest` (or `tag`) names one. LoRA adapters are
+    merged into their weights with `lora_scale` ([Note: LoRA adapters in a checkpoint])."""
     path = os.fspath(checkpoint)
+    out_dir = os.fspath(out_dir)
     if not os.path.isfile(os.path.join(path, MANIFEST)):
         path = resolve(path, tag)
         if path is None:
             raise FileNotFoundError(f"{checkpoint}: neither a checkpoint (no {MANIFEST}) nor a directory with a "
                                     "'latest' file; give the tag's directory")
+    check_out_dir(out_dir, "out_dir")
+    for inside in (os.fspath(checkpoint), path):
+        if os.path.commonpath([os.path.realpath(inside), os.path.realpath(out_dir)]) == os.path.realpath(inside):
+            raise ValueError(f"out_dir {out_dir}: inside the checkpoint directory {inside}; give a directory "
+                             "outside it")
     manifest = Manifest.read(path)
+    merges = lora_merges(manifest, lora_scale)
+    adapters = {n for pair in merges.values() for n in pair}
     buffers_path = _read_small(manifest, BUFFERS) if BUFFERS in manifest.files else None
     buffer_header = read_header(buffers_path)[0] if buffers_path else {}
-    entries = [(p["name"], dtype, p["shape"]) for u in manifest.units for p in u["params"]]
+    entries = [(p["name"], dtype, p["shape"]) for u in manifest.units for p in u["params"] if p["name"] not in adapters]
     buffers = load_file(buffers_path) if buffer_header else {}
     entries += [(n, b.dtype, list(b.shape)) for n, b in buffers.items()]
-    writer = ShardedWriter(out_dir, filename, entries, parse_size(max_shard_size))
+    config = None
+    if HF_CONFIG in manifest.files:
+        with open(_read_small(manifest, HF_CONFIG), "rb") as f:
+            config = f.read()
+    writer = ShardedWriter(out_dir, filename, entries, parse_size(max_shard_size), what="out_dir")
     bar = tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="consolidate", leave=False,
                disable=writer.total_bytes < PROGRESS_BYTES)
     cache = ExtentCache(manifest, AsyncIOHandle(block_size=1 << 20, queue_depth=8))
     try:
+        if config is not None:
+            writer.add_file(HF_CONFIG, config)
         for u in manifest.units:
             for p in u["params"]:
-                place = manifest.places[p["name"]]
-                values = param_run(cache, place, "master", 0, place.numel)  # a frozen one's: its frozen values
-                writer.add(place.name, values.reshape(place.shape).to(dtype))
-                bar.update(place.numel * dtype.itemsize)
+                if p["name"] in adapters:
+                    continue
+                values = _read_param(cache, manifest, p["name"])  # a frozen one's: its frozen values
+                if p["name"] in merges:
+                    a, b = (_read_param(cache, manifest, n).float() for n in merges[p["name"]])
+                    values = values.float() + b @ a * lora_scale
+                writer.add(p["name"], values.to(dtype))
+                bar.update(values.numel() * dtype.itemsize)
             cache.clear()
         for n, b in buffers.items():
             writer.add(n, b)
@@ -92,28 +128,70 @@ def consolidate(checkpoint: str, out_dir: str, *, dtype: torch.dtype = torch.flo
         raise
     finally:
         bar.close()
-    written = list(writer.files)
-    if HF_CONFIG in manifest.files:
-        shutil.copyfile(_read_small(manifest, HF_CONFIG), os.path.join(out_dir, HF_CONFIG))
-        written.append(os.path.join(out_dir, HF_CONFIG))
-    return written
+    return list(writer.files) + ([os.path.join(out_dir, HF_CONFIG)] if config is not None else [])
+
+
+def _read_param(cache: ExtentCache, manifest: Manifest, name: str) -> torch.Tensor:
+    place = manifest.places[name]
+    return param_run(cache, place, "master", 0, place.numel).reshape(place.shape)
+
+
+def lora_merges(manifest: Manifest, lora_scale: float | None) -> dict[str, tuple[str, str]]:
+    """`M.weight` -> (`M.lora_A`, `M.lora_B`) for each adapter of the checkpoint; an error for
+    adapters without a scale, adapters of another layout, and a scale without adapters ([Note:
+    LoRA adapters in a checkpoint])."""
+    if lora_scale is not None and not (isinstance(lora_scale, (int, float)) and math.isfinite(lora_scale)):
+        raise ValueError(f"lora_scale: expected a finite number, got {lora_scale!r}")
+    found = sorted(n for n in manifest.places if ".lora_" in f".{n}")
+    merges = {}
+    for name in found:
+        match = LORA.fullmatch(name)
+        owner = match.group(1) if match else name
+        weight, a, b = (manifest.places.get(f"{owner}.{x}") for x in ("weight", "lora_A", "lora_B"))
+        if not (match and weight and a and b and len(weight.shape) == 2
+                and a.shape == [a.shape[0], weight.shape[1]] and b.shape == [weight.shape[0], a.shape[0]]):
+            raise ValueError(f"{manifest.directory}: {name} is a LoRA tensor that consolidate cannot merge (it "
+                             "merges M.lora_A [r, in] and M.lora_B [out, r] into M.weight [out, in], as `infinity "
+                             "finetune --lora` saves them); merge the adapters in the model and export it with "
+                             "engine.save_16bit_model")
+        merges[f"{owner}.weight"] = (a.name, b.name)
+    if merges and lora_scale is None:
+        raise ValueError(f"{manifest.directory}: holds LoRA adapters of {len(merges)} weights ({min(merges)}, ...) "
+                         "but not their scale (alpha / r), which merging them into the weights needs; pass "
+                         "--lora-scale (lora_scale=): 2 for a checkpoint of `infinity finetune --lora`, whose alpha "
+                         "is 2r")
+    if lora_scale is not None and not merges:
+        raise ValueError(f"lora_scale: the checkpoint holds no LoRA adapters (no parameter named M.lora_A), got "
+                         f"{lora_scale!r}")
+    return merges
+
+
+def model_config(module) -> bytes | None:
+    """config.json for `from_pretrained`: a Hugging Face model's own, or what `save_config` of
+    infinity.models.llama.Llama writes; None for other models."""
+    hf_config = getattr(module, "config", None)
+    if hasattr(module, "save_config"):
+        with tempfile.TemporaryDirectory() as tmp:
+            module.save_config(tmp)
+            with open(os.path.join(tmp, HF_CONFIG), "rb") as f:
+                return f.read()
+    if hasattr(hf_config, "to_json_string"):
+        return hf_config.to_json_string().encode()
+    return None
 
 
 def write_model_config(module, directory: str) -> None:
-    """config.json for `from_pretrained`: a Hugging Face model's own, or what `save_config` of
-    infinity.models.llama.Llama writes; nothing for other models."""
-    hf_config = getattr(module, "config", None)
-    if hasattr(module, "save_config"):
-        module.save_config(directory)
-    elif hasattr(hf_config, "to_json_file"):
-        hf_config.to_json_file(os.path.join(directory, HF_CONFIG))
+    """The model's config.json (`model_config`) in `directory`, replacing one there atomically."""
+    config = model_config(module)
+    if config is not None:
+        write_atomic(os.path.join(directory, HF_CONFIG), config)
 
 
 def save_16bit_model(engine: "Engine", save_dir: str, save_filename: str = "model.safetensors",
                      exclude_frozen_parameters: bool = False,
                      max_shard_size: str | int = DEFAULT_SHARD_BYTES) -> bool:
     """The model's weights in its compute dtype, from every rank's shards; all ranks call it,
-    rank 0 writes. A Hugging Face model's config.json goes beside them unless one is there."""
+    rank 0 writes. A Hugging Face model's config.json goes beside them, replacing one there."""
     error = None
     try:
         engine.check_step_boundary("save_16bit_model")
@@ -131,35 +209,38 @@ def save_16bit_model(engine: "Engine", save_dir: str, save_filename: str = "mode
     writer = bar = None
     try:
         if engine.rank == 0:
-            writer = ShardedWriter(save_dir, save_filename, entries, max_bytes)
+            writer = ShardedWriter(save_dir, save_filename, entries, max_bytes, what="save_dir")
             bar = tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="save_16bit_model", leave=False,
                        disable=writer.total_bytes < PROGRESS_BYTES)
+            config = model_config(engine.module)
+            if config is not None:
+                writer.add_file(HF_CONFIG, config)
     except Exception as e:  # noqa: BLE001
         error = e
-    for u in engine.units:  # every rank takes part in every gather, even after rank 0 failed to write
-        if not any(id(s) in wanted for s in u.slots):
-            continue
-        full = engine.full_compute_values(u)
+    try:
+        for u in engine.units:  # every rank takes part in every gather, even after rank 0 failed to write
+            if not any(id(s) in wanted for s in u.slots):
+                continue
+            full = engine.full_compute_values(u)
+            if writer is not None and error is None:
+                try:
+                    for s in u.slots:
+                        if id(s) in wanted:
+                            writer.add(s.name, u.param_values(full, s))
+                            bar.update(s.numel * u.dtype.itemsize)
+                except Exception as e:  # noqa: BLE001
+                    error = e
         if writer is not None and error is None:
             try:
-                for s in u.slots:
-                    if id(s) in wanted:
-                        writer.add(s.name, u.param_values(full, s))
-                        bar.update(s.numel * u.dtype.itemsize)
+                for n, b in buffers.items():
+                    writer.add(n, b)
+                writer.close()
             except Exception as e:  # noqa: BLE001
                 error = e
-    if writer is not None and error is None:
-        try:
-            for n, b in buffers.items():
-                writer.add(n, b)
-            writer.close()
-            if not os.path.exists(os.path.join(save_dir, HF_CONFIG)):
-                write_model_config(engine.module, save_dir)
-        except Exception as e:  # noqa: BLE001
-            error = e
-    if writer is not None and error is not None:
-        writer.abort()
-    if bar is not None:
-        bar.close()
+    finally:
+        if writer is not None:
+            writer.abort()  # what was not published: nothing after a close
+        if bar is not None:
+            bar.close()
     agree(error, "save_16bit_model (writing on rank 0)")
     return True

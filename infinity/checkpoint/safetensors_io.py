@@ -6,6 +6,16 @@ so a writer that knows those up front (from a checkpoint's manifest, or a model'
 writes it first and then streams each tensor as it arrives: nothing but the tensor in hand is in
 memory, however large the file. Hugging Face's sharded layout is several such files and a
 `model.safetensors.index.json` mapping each name to its file.
+
+[Note: publishing an export]
+An export goes into a directory that may hold an earlier export and files of the user's. Each
+file is written beside its final name as `<name>.tmp-<pid>` and fsynced; only once all of them
+are written are they renamed into place (the shards, then the index, the single file and
+config.json), and then what the earlier export under the same name left that the new one did
+not replace (shards of another count, the index of a now single file, the single file of a now
+sharded one) is removed. A failure before that removes the temporaries and the directories the
+writer created, so the directory holds what it held. Only names of the export's own layout,
+and temporaries of processes that are gone, are ever removed.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ from collections.abc import Iterable
 
 import torch
 
-from infinity.checkpoint.files import write_atomic
+from infinity.checkpoint.files import fsync_dir
 
 _CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -86,28 +96,68 @@ def check_filename(filename: str) -> None:
                          "writes safetensors, which loads without executing code)")
 
 
-def _remove_stale(directory: str, filename: str) -> None:
-    """What an earlier export under this name left (a single file would shadow new shards, old
-    shards would outlive a new single file), as save_pretrained does."""
-    stem = filename.removesuffix(".safetensors")
-    pattern = re.compile(re.escape(stem) + r"-\d{5}-of-\d{5}\.safetensors")
+def check_out_dir(directory: str, what: str) -> None:
+    """`directory` can hold an export: it is a directory or does not exist yet."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"{what} {directory}: exists and is not a directory")
+
+
+def _make_dirs(directory: str) -> list[str]:
+    """Creates `directory` and its missing parents; returns those it created, deepest first."""
+    created = []
+    path = os.path.abspath(directory)
+    while not os.path.exists(path):
+        created.append(path)
+        path = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    return created
+
+
+def _temporary(path: str) -> str:
+    return f"{path}.tmp-{os.getpid()}"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process
+        pass
+    return False
+
+
+def _remove_stale(directory: str, filename: str, keep: set[str], extra: set[str]) -> None:
+    """What an earlier export under `filename` left that the new one (`keep`) did not replace
+    (a single file would shadow new shards, old shards would outlive a new single file), as
+    save_pretrained does; and the temporaries of exports killed outright."""
+    stem = re.escape(filename.removesuffix(".safetensors"))
+    index = re.escape(filename + INDEX_SUFFIX)
+    ours = re.compile(rf"{re.escape(filename)}|{index}|{stem}-\d{{5}}-of-\d{{5}}\.safetensors")
     for name in os.listdir(directory):
-        if name in (filename, filename + INDEX_SUFFIX) or pattern.fullmatch(name):
-            os.remove(os.path.join(directory, name))
+        final, _, pid = name.rpartition(".tmp-")
+        stale = ours.fullmatch(name) and name not in keep
+        if stale or (pid.isdigit() and (ours.fullmatch(final) or final in extra) and _gone(int(pid))):
+            try:
+                os.remove(os.path.join(directory, name))
+            except FileNotFoundError:
+                pass
 
 
 class ShardedWriter:
     """Hugging Face's layout in `directory`: `filename` alone when everything fits in
     `max_shard_bytes`, else `<stem>-00001-of-0000N.safetensors` files and `<filename>.index.json`;
-    tensors are given one at a time in the declared order."""
+    tensors are given one at a time in the declared order, small files (config.json) whole.
+    Nothing in `directory` changes before `close` publishes it all ([Note: publishing an
+    export]); `what` names `directory` in errors."""
 
     def __init__(self, directory: str, filename: str, entries: list[tuple[str, torch.dtype, list[int]]],
-                 max_shard_bytes: int):
+                 max_shard_bytes: int, what: str = "save_dir"):
         check_filename(filename)
         for name, dtype, _ in entries:
             _code(dtype, name)  # said before anything is written
-        os.makedirs(directory, exist_ok=True)
-        _remove_stale(directory, filename)
+        directory = os.fspath(directory)
+        check_out_dir(directory, what)
         shards: list[list] = [[]]
         size = 0
         for entry in entries:
@@ -130,29 +180,72 @@ class ShardedWriter:
         self._left = 0
         self._writer: StreamWriter | None = None
         self._weight_map = {e[0]: n for n, shard in self._plan for e in shard}
+        self._written: list[str] = []  # final names whose temporaries are complete, in publishing order
+        self._extra: list[str] = []  # small files' names, published last
+        self._published = False
+        self._created = _make_dirs(directory)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         while self._left == 0:
-            if self._writer is not None:
-                self._writer.close()
-            self._shard += 1
-            file, entries = self._plan[self._shard]
-            self._writer = StreamWriter(os.path.join(self.directory, file), entries)
-            self._left = len(entries)
+            self._next_shard()
         self._writer.add(name, tensor)
         self._left -= 1
 
-    def close(self) -> None:
+    def _next_shard(self) -> None:
         if self._writer is not None:
             self._writer.close()
+            self._written.append(self._plan[self._shard][0])
+        self._shard += 1
+        file, entries = self._plan[self._shard]
+        self._writer = StreamWriter(_temporary(os.path.join(self.directory, file)), entries)
+        self._left = len(entries)
+
+    def add_file(self, name: str, data: bytes) -> None:
+        """A small file published with the weights, replacing one of that name."""
+        with open(_temporary(os.path.join(self.directory, name)), "wb") as f:
+            self._extra.append(name)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def close(self) -> None:
+        """Finishes the last file, then publishes them all and removes the earlier export's
+        leftovers ([Note: publishing an export])."""
+        while self._shard < len(self._plan) - 1:  # shards without tensors (an empty model)
+            self._next_shard()
+        self._writer.close()
+        self._written.append(self._plan[self._shard][0])
+        names = list(self._written)
         if len(self._plan) > 1:
             index = {"metadata": {"total_size": self.total_bytes}, "weight_map": self._weight_map}
-            write_atomic(os.path.join(self.directory, self.filename + INDEX_SUFFIX),
-                         json.dumps(index, indent=2, sort_keys=True).encode())
+            self.add_file(self.filename + INDEX_SUFFIX, json.dumps(index, indent=2, sort_keys=True).encode())
+        names += self._extra
+        for name in names:
+            path = os.path.join(self.directory, name)
+            os.replace(_temporary(path), path)
+        self._published = True
+        fsync_dir(self.directory)
+        _remove_stale(self.directory, self.filename, set(names), set(self._extra))
 
     def abort(self) -> None:
+        """Removes what was written and not published, and the directories this writer created
+        if they are empty; what was in the directory stays as it was."""
+        if self._published:
+            return
         if self._writer is not None:
             self._writer.abort()
+            self._written.append(self._plan[self._shard][0])
+        for name in self._written + self._extra:
+            try:
+                os.remove(_temporary(os.path.join(self.directory, name)))
+            except FileNotFoundError:
+                pass
+        for path in self._created:
+            try:
+                os.rmdir(path)
+            except OSError:
+                break
+        self._published = True  # nothing left to abort
 
 
 def read_header(path: str) -> tuple[dict, int]:
