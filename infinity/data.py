@@ -49,23 +49,28 @@ def read_texts(path: str) -> list[str]:
     its string values joined)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--data: no file {path}")
-    with open(path, encoding="utf-8") as f:
-        if not path.endswith((".jsonl", ".json")):
-            return [f.read()]
-        texts = []
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--data: {path} line {number} is not JSON ({e})") from None
-            if isinstance(row, dict):
-                texts.append(row["text"] if isinstance(row.get("text"), str)
-                             else "\n".join(v for v in row.values() if isinstance(v, str)))
-            elif isinstance(row, str):
-                texts.append(row)
-        return texts
+    try:
+        with open(path, encoding="utf-8") as f:
+            return _jsonl_texts(f, path) if path.endswith((".jsonl", ".json")) else [f.read()]
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--data: {path} is not UTF-8 text ({e.reason} 0x{e.object[e.start]:02x})") from None
+
+
+def _jsonl_texts(lines, path: str) -> list[str]:
+    texts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--data: {path} line {number} is not JSON ({e})") from None
+        if isinstance(row, dict):
+            texts.append(row["text"] if isinstance(row.get("text"), str)
+                         else "\n".join(v for v in row.values() if isinstance(v, str)))
+        elif isinstance(row, str):
+            texts.append(row)
+    return texts
 
 
 def pack(texts: list[str], tokenizer, seq_len: int) -> torch.Tensor:

@@ -13,7 +13,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -46,11 +45,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", help="a checkpoint directory to continue from (its `latest` tag)")
     p.add_argument("--export", help="write the fine-tuned model here (Hugging Face layout)")
     p.add_argument("--plot", help="draw the loss and per-step I/O into this image (needs matplotlib)")
-    p.add_argument("--nvme-path", default=tempfile.gettempdir(), help="directory for the offload files")
+    p.add_argument("--nvme-path", default=tempfile.gettempdir(), action=_Given,
+                   help="directory for the offload files of the built-in config (with --config, "
+                        "set nvme_path in its JSON)")
     p.add_argument("--offload", choices=["cpu", "nvme"], help="tier for the built-in config (default nvme)")
     p.add_argument("--trace", help="write a timeline of steps 2-4 here (Chrome trace JSON; the config's `trace` section)")
     p.add_argument("--sample-tokens", type=_non_negative, default=48)
     p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(nvme_path_given=False)
+
+
+class _Given(argparse.Action):
+    """Stores the value and notes that the flag was given: a default that is a real directory
+    cannot tell `--nvme-path /tmp` from no flag."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_given", True)
 
 
 def _positive(text: str) -> int:
@@ -134,37 +145,90 @@ def _default_config(nvme_path: str, offload: str, batch: int, lr: float) -> dict
     }
 
 
-def build_model(args) -> tuple[nn.Module, object, str | None]:
-    """(model on the meta device, tokenizer, Hugging Face directory to load weights from)."""
-    import infinity
+def read_model(args) -> tuple[object, object, str | None]:
+    """(config, tokenizer, Hugging Face directory to load weights from) of --model, read before
+    anything is built: a transformers config, or a preset's dict for infinity's Llama."""
     from infinity.data import ByteTokenizer
-    from infinity.models.llama import Llama
 
     if args.model and os.path.isdir(args.model):
         try:
             import transformers
         except ImportError:
-            raise SystemExit("--model: a Hugging Face model directory needs transformers: "
+            raise ValueError("--model: a Hugging Face model directory needs transformers: "
                              "pip install 'infinity[hf]'") from None
         config = transformers.AutoConfig.from_pretrained(args.model)
-        with infinity.Init():
-            model = transformers.AutoModelForCausalLM.from_config(config)
         has_tokenizer = any(os.path.exists(os.path.join(args.model, f))
                             for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
-        tokenizer = transformers.AutoTokenizer.from_pretrained(args.model) if has_tokenizer else ByteTokenizer()
         if not has_tokenizer and config.vocab_size < ByteTokenizer.vocab_size:
-            raise SystemExit(f"--model: {args.model} has no tokenizer and a vocabulary of {config.vocab_size}, "
-                             "too small for the byte tokenizer (257)")
-        return model, tokenizer, args.model
+            raise ValueError(f"--model {args.model}: no tokenizer and a vocabulary of {config.vocab_size}, "
+                             f"too small for the byte tokenizer ({ByteTokenizer.vocab_size})")
+        tokenizer = transformers.AutoTokenizer.from_pretrained(args.model) if has_tokenizer else ByteTokenizer()
+        return config, tokenizer, args.model
     if args.model:
         from infinity.models.presets import preset
-        cfg = dict(preset(args.model))
+        config = dict(preset(args.model))
     else:
-        cfg = dict(DEFAULT_MODEL)
-    cfg["vocab_size"] = max(cfg["vocab_size"], ByteTokenizer.vocab_size)
+        config = dict(DEFAULT_MODEL)
+    config["vocab_size"] = max(config["vocab_size"], ByteTokenizer.vocab_size)
+    return config, ByteTokenizer(), None
+
+
+def build_model(config) -> nn.Module:
+    """The model of a config from `read_model`, on the meta device."""
+    import infinity
+    from infinity.models.llama import Llama
+
     with infinity.Init():
-        model = Llama(cfg)
-    return model, ByteTokenizer(), None
+        if isinstance(config, dict):
+            return Llama(config)
+        import transformers
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def check_arguments(args) -> None:
+    """What can be checked before anything is read or built: the flags only the built-in config
+    reads, where the results go, what to resume from. Raises ValueError or OSError naming the flag."""
+    from infinity.checkpoint.layout import LATEST
+
+    if args.config and args.nvme_path_given:
+        raise ValueError("--nvme-path: only sets the built-in config; with --config, set "
+                         "zero_optimization.offload_param.nvme_path and offload_optimizer.nvme_path in its JSON")
+    for flag, path, directory in (("--save", args.save, True), ("--export", args.export, True),
+                                  ("--trace", args.trace, False), ("--plot", args.plot, False)):
+        if path is not None:
+            _check_destination(flag, path, directory)
+    if args.resume is not None:
+        if not os.path.isdir(args.resume):
+            raise ValueError(f"--resume {args.resume}: not a directory")
+        if not os.path.isfile(os.path.join(args.resume, LATEST)):
+            raise ValueError(f"--resume {args.resume}: no checkpoint in it (no '{LATEST}' file): "
+                             "give the directory --save wrote")
+
+
+def _check_destination(flag: str, path: str, directory: bool) -> None:
+    """Fails now where writing `path` (a directory or a file) after the last step would: it exists
+    as the other kind, or nothing can be created where it goes. Creates nothing."""
+    if os.path.exists(path) and os.path.isdir(path) != directory:
+        raise ValueError(f"{flag} {path}: " + ("exists and is not a directory" if directory
+                                               else "is a directory; give a file's name"))
+    parent = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: {parent} is not a directory")
+    try:
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError as e:
+        raise OSError(f"{flag} {path}: cannot create files in {parent} ({e.strerror})") from None
+
+
+def _check_token_ids(args, config, tokenizer, rows: torch.Tensor) -> None:
+    """The tokenizer's ids must index the model's embedding (an IndexError deep in the forward otherwise)."""
+    vocab = config["vocab_size"] if isinstance(config, dict) else getattr(config, "vocab_size", None)
+    top = max([int(rows.max())] + (tokenizer.encode(PROMPT) if args.sample_tokens else []))
+    if vocab is not None and top >= vocab:
+        raise ValueError(f"--model {args.model}: its tokenizer gives token ids up to {top}, beyond the model's "
+                         f"vocabulary of {vocab} (vocab_size in its config.json)")
 
 
 def _logits(out):
@@ -190,8 +254,9 @@ def generate(engine, tokenizer, prompt: str, n: int, temperature: float = 0.7) -
     return tokenizer.decode(ids[0].tolist())
 
 
-def export_model(engine, directory: str, lora: list[str]) -> None:
-    """The model's weights in Hugging Face's layout, with each LoRA update merged into its weight."""
+def export_model(engine, directory: str, lora: list[str], tokenizer) -> None:
+    """The model's weights in Hugging Face's layout, with each LoRA update merged into its weight,
+    and the run's tokenizer when it is a Hugging Face one (so the directory is a --model again)."""
     if not lora:
         engine.save_16bit_model(directory)  # config.json too
     else:
@@ -199,6 +264,8 @@ def export_model(engine, directory: str, lora: list[str]) -> None:
         if engine.rank == 0:
             from infinity.checkpoint.export import write_model_config
             write_model_config(engine.module, directory)
+    if engine.rank == 0 and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(directory)
 
 
 def _export_merged(engine, directory: str, lora: set[str]) -> None:
@@ -252,8 +319,8 @@ def _table(engine, steps_s: list[float], moved: list[int]) -> str:
 
 
 def _train(engine, rows: torch.Tensor, start: int, args) -> tuple[list[float], list[float], list[int]]:
-    """Steps `start` to `args.steps`, checkpointing every `--save-every`; returns per-step losses,
-    seconds and NVMe bytes moved."""
+    """Steps `start` to `args.steps`, checkpointing every `--save-every` and after the last step;
+    returns per-step losses, seconds and NVMe bytes moved."""
     from infinity.data import batch
 
     size = engine.config.batch.train_micro_batch_size_per_gpu * engine.config.batch.gradient_accumulation_steps
@@ -279,7 +346,7 @@ def _train(engine, rows: torch.Tensor, start: int, args) -> tuple[list[float], l
         steps_s.append(dt)
         moved.append(io)
         bar.set_postfix(loss=f"{total:.3f}", tok_s=f"{ids.numel() / dt:.0f}", step_s=f"{dt:.2f}")
-        if args.save and engine.global_steps % args.save_every == 0:
+        if args.save and (engine.global_steps % args.save_every == 0 or step == args.steps - 1):
             engine.save_checkpoint(args.save, client_state={"next_step": engine.global_steps})
     bar.close()
     return losses, steps_s, moved
@@ -289,37 +356,38 @@ def run(args) -> int:
     import infinity
     from infinity.data import pack, read_texts, stdlib_corpus
 
+    check_arguments(args)
     torch.manual_seed(args.seed)
-    model, tokenizer, pretrained = build_model(args)
+    model_config, tokenizer, pretrained = read_model(args)
+    texts = read_texts(args.data) if args.data else stdlib_corpus(4 << 20)
+    rows = pack(texts, tokenizer, args.seq_len)
+    _check_token_ids(args, model_config, tokenizer, rows)
+    model = build_model(model_config)
     lora = add_lora(model, args.lora) if args.lora else []
     lr = args.lr if args.lr is not None else (1e-4 if pretrained else 3e-3)
-    work = None
-    if args.config:
-        config = args.config
-    else:
-        work = tempfile.mkdtemp(prefix="infinity-finetune-", dir=args.nvme_path)
-        config = _default_config(work, args.offload or "nvme", args.batch or 4, lr)
+    # The stores go straight under --nvme-path, where the next run and `infinity clean` look for
+    # what a killed run left ([Note: cleanup on exit] in infinity/tiers/store.py).
+    config = args.config or _default_config(args.nvme_path, args.offload or "nvme", args.batch or 4, lr)
     if args.trace:
         if not isinstance(config, dict):
             with open(config, encoding="utf-8") as f:
                 config = json.load(f)
         config = {**config, "trace": {**config.get("trace", {}), "path": args.trace}}
+    engine, *_ = infinity.initialize(model=model, config=config)
+    previous = signal.getsignal(signal.SIGTERM)
     try:
-        engine, *_ = infinity.initialize(model=model, config=config)
         if pretrained:
             infinity.load_pretrained(engine, pretrained, missing_ok=lambda name: ".lora_" in name)
-        texts = read_texts(args.data) if args.data else stdlib_corpus(4 << 20)
-        rows = pack(texts, tokenizer, args.seq_len)
         print(f"model: {engine.trainable_numel / 1e6:.2f}M trainable and {engine.frozen_numel / 1e6:.2f}M frozen "
               f"parameters in {len(engine.units)} units; offload param={engine.config.zero.offload_param.device}, "
               f"optimizer={engine.config.zero.offload_optimizer.device}; data: {rows.numel() / 1e6:.2f}M tokens")
         start = 0
         if args.resume:
             _, client = engine.load_checkpoint(args.resume)
-            if client is None:
-                raise SystemExit(f"--resume: {args.resume} has no checkpoint (no 'latest' file)")
             start = client.get("next_step", engine.global_steps)  # saved through the API: its step count
             print(f"resumed from {args.resume} at step {start}")
+            if start >= args.steps:
+                print(f"--steps {args.steps}: the checkpoint is at step {start} already; nothing to train")
         if args.save:
             def preempted(signum, frame):  # runs at the end of the step it arrived in
                 engine.save_checkpoint(args.save, client_state={"next_step": engine.global_steps})
@@ -329,13 +397,12 @@ def run(args) -> int:
             signal.signal(signal.SIGTERM, preempted)
         if args.sample_tokens:
             print(f"sample before: {generate(engine, tokenizer, PROMPT, args.sample_tokens)!r}")
-        losses, steps_s, moved = _train(engine, rows, start, args)
+        losses, steps_s, moved = _train(engine, rows, start, args) if start < args.steps else ([], [], [])
         if losses:
             print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over steps {start}-{args.steps - 1}")
         if args.sample_tokens:
             print(f"sample after:  {generate(engine, tokenizer, PROMPT, args.sample_tokens)!r}")
-        if args.save and losses:
-            engine.save_checkpoint(args.save, client_state={"next_step": engine.global_steps})
+        if args.save and losses:  # _train saved after the last step
             ck = engine.last_checkpoint
             print(f"checkpoint {ck['path']}: {ck['bytes'] / 1e6:.1f} MB in {ck['seconds']:.2f} s")
         print("what lived where and what moved:")
@@ -343,14 +410,12 @@ def run(args) -> int:
         if args.plot and losses:
             _plot(args.plot, list(range(start, start + len(losses))), losses, moved)
         if args.export:
-            export_model(engine, args.export, lora)
+            export_model(engine, args.export, lora, tokenizer)
             print(f"exported to {args.export}")
-        if args.save:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        engine.close()
     finally:
-        if work:
-            shutil.rmtree(work, ignore_errors=True)
+        if args.save:
+            signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)  # None: not set from Python
+        engine.close()
     return 0
 
 

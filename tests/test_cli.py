@@ -50,7 +50,7 @@ def test_finetune_data_shorter_than_a_sequence_is_an_error_not_a_traceback(tmp_p
                         "--steps", "1", "--sample-tokens", "0", "--nvme-path", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 2 and "--data:" in err and "fewer than one sequence of 64" in err
-    assert not [p for p in os.listdir(tmp_path) if p.startswith("infinity-finetune-")]  # nothing left on disk
+    assert os.listdir(tmp_path) == ["tiny.txt"]  # nothing left on disk
 
 
 def test_estimate(capsys):

@@ -3,8 +3,14 @@ and a Hugging Face model fine-tuned with LoRA, saved, resumed and exported."""
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -72,3 +78,180 @@ def test_hf_model_with_lora_save_resume_export(capsys, tmp_path):
     assert not torch.equal(after["model.layers.0.self_attn.q_proj.weight"],
                            before["model.layers.0.self_attn.q_proj.weight"].to(after["model.layers.0.self_attn.q_proj.weight"].dtype))
     assert torch.equal(after["model.norm.weight"].float(), before["model.norm.weight"])  # frozen, not adapted
+
+
+# ---- what a run leaves on disk ----------------------------------------------------------------
+
+
+def tiny_hf_model(directory, vocab: int = 300, tokenizer_vocab: int = 0) -> str:
+    """A 2-layer Llama saved in Hugging Face's layout; with a byte-level BPE tokenizer of
+    `tokenizer_vocab` entries beside it when that is not 0."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(directory)
+    if tokenizer_vocab:
+        from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        trainer = trainers.BpeTrainer(vocab_size=tokenizer_vocab, special_tokens=["<unk>", "<s>", "</s>"],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator([TEXT] * 4, trainer)
+        transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                             eos_token="</s>").save_pretrained(directory)
+    return str(directory)
+
+
+TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(60))
+
+
+@pytest.fixture
+def job(tmp_path):
+    """Arguments of a run that takes a second: a tiny Llama directory, a small text file, an
+    NVMe directory of its own."""
+    (tmp_path / "data.txt").write_text(TEXT)
+    (tmp_path / "nvme").mkdir()
+    return ["finetune", "--model", tiny_hf_model(tmp_path / "hf"), "--data", str(tmp_path / "data.txt"),
+            "--seq-len", "32", "--sample-tokens", "0", "--nvme-path", str(tmp_path / "nvme")]
+
+
+def start_job(argv: list[str], nvme) -> subprocess.Popen:
+    """`infinity finetune` in a process of its own, returned once its NVMe stores are open."""
+    proc = subprocess.Popen([sys.executable, "-m", "infinity.cli", *argv], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 120
+    while len(glob.glob(f"{nvme}/**/rank0.lock", recursive=True)) < 2:  # parameters and optimizer state
+        assert proc.poll() is None and time.monotonic() < deadline, "the job ended before its stores opened"
+        time.sleep(0.1)
+    return proc
+
+
+def test_what_kill_9_leaves_is_reclaimed_under_the_nvme_path(job, tmp_path, capsys):
+    nvme = tmp_path / "nvme"
+    proc = start_job([*job, "--steps", "100000"], nvme)
+    proc.kill()
+    proc.wait()
+    assert os.listdir(nvme)  # nothing ran: the files stay
+    assert main(["clean", str(nvme), "--dry-run"]) == 0
+    assert capsys.readouterr().out.count("stale") == 3  # both stores listed, then the summary
+    assert main([*job, "--steps", "1"]) == 0  # the next run on the same --nvme-path removes them
+    assert os.listdir(nvme) == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_without_save_leaves_nothing(job, tmp_path, signum):
+    nvme = tmp_path / "nvme"
+    proc = start_job([*job, "--steps", "100000"], nvme)
+    proc.send_signal(signum)
+    assert proc.wait(timeout=60) != 0
+    assert os.listdir(nvme) == []
+
+
+# ---- save, export ------------------------------------------------------------------------------
+
+
+def test_export_carries_the_tokenizer(tmp_path):
+    (tmp_path / "data.txt").write_text(TEXT)
+    model = tiny_hf_model(tmp_path / "hf", tokenizer_vocab=280)
+    assert main(["finetune", "--model", model, "--data", str(tmp_path / "data.txt"), "--seq-len", "32",
+                 "--sample-tokens", "0", "--steps", "1", "--nvme-path", str(tmp_path),
+                 "--export", str(tmp_path / "out")]) == 0
+    theirs = transformers.AutoTokenizer.from_pretrained(model)
+    ours = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")  # not the byte tokenizer's fallback
+    assert ours.get_vocab() == theirs.get_vocab() and ours.encode(TEXT[:200]) == theirs.encode(TEXT[:200])
+    assert ours.eos_token == "</s>"
+
+
+def test_the_last_checkpoint_is_written_once(job, tmp_path, monkeypatch):
+    from infinity.engine import Engine
+
+    saved = []
+    real = Engine.save_checkpoint
+
+    def save_checkpoint(engine, save_dir, *args, **kwargs):
+        saved.append(engine.global_steps)
+        return real(engine, save_dir, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "save_checkpoint", save_checkpoint)
+    assert main([*job, "--steps", "4", "--save-every", "2", "--save", str(tmp_path / "ckpt")]) == 0
+    assert saved == [2, 4]
+    assert main([*job, "--steps", "5", "--save-every", "2", "--save", str(tmp_path / "ckpt")]) == 0
+    assert saved == [2, 4, 2, 4, 5]
+
+
+# ---- bad input: one line naming the flag, before the model is built ---------------------------
+
+
+def finetune(argv: list[str], capsys) -> tuple[int, str, str]:
+    """Exit status, stdout and stderr of `infinity finetune`."""
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_refused(rc: int, out: str, err: str, flag: str, said: str) -> None:
+    """Exit 2 with one line naming the flag, nothing built and nothing trained (no `model:` line)."""
+    assert rc == 2, err
+    assert err.strip().splitlines() == [err.strip()] and err.startswith(f"infinity finetune: {flag}"), err
+    assert said in err
+    assert "model:" not in out
+
+
+@pytest.mark.parametrize("flag,target,said", [
+    ("--save", "FILE", "not a directory"),
+    ("--export", "FILE", "not a directory"),
+    ("--save", "/proc/infinity-x", "cannot create files in /proc"),
+    ("--export", "/proc/infinity-x", "cannot create files in /proc"),
+    ("--trace", "DIR", "is a directory"),
+    ("--trace", "/proc/infinity-x/t.json", "cannot create files in /proc"),
+    ("--plot", "DIR", "is a directory")])
+def test_bad_destinations_are_refused_before_the_run(job, tmp_path, capsys, flag, target, said):
+    path = {"FILE": str(tmp_path / "data.txt"), "DIR": str(tmp_path / "nvme")}.get(target, target)
+    rc, out, err = finetune([*job, "--steps", "1", flag, path], capsys)
+    assert_refused(rc, out, err, flag, said)
+    assert os.listdir(tmp_path / "nvme") == []  # no stray trace file, nothing offloaded
+
+
+@pytest.mark.parametrize("case,flag,said", [
+    ("resume_missing", "--resume", "not a directory"),
+    ("resume_empty", "--resume", "no checkpoint"),
+    ("small_vocabulary", "--model", "too small for the byte tokenizer"),
+    ("not_utf8", "--data", "not UTF-8 text"),
+    ("tokenizer_too_big", "--model", "beyond the model's vocabulary of 200")])
+def test_bad_inputs_are_one_line_naming_the_flag_before_the_model_is_built(job, tmp_path, capsys, case, flag, said):
+    argv = [*job, "--steps", "1"]
+    if case == "resume_missing":
+        argv += ["--resume", str(tmp_path / "nowhere")]
+    elif case == "resume_empty":
+        argv += ["--resume", str(tmp_path / "nvme")]
+    elif case == "small_vocabulary":
+        argv += ["--model", tiny_hf_model(tmp_path / "small", vocab=100)]
+    elif case == "not_utf8":
+        (tmp_path / "bad.txt").write_bytes(TEXT.encode() + b"\xff\xfe")
+        argv += ["--data", str(tmp_path / "bad.txt")]
+    else:
+        argv += ["--model", tiny_hf_model(tmp_path / "big", vocab=200, tokenizer_vocab=400)]
+    capsys.readouterr()  # what saving the model printed
+    assert_refused(*finetune(argv, capsys), flag, said)
+
+
+def test_nvme_path_with_a_config_is_refused(job, tmp_path, capsys):
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                    "offload_optimizer": {"device": "cpu"}}}
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    rc, out, err = finetune([*job, "--steps", "1", "--config", str(tmp_path / "ds.json")], capsys)
+    assert_refused(rc, out, err, "--nvme-path", "--config")
+    without = [a for a in job if a not in ("--nvme-path", str(tmp_path / "nvme"))]
+    assert main([*without, "--steps", "1", "--config", str(tmp_path / "ds.json")]) == 0  # the config's own places
+
+
+def test_resume_at_or_past_steps_says_there_is_nothing_to_train(job, tmp_path, capsys):
+    assert main([*job, "--steps", "2", "--save", str(tmp_path / "ckpt")]) == 0
+    capsys.readouterr()
+    assert main([*job, "--steps", "2", "--resume", str(tmp_path / "ckpt")]) == 0
+    out = capsys.readouterr().out
+    assert "--steps 2: the checkpoint is at step 2 already; nothing to train" in out
