@@ -104,6 +104,8 @@ class LoRALinear(nn.Linear):
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, device="cpu"))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.scale = alpha / r
+        # Saved with the checkpoint's buffers, so that `infinity consolidate` can merge the adapters.
+        self.register_buffer("lora_scale", torch.tensor(self.scale, device="cpu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) + (x @ self.lora_A.t() @ self.lora_B.t()) * self.scale
@@ -274,23 +276,27 @@ def _export_merged(engine, directory: str, lora: set[str]) -> None:
     lora_names = {f"{m}.lora_{x}" for m in lora for x in "AB"}
     entries = [(s.name, u.dtype, list(s.shape)) for u in engine.units for s in u.slots if s.name not in lora_names]
     writer = ShardedWriter(directory, "model.safetensors", entries, 5 * 10 ** 9) if engine.rank == 0 else None
-    for u in engine.units:
-        full = engine.full_compute_values(u)
-        if writer is None:
-            continue
-        values = {s.name: u.param_values(full, s) for s in u.slots}
-        for s in u.slots:
-            if s.name in lora_names:
+    try:
+        for u in engine.units:
+            full = engine.full_compute_values(u)
+            if writer is None:
                 continue
-            owner = s.name.rsplit(".", 1)[0]
-            value = values[s.name]
-            if owner in lora and s.name.endswith(".weight"):
-                m = modules[owner]
-                delta = values[f"{owner}.lora_B"].float() @ values[f"{owner}.lora_A"].float() * m.scale
-                value = (value.float() + delta).to(value.dtype)
-            writer.add(s.name, value)
-    if writer is not None:
-        writer.close()
+            values = {s.name: u.param_values(full, s) for s in u.slots}
+            for s in u.slots:
+                if s.name in lora_names:
+                    continue
+                owner = s.name.rsplit(".", 1)[0]
+                value = values[s.name]
+                if owner in lora and s.name.endswith(".weight"):
+                    m = modules[owner]
+                    delta = values[f"{owner}.lora_B"].float() @ values[f"{owner}.lora_A"].float() * m.scale
+                    value = (value.float() + delta).to(value.dtype)
+                writer.add(s.name, value)
+        if writer is not None:
+            writer.close()
+    finally:
+        if writer is not None:
+            writer.abort()  # what was not published (nothing after close): a failed export leaves no temporaries
 
 
 def _table(engine, steps_s: list[float], moved: list[int]) -> str:

@@ -787,8 +787,9 @@ def test_consolidate_refuses_an_out_dir_that_is_a_file_or_inside_the_checkpoint(
 
 def test_consolidate_merges_lora_adapters_into_the_weights(tmp_path, capsys):
     """A checkpoint of `infinity finetune --lora`: consolidate writes the fine-tuned model (each
-    B @ A * scale added to its weight, no adapter tensors), or, without the scale, which the
-    checkpoint does not record, a one-line error that says to pass it, and writes nothing."""
+    B @ A * scale added to its weight, the scale being the module's saved `lora_scale` buffer, no
+    adapter tensors). Adapters saved without their scale need --lora-scale: without it, a
+    one-line error that says to pass it, and nothing written."""
     from gpt import config
 
     from infinity.checkpoint.export import consolidate
@@ -808,16 +809,7 @@ def test_consolidate_merges_lora_adapters_into_the_weights(tmp_path, capsys):
     engine.close()
     assert state[f"{wrapped[0]}.lora_B"].abs().sum() > 0  # trained: the merge changes the weight
 
-    assert main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 2
-    err = capsys.readouterr().err
-    assert "LoRA" in err and "--lora-scale" in err and err.count("\n") == 1, err
-    assert not (tmp_path / "hf").exists()
-    _llama_checkpoint(tmp_path / "plain").close()
-    with pytest.raises(ValueError, match="lora_scale: the checkpoint holds no LoRA adapters"):
-        consolidate(str(tmp_path / "plain" / "ckpt"), str(tmp_path / "x"), lora_scale=2)
-    assert not (tmp_path / "x").exists()
-
-    assert main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--lora-scale", str(scale)]) == 0
+    assert main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
     tuned, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     from safetensors import safe_open
@@ -827,3 +819,20 @@ def test_consolidate_merges_lora_adapters_into_the_weights(tmp_path, capsys):
     torch.testing.assert_close(tuned.state_dict()[f"{wrapped[0]}.weight"], merged)
     with torch.no_grad():
         torch.testing.assert_close(tuned(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)
+
+    bare = _llama(tie=False)  # adapters saved without their scale (another LoRA module, an older checkpoint)
+    for name in add_lora(bare, 4):
+        del bare.get_submodule(name)._buffers["lora_scale"]  # noqa: SLF001
+    engine, *_ = infinity.initialize(bare, config=config(3, "cpu", "cpu"))
+    engine.save_checkpoint(tmp_path / "bare")
+    engine.close()
+    capsys.readouterr()
+    assert main(["consolidate", str(tmp_path / "bare"), str(tmp_path / "bare_hf")]) == 2
+    err = capsys.readouterr().err
+    assert "LoRA" in err and "--lora-scale" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "bare_hf").exists()
+    assert main(["consolidate", str(tmp_path / "bare"), str(tmp_path / "bare_hf"), "--lora-scale", "2"]) == 0
+    _llama_checkpoint(tmp_path / "plain").close()
+    with pytest.raises(ValueError, match="lora_scale: the checkpoint holds no LoRA adapters"):
+        consolidate(str(tmp_path / "plain" / "ckpt"), str(tmp_path / "x"), lora_scale=2)
+    assert not (tmp_path / "x").exists()

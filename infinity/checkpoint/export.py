@@ -14,9 +14,10 @@ A checkpoint of `infinity finetune --lora` (infinity.finetune.LoRALinear) holds 
 projection as `M.weight` (frozen) beside `M.lora_A` [r, in] and `M.lora_B` [out, r], and the
 module adds B @ A * scale to what `M.weight` gives. A model directory has no place for the
 adapters (from_pretrained drops them without a word), so `consolidate` writes `M.weight` +
-B @ A * scale instead. The scale (alpha / r) is an attribute of the module, not a tensor, and
-the checkpoint does not record it: the caller gives it (`lora_scale`), and without it
-consolidate refuses rather than write the base model under the fine-tuned one's name.
+B @ A * scale instead. The scale (alpha / r) is the module's `lora_scale` buffer, saved with the
+checkpoint's buffers; for adapters saved without it the caller gives it (`lora_scale`), and
+without either consolidate refuses rather than write the base model under the fine-tuned one's
+name.
 """
 
 from __future__ import annotations
@@ -91,12 +92,14 @@ def consolidate(checkpoint: str, out_dir: str, *, dtype: torch.dtype = torch.flo
             raise ValueError(f"out_dir {out_dir}: inside the checkpoint directory {inside}; give a directory "
                              "outside it")
     manifest = Manifest.read(path)
-    merges = lora_merges(manifest, lora_scale)
-    adapters = {n for pair in merges.values() for n in pair}
     buffers_path = _read_small(manifest, BUFFERS) if BUFFERS in manifest.files else None
     buffer_header = read_header(buffers_path)[0] if buffers_path else {}
-    entries = [(p["name"], dtype, p["shape"]) for u in manifest.units for p in u["params"] if p["name"] not in adapters]
     buffers = load_file(buffers_path) if buffer_header else {}
+    saved_scales = {n.removesuffix(".lora_scale"): float(b) for n, b in buffers.items() if n.endswith(".lora_scale")}
+    buffers = {n: b for n, b in buffers.items() if not n.endswith(".lora_scale")}
+    merges = lora_merges(manifest, lora_scale, saved_scales)
+    adapters = {n for a, b, _ in merges.values() for n in (a, b)}
+    entries = [(p["name"], dtype, p["shape"]) for u in manifest.units for p in u["params"] if p["name"] not in adapters]
     entries += [(n, b.dtype, list(b.shape)) for n, b in buffers.items()]
     config = None
     if HF_CONFIG in manifest.files:
@@ -115,8 +118,9 @@ def consolidate(checkpoint: str, out_dir: str, *, dtype: torch.dtype = torch.flo
                     continue
                 values = _read_param(cache, manifest, p["name"])  # a frozen one's: its frozen values
                 if p["name"] in merges:
-                    a, b = (_read_param(cache, manifest, n).float() for n in merges[p["name"]])
-                    values = values.float() + b @ a * lora_scale
+                    a_name, b_name, scale = merges[p["name"]]
+                    a, b = (_read_param(cache, manifest, n).float() for n in (a_name, b_name))
+                    values = values.float() + b @ a * scale
                 writer.add(p["name"], values.to(dtype))
                 bar.update(values.numel() * dtype.itemsize)
             cache.clear()
@@ -136,8 +140,10 @@ def _read_param(cache: ExtentCache, manifest: Manifest, name: str) -> torch.Tens
     return param_run(cache, place, "master", 0, place.numel).reshape(place.shape)
 
 
-def lora_merges(manifest: Manifest, lora_scale: float | None) -> dict[str, tuple[str, str]]:
-    """`M.weight` -> (`M.lora_A`, `M.lora_B`) for each adapter of the checkpoint; an error for
+def lora_merges(manifest: Manifest, lora_scale: float | None,
+                saved_scales: dict[str, float]) -> dict[str, tuple[str, str, float]]:
+    """`M.weight` -> (`M.lora_A`, `M.lora_B`, scale) for each adapter of the checkpoint, the
+    scale being the `M.lora_scale` buffer saved with it, else `lora_scale`; an error for
     adapters without a scale, adapters of another layout, and a scale without adapters ([Note:
     LoRA adapters in a checkpoint])."""
     if lora_scale is not None and not (isinstance(lora_scale, (int, float)) and math.isfinite(lora_scale)):
@@ -154,12 +160,13 @@ def lora_merges(manifest: Manifest, lora_scale: float | None) -> dict[str, tuple
                              "merges M.lora_A [r, in] and M.lora_B [out, r] into M.weight [out, in], as `infinity "
                              "finetune --lora` saves them); merge the adapters in the model and export it with "
                              "engine.save_16bit_model")
-        merges[f"{owner}.weight"] = (a.name, b.name)
-    if merges and lora_scale is None:
-        raise ValueError(f"{manifest.directory}: holds LoRA adapters of {len(merges)} weights ({min(merges)}, ...) "
-                         "but not their scale (alpha / r), which merging them into the weights needs; pass "
-                         "--lora-scale (lora_scale=): 2 for a checkpoint of `infinity finetune --lora`, whose alpha "
-                         "is 2r")
+        scale = lora_scale if lora_scale is not None else saved_scales.get(owner)
+        merges[f"{owner}.weight"] = (a.name, b.name, scale)
+    unscaled = sorted(w for w, (_, _, scale) in merges.items() if scale is None)
+    if unscaled:
+        raise ValueError(f"{manifest.directory}: holds LoRA adapters of {len(unscaled)} weights ({unscaled[0]}, ...) "
+                         "but not their scale (alpha / r, saved as M.lora_scale by `infinity finetune --lora`), "
+                         "which merging them into the weights needs; pass --lora-scale (lora_scale=)")
     if lora_scale is not None and not merges:
         raise ValueError(f"lora_scale: the checkpoint holds no LoRA adapters (no parameter named M.lora_A), got "
                          f"{lora_scale!r}")
