@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, OSError) as e:  # bad input found on the way (data, config, model): no traceback
             print(f"infinity finetune: {e}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:  # the engine's files went with it (engine.close in finetune.run)
+            print("infinity finetune: interrupted", file=sys.stderr)
+            return 130
     if args.command == "consolidate":
         if not os.path.isdir(args.checkpoint_dir):
             parser.error(f"checkpoint_dir {args.checkpoint_dir}: not a directory")

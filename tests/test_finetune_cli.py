@@ -115,10 +115,10 @@ def job(tmp_path):
             "--seq-len", "32", "--sample-tokens", "0", "--nvme-path", str(tmp_path / "nvme")]
 
 
-def start_job(argv: list[str], nvme) -> subprocess.Popen:
+def start_job(argv: list[str], nvme, stderr=subprocess.DEVNULL) -> subprocess.Popen:
     """`infinity finetune` in a process of its own, returned once its NVMe stores are open."""
     proc = subprocess.Popen([sys.executable, "-m", "infinity.cli", *argv], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            stderr=stderr, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while len(glob.glob(f"{nvme}/**/rank0.lock", recursive=True)) < 2:  # parameters and optimizer state
         assert proc.poll() is None and time.monotonic() < deadline, "the job ended before its stores opened"
@@ -141,10 +141,15 @@ def test_what_kill_9_leaves_is_reclaimed_under_the_nvme_path(job, tmp_path, caps
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_without_save_leaves_nothing(job, tmp_path, signum):
     nvme = tmp_path / "nvme"
-    proc = start_job([*job, "--steps", "100000"], nvme)
-    proc.send_signal(signum)
-    assert proc.wait(timeout=60) != 0
+    with open(tmp_path / "stderr", "w") as err:
+        proc = start_job([*job, "--steps", "100000"], nvme, stderr=err)
+        proc.send_signal(signum)
+        code = proc.wait(timeout=60)
+    assert code != 0
     assert os.listdir(nvme) == []
+    if signum == signal.SIGINT:  # Ctrl-C: one line, not a KeyboardInterrupt traceback
+        said = (tmp_path / "stderr").read_text()
+        assert code == 130 and "infinity finetune: interrupted" in said and "Traceback" not in said, said
 
 
 # ---- save, export ------------------------------------------------------------------------------
