@@ -117,7 +117,8 @@ def job(tmp_path):
 
 def start_job(argv: list[str], nvme, stderr=subprocess.DEVNULL) -> subprocess.Popen:
     """`infinity finetune` in a process of its own, returned once its NVMe stores are open."""
-    proc = subprocess.Popen([sys.executable, "-m", "infinity.cli", *argv], stdout=subprocess.DEVNULL,
+    # Run from the NVMe directory: a checkout's root would shadow the installed package (CI).
+    proc = subprocess.Popen([sys.executable, "-m", "infinity.cli", *argv], stdout=subprocess.DEVNULL, cwd=nvme,
                             stderr=stderr, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while len(glob.glob(f"{nvme}/**/rank0.lock", recursive=True)) < 2:  # parameters and optimizer state
