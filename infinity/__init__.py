@@ -1,5 +1,6 @@
 """infinity: train models larger than GPU and CPU memory on one node (ZeRO-Infinity style)."""
 
+from infinity import utils, zero  # deepspeed.utils / deepspeed.zero after the import alone
 from infinity.checkpoint.pretrained import load_pretrained
 from infinity.compat import add_config_arguments, init_distributed
 from infinity.engine import Engine, initialize

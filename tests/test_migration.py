@@ -170,3 +170,12 @@ def test_init_distributed_and_add_config_arguments():
             infinity.init_distributed(world_size=2)
         finally:
             os.environ.update(env)
+
+
+def test_deepspeeds_submodules_are_there_after_the_import_alone(tmp_path):
+    """`import infinity as deepspeed` then `deepspeed.utils.safe_get_full_fp32_param(p)` and
+    `deepspeed.zero.Init`: a fresh interpreter (any other test imports infinity.utils itself),
+    run outside the checkout, whose root would shadow the installed package."""
+    code = "import infinity as deepspeed; deepspeed.utils.safe_get_full_fp32_param; deepspeed.zero.Init"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
