@@ -680,7 +680,9 @@ class Engine:
         keep_vars: list[bool] = []  # one entry per module whose state_dict() is running
 
         def before(module, prefix, keep):
-            if self.world_size > 1 and not keep:
+            released = [p for p in module.parameters(recurse=False)
+                        if id(p) in self._owner and self._owner[id(p)][0].state is UnitState.RELEASED]
+            if self.world_size > 1 and not keep and released:  # gathered ones (GatheredParameters) are whole
                 raise RuntimeError(
                     f"state_dict(): the model's parameters are partitioned over {self.world_size} ranks and "
                     "no rank holds them whole; call engine.consolidated_state_dict() on every rank (rank 0 "
@@ -707,7 +709,8 @@ class Engine:
         Its hooks put in each parameter's real value instead: a CPU copy in the compute dtype,
         gathered one unit at a time; the copies are kept until the outermost call returns, so a
         tied parameter comes out as one tensor under both names. With several ranks no rank holds
-        the values whole and `state_dict()` raises, naming what works."""
+        a released unit whole and `state_dict()` raises, naming what works; inside
+        `GatheredParameters` every rank holds them, and it returns them."""
         if self._values_cache is None:
             self._values_cache = {}
         if id(param) not in self._values_cache:

@@ -73,8 +73,11 @@ def _two_rank_worker(rank: int, port: int, model, cases, results, nvme_path: str
             engine, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
             losses = engine_run(engine, data, gas=gas, rank=rank, world=2)
             state = engine.consolidated_state_dict()
-            with pytest.raises(RuntimeError, match="consolidated_state_dict"):
-                engine.module.state_dict()  # no rank holds the values whole: said, never a hang
+            if stage == 3:
+                with pytest.raises(RuntimeError, match="consolidated_state_dict"):
+                    engine.module.state_dict()  # no rank holds the values whole: said, never a hang
+            else:  # stages 1 and 2 keep every parameter whole on every rank
+                assert all(torch.equal(v, state[k]) for k, v in engine.module.state_dict().items() if rank == 0)
             engine.close()
             if rank == 0:
                 results[key] = (losses, state)
@@ -575,3 +578,69 @@ def test_an_engine_without_an_optimizer_is_for_inference(model, tmp_path):
     with torch.no_grad():
         assert torch.equal(engine(idx, tgt), model(idx, tgt))  # and it goes on
     engine.close()
+
+
+class _TwoScalars(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(1, 1, bias=False) for _ in range(2))
+        for layer in self.layers:
+            torch.nn.init.constant_(layer.weight, 1.0)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.float().sum()
+
+
+_FP16 = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
+         "fp16": {"enabled": True, "initial_scale_power": 15},  # scale 32768: a gradient of 1.5 is 49152 < 65504
+         "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+         "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"},
+                               "stage3_param_persistence_threshold": 0}}
+
+
+def _fp16_steps() -> tuple[list[float], int, dict, dict]:
+    engine, *_ = infinity.initialize(model=_TwoScalars(), config=_FP16)
+    norms = []
+    for _ in range(3):
+        engine.backward(engine(torch.tensor([[1.5]]).half()))  # every rank the same gradient
+        engine.step()
+        norms.append(engine.get_global_grad_norm())
+    if engine.world_size > 1:
+        with pytest.raises(RuntimeError, match="GatheredParameters"):
+            engine.module.state_dict()  # released: no rank holds them
+    with infinity.GatheredParameters(list(engine.module.parameters())):
+        gathered = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    full = engine.consolidated_state_dict()
+    skipped = engine.skipped_steps
+    engine.close()
+    return norms, skipped, gathered, full
+
+
+def _fp16_worker(rank: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        results[rank] = _fp16_steps()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_two_ranks_average_fp16_gradients_without_overflow_and_state_dict_works_gathered():
+    """Two gloo ranks with the same fp16 gradient (49152 scaled) summed it in fp16 (98304: inf)
+    before dividing: every step was skipped as an overflow and the loss scale halved, where one
+    rank applies them all. And state_dict() inside GatheredParameters, which its own error
+    message recommends (the DeepSpeed idiom before save_pretrained), raised on two ranks."""
+    one_norms, one_skipped, _, one_full = _fp16_steps()
+    assert one_skipped == 0
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_fp16_worker, args=(_free_port(), results), nprocs=2)
+        results = dict(results)
+    for rank in (0, 1):
+        norms, skipped, gathered, _ = results[rank]
+        assert skipped == 0 and norms == one_norms, (rank, norms, one_norms)
+        assert all(torch.equal(gathered[k], one_full[k].half()) for k in one_full), rank
+    assert all(torch.equal(results[0][3][k], v) for k, v in one_full.items())

@@ -66,8 +66,16 @@ def reduce_scatter_mean(full: torch.Tensor) -> torch.Tensor:
         shard = torch.empty(full.numel() // world, dtype=full.dtype, device=full.device)
         dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.AVG)
         return shard
+    shard = full.chunk(world)[dist.get_rank()]
+    if full.dtype in (torch.float16, torch.bfloat16):
+        # The sum of several ranks' fp16 gradients can pass 65504 where their mean does not (a
+        # loss-scaled gradient near the top of the range): it would read as an overflow and skip
+        # the step. Summed in fp32, it is rounded once, to the mean.
+        wide = full.float()
+        dist.all_reduce(wide)
+        return shard.copy_(wide.chunk(world)[dist.get_rank()].div_(world))
     dist.all_reduce(full)
-    return full.chunk(world)[dist.get_rank()].div_(world)
+    return shard.div_(world)
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
