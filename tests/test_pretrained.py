@@ -209,3 +209,15 @@ def test_init_peak_host_memory_is_about_one_unit_plus_the_pools(tmp_path):
     assert r["peak"] < 4 * r["unit"] + r["pools"] + r["bounce"], runs
     assert r["peak"] < r["total"]  # the host memory it took is less than the model
     assert runs["plain"]["peak"] > r["total"]  # built whole, the model itself is there: the test can fail
+
+
+def test_a_peft_model_built_under_init_is_refused_not_silently_perturbed():
+    """peft initialises its adapters as it wraps the model (lora_B zero, so the adapted model
+    starts as the base); on the meta device that is lost, and the model's own init then drew
+    lora_B at random: a fine-tune that started from a perturbed model, without a word."""
+    peft = pytest.importorskip("peft")
+    with infinity.Init():
+        model = peft.get_peft_model(transformers.LlamaForCausalLM(llama_config(layers=1)),
+                                    peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match=r"q_proj.*peft.*infinity\.Init"):
+        infinity.initialize(model, config=config(3, "cpu", "cpu"))

@@ -64,6 +64,13 @@ class DeferredInit:
                 self.owners.setdefault(id(p), []).append(m)
         hf_init = getattr(model, "_init_weights", None)
         self._init = hf_init if callable(hf_init) else None
+        for name, m in model.named_modules():
+            # peft's LoRA layers set their adapters as they wrap the model (lora_B zero); that
+            # ran on meta tensors, and neither the model's init nor reset_parameters knows it.
+            if callable(getattr(m, "reset_lora_parameters", None)) and any(p.is_meta for p in m.parameters()):
+                raise ValueError(f"{name}: a peft adapter built under infinity.Init, whose initialisation (lora_B "
+                                 "zero) the meta device lost; build the peft model without infinity.Init, or use "
+                                 "infinity finetune --lora")
 
     def materialize(self, params: list[nn.Parameter]) -> None:
         """Builds and initialises every module holding one of `params` that is still on meta."""
