@@ -221,3 +221,27 @@ def test_a_peft_model_built_under_init_is_refused_not_silently_perturbed():
                                     peft.LoraConfig(r=4, target_modules=["q_proj"]))
     with pytest.raises(ValueError, match=r"q_proj.*peft.*infinity\.Init"):
         infinity.initialize(model, config=config(3, "cpu", "cpu"))
+
+
+def test_a_checkpoint_carrying_values_the_model_computes_loads(tmp_path):
+    """Llama checkpoints written by transformers before 4.31 hold each layer's rotary inv_freq,
+    which the model computes itself (a non-persistent buffer): from_pretrained skips them and
+    load_pretrained refused the checkpoint. Skipped; any other unexpected tensor stays an error."""
+    from safetensors.torch import load_file, save_file
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(llama_config(layers=2))
+    reference.save_pretrained(tmp_path / "hf")
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    for i in range(2):
+        weights[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = reference.model.rotary_emb.inv_freq.clone()
+    save_file(weights, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    with infinity.Init():
+        model = transformers.LlamaForCausalLM(llama_config(layers=2))
+    engine, *_ = infinity.initialize(model, config=config(3, "cpu", "cpu"))
+    infinity.load_pretrained(engine, tmp_path / "hf")
+    torch.testing.assert_close(logits(engine, IDS), logits(reference, IDS), atol=0, rtol=0)
+    weights["model.layers.0.self_attn.extra"] = torch.zeros(3)
+    save_file(weights, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"not in the model: model\.layers\.0\.self_attn\.extra$"):
+        infinity.load_pretrained(engine, tmp_path / "hf")
+    engine.close()

@@ -128,7 +128,12 @@ def _plan(engine: "Engine", index: TensorIndex, strict: bool, missing_ok) -> lis
     for name, buf in persistent_buffers(engine.module).items():
         if name in index.where and list(index.shape(name)) != list(buf.shape):
             shapes.append(f"{name} (checkpoint {index.shape(name)}, model {list(buf.shape)})")
-    unexpected = [n for n in index.where if n not in known]
+    # Values the model computes itself (non-persistent buffers: rotary inv_freq, which Llama
+    # checkpoints of transformers < 4.31 hold under each layer's name) are skipped, as
+    # from_pretrained skips them.
+    persistent = persistent_buffers(engine.module)
+    computed = {n.rsplit(".", 1)[-1] for n, _ in engine.module.named_buffers() if n not in persistent}
+    unexpected = [n for n in index.where if n not in known and n.rsplit(".", 1)[-1] not in computed]
     problems = []
     if shapes:
         problems.append(f"shape mismatch: {_listing(shapes)}")
