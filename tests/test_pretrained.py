@@ -211,16 +211,34 @@ def test_init_peak_host_memory_is_about_one_unit_plus_the_pools(tmp_path):
     assert runs["plain"]["peak"] > r["total"]  # built whole, the model itself is there: the test can fail
 
 
-def test_a_peft_model_built_under_init_is_refused_not_silently_perturbed():
-    """peft initialises its adapters as it wraps the model (lora_B zero, so the adapted model
-    starts as the base); on the meta device that is lost, and the model's own init then drew
-    lora_B at random: a fine-tune that started from a perturbed model, without a word."""
+def test_a_peft_model_built_under_init_starts_as_its_base_loaded_from_a_checkpoint(tmp_path):
+    """peft sets its adapters as it wraps the model (lora_B zero, so the adapted model starts as
+    the base); under Init that ran on meta tensors and the model's own init then drew lora_B at
+    random: a fine-tune from a perturbed model, without a word. They are set again once built,
+    and load_pretrained finds the base weights under peft's names (base_model.model. ...,
+    .base_layer.), so the model is the pretrained one at step 0 and trains only its adapters."""
     peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(llama_config(layers=2))
+    reference.save_pretrained(tmp_path / "hf")
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
     with infinity.Init():
-        model = peft.get_peft_model(transformers.LlamaForCausalLM(llama_config(layers=1)),
-                                    peft.LoraConfig(r=4, target_modules=["q_proj"]))
-    with pytest.raises(ValueError, match=r"q_proj.*peft.*infinity\.Init"):
-        infinity.initialize(model, config=config(3, "cpu", "cpu"))
+        model = peft.get_peft_model(transformers.LlamaForCausalLM(llama_config(layers=2)), lora)
+    engine, *_ = infinity.initialize(model, config=config(3, "cpu", "cpu"))
+    infinity.load_pretrained(engine, tmp_path / "hf", missing_ok=lambda name: ".lora_" in name)
+    state = engine.consolidated_state_dict()
+    a = [v for k, v in state.items() if ".lora_A." in k]
+    b = [v for k, v in state.items() if ".lora_B." in k]
+    assert len(a) == len(b) == 4 and all(bool((v == 0).all()) for v in b)
+    assert all(v.std() > 0.05 for v in a)  # kaiming-uniform over 64 inputs: std 0.072; the model's init: 0.02
+    torch.testing.assert_close(logits(engine, IDS), logits(reference, IDS), atol=0, rtol=0)
+    assert engine.trainable_numel == sum(v.numel() for v in a + b)
+    engine.close()
+    with infinity.Init():
+        pissa = peft.get_peft_model(transformers.LlamaForCausalLM(llama_config(layers=1)),
+                                    peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights="pissa"))
+    with pytest.raises(ValueError, match=r"q_proj: a peft adapter built under infinity\.Init with init_lora_weights"):
+        infinity.initialize(pissa, config=config(3, "cpu", "cpu"))
 
 
 def test_a_checkpoint_carrying_values_the_model_computes_loads(tmp_path):

@@ -97,11 +97,22 @@ def load_pretrained(engine: "Engine", path: str, *, strict: bool = True, missing
             del full
         buffers = persistent_buffers(engine.module)
         for name, buf in buffers.items():
-            if name in index.where:
-                buf.copy_(index.read(name))
+            source = _buffer_source(name, index)
+            if source is not None:
+                buf.copy_(index.read(source))
     finally:
         bar.close()
     engine.after_load()
+
+
+def _buffer_source(name: str, index: TensorIndex) -> str | None:
+    return next((n for n in (name, _base_name(name)) if n in index.where), None)
+
+
+def _base_name(name: str) -> str:
+    """The name a peft model's base tensor has in the base model's checkpoint: peft wraps the
+    model (`base_model.model.`) and each adapted layer (`.base_layer.`)."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
 def _plan(engine: "Engine", index: TensorIndex, strict: bool, missing_ok) -> list:
@@ -111,11 +122,13 @@ def _plan(engine: "Engine", index: TensorIndex, strict: bool, missing_ok) -> lis
         names_of.setdefault(id(p), []).append(name)
     known = {n for ns in names_of.values() for n in ns}
     known |= {n for n, _ in engine.module.named_buffers(remove_duplicate=False)}
+    known |= {_base_name(n) for n in known}
     plan, missing, shapes = [], [], []
     for u in engine.units:
         sources = []
         for s in u.slots:
-            found = next((n for n in [s.name, *names_of.get(id(s.param), [])] if n in index.where), None)
+            names = [s.name, *names_of.get(id(s.param), [])]
+            found = next((n for n in [*names, *map(_base_name, names)] if n in index.where), None)
             if found is None:
                 if not missing_ok(s.name):
                     missing.append(s.name)
@@ -126,7 +139,8 @@ def _plan(engine: "Engine", index: TensorIndex, strict: bool, missing_ok) -> lis
             sources.append((s, found))
         plan.append((u, sources))
     for name, buf in persistent_buffers(engine.module).items():
-        if name in index.where and list(index.shape(name)) != list(buf.shape):
+        name = _buffer_source(name, index)
+        if name is not None and list(index.shape(name)) != list(buf.shape):
             shapes.append(f"{name} (checkpoint {index.shape(name)}, model {list(buf.shape)})")
     # Values the model computes itself (non-persistent buffers: rotary inv_freq, which Llama
     # checkpoints of transformers < 4.31 hold under each layer's name) are skipped, as

@@ -64,24 +64,51 @@ class DeferredInit:
                 self.owners.setdefault(id(p), []).append(m)
         hf_init = getattr(model, "_init_weights", None)
         self._init = hf_init if callable(hf_init) else None
+        # [Note: peft adapters under Init]
+        # peft sets a LoRA layer's adapters as it wraps the model (lora_A drawn, lora_B zero, so
+        # the adapted model starts as the base). Under Init that ran on meta tensors, and the
+        # model's own init would then draw both at random: once a layer is built, its adapters
+        # are set again the way peft sets them (`reset_lora_parameters` with the adapter's
+        # `init_lora_weights`). Initialisations computed from the base weights (PiSSA, OLoRA,
+        # LoftQ...) cannot run before those weights are loaded, and are refused.
+        self._lora: dict[int, tuple[nn.Module, dict[str, Any]]] = {}
+        peft_config = getattr(model, "peft_config", None)
         for name, m in model.named_modules():
-            # peft's LoRA layers set their adapters as they wrap the model (lora_B zero); that
-            # ran on meta tensors, and neither the model's init nor reset_parameters knows it.
-            if callable(getattr(m, "reset_lora_parameters", None)) and any(p.is_meta for p in m.parameters()):
-                raise ValueError(f"{name}: a peft adapter built under infinity.Init, whose initialisation (lora_B "
-                                 "zero) the meta device lost; build the peft model without infinity.Init, or use "
-                                 "infinity finetune --lora")
+            if not (callable(getattr(m, "reset_lora_parameters", None)) and any(p.is_meta for p in m.parameters())):
+                continue
+            adapters = {}
+            for adapter in getattr(m, "lora_A", {}).keys():
+                init = getattr(peft_config.get(adapter), "init_lora_weights", None) if isinstance(peft_config, dict) else None
+                if init not in (True, False, "gaussian"):
+                    raise ValueError(f"{name}: a peft adapter built under infinity.Init with init_lora_weights={init!r}; "
+                                     "under Init only True, False and 'gaussian' can be set again once the layer is "
+                                     "built (the others read base weights not loaded yet): build the peft model "
+                                     "without infinity.Init")
+                adapters[adapter] = init
+            self._lora[id(m)] = (m, adapters)
 
     def materialize(self, params: list[nn.Parameter]) -> None:
         """Builds and initialises every module holding one of `params` that is still on meta."""
         modules = {id(m): m for p in params for m in self.owners.get(id(p), ())}
         for m in modules.values():
             self._build(m)
+        self._reset_lora()
+
+    def _reset_lora(self) -> None:
+        """[Note: peft adapters under Init]: the LoRA layers now wholly built."""
+        for key, (layer, adapters) in list(self._lora.items()):
+            if any(p.is_meta for p in layer.parameters()):
+                continue
+            with torch.no_grad():
+                for adapter, init in adapters.items():
+                    layer.reset_lora_parameters(adapter, init)
+            del self._lora[key]
 
     def finish(self) -> None:
         """The modules left on meta (those holding only buffers), then a check that none is."""
         for m in self.model.modules():
             self._build(m)
+        self._reset_lora()
 
     def _build(self, module: nn.Module) -> None:
         fresh: list[tuple[str, torch.Tensor]] = []
