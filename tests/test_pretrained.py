@@ -5,6 +5,7 @@ against the same model built normally."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -234,11 +235,16 @@ def test_a_peft_model_built_under_init_starts_as_its_base_loaded_from_a_checkpoi
     torch.testing.assert_close(logits(engine, IDS), logits(reference, IDS), atol=0, rtol=0)
     assert engine.trainable_numel == sum(v.numel() for v in a + b)
     engine.close()
-    with infinity.Init():
-        pissa = peft.get_peft_model(transformers.LlamaForCausalLM(llama_config(layers=1)),
-                                    peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights="pissa"))
-    with pytest.raises(ValueError, match=r"q_proj: a peft adapter built under infinity\.Init with init_lora_weights"):
-        infinity.initialize(pissa, config=config(3, "cpu", "cpu"))
+    for refused, said in ((peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights="pissa"),
+                           "peft adapter built under infinity.Init with init_lora_weights='pissa'"),
+                          (peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True),
+                           "peft adapter built under infinity.Init with use_dora"),
+                          (peft.IA3Config(target_modules=["q_proj"], feedforward_modules=[]),
+                           "peft Linear layer built under infinity.Init; only LoRA")):
+        with infinity.Init():
+            model = peft.get_peft_model(transformers.LlamaForCausalLM(llama_config(layers=1)), refused)
+        with pytest.raises(ValueError, match=r"q_proj: a " + re.escape(said)):
+            infinity.initialize(model, config=config(3, "cpu", "cpu"))
 
 
 def test_a_checkpoint_carrying_values_the_model_computes_loads(tmp_path):

@@ -74,16 +74,23 @@ class DeferredInit:
         self._lora: dict[int, tuple[nn.Module, dict[str, Any]]] = {}
         peft_config = getattr(model, "peft_config", None)
         for name, m in model.named_modules():
-            if not (callable(getattr(m, "reset_lora_parameters", None)) and any(p.is_meta for p in m.parameters())):
+            if not any(p.is_meta for p in m.parameters()):
+                continue
+            if hasattr(m, "adapter_layer_names") and not callable(getattr(m, "reset_lora_parameters", None)):
+                raise ValueError(f"{name}: a peft {type(m).__name__} layer built under infinity.Init; only LoRA "
+                                 "adapters are set again once built: build this peft model without infinity.Init")
+            if not callable(getattr(m, "reset_lora_parameters", None)):
                 continue
             adapters = {}
             for adapter in getattr(m, "lora_A", {}).keys():
-                init = getattr(peft_config.get(adapter), "init_lora_weights", None) if isinstance(peft_config, dict) else None
-                if init not in (True, False, "gaussian"):
-                    raise ValueError(f"{name}: a peft adapter built under infinity.Init with init_lora_weights={init!r}; "
-                                     "under Init only True, False and 'gaussian' can be set again once the layer is "
-                                     "built (the others read base weights not loaded yet): build the peft model "
-                                     "without infinity.Init")
+                cfg = peft_config.get(adapter) if isinstance(peft_config, dict) else None
+                init = getattr(cfg, "init_lora_weights", None)
+                what = "use_dora" if getattr(cfg, "use_dora", False) else f"init_lora_weights={init!r}"
+                if what == "use_dora" or init not in (True, False, "gaussian"):
+                    raise ValueError(f"{name}: a peft adapter built under infinity.Init with {what}, which peft "
+                                     "computes from base weights not loaded yet (under Init only init_lora_weights "
+                                     "True, False and 'gaussian' can be set once the layer is built): build the "
+                                     "peft model without infinity.Init")
                 adapters[adapter] = init
             self._lora[id(m)] = (m, adapters)
 
