@@ -3,7 +3,8 @@
 from infinity import utils, zero  # deepspeed.utils / deepspeed.zero after the import alone
 from infinity.checkpoint.pretrained import load_pretrained
 from infinity.compat import add_config_arguments, init_distributed
-from infinity.engine import Engine, initialize
+from infinity.engine import Engine
+from infinity.entry import initialize
 from infinity.zero.init import Init
 from infinity.zero.registry import GatheredParameters
 

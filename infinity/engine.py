@@ -1,6 +1,7 @@
-"""The training engine: DeepSpeed's `initialize` / forward / backward / step over ZeRO units.
+"""The training engine: DeepSpeed's forward / backward / step over ZeRO units (`initialize`,
+which builds it from DeepSpeed's arguments, is in infinity/entry.py).
 
-The engine is the DeepSpeed surface (initialize, the getters, state dicts, DeepSpeed's helpers);
+The engine is the DeepSpeed surface (the getters, state dicts, DeepSpeed's helpers);
 what happens in a step is the step policy's ([Note: one step] in infinity/zero/step_policy.py),
 where each unit's bytes are is the tiers', and every copy between host and device is the device
 layer's ([Note: in-flight copies] in infinity/device).
@@ -18,8 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from infinity.config import InfinityConfig, load_config
-from infinity.compat import TrainingDataLoader
+from infinity.config import InfinityConfig
 from infinity.device import Device, make_device
 from infinity.lr_schedules import build_scheduler
 from infinity.signals import SignalGate
@@ -41,7 +41,13 @@ from infinity.zero.zero_optimizer import ZeroOptimizer
 log = logging.getLogger("infinity")
 
 
-def _param_groups(model: nn.Module, model_parameters: Any) -> list[dict]:
+def _param_groups(model: nn.Module, model_parameters: Any, optimizer: Any, inference: bool) -> list[dict]:
+    """What trains, in which groups: a client optimizer's own groups, as in DeepSpeed
+    (`model_parameters` only builds the optimizer of the config); none for inference."""
+    if optimizer is not None:
+        return list(optimizer.param_groups)
+    if inference:
+        return []
     if model_parameters is None:
         return [{"params": [p for p in model.parameters() if p.requires_grad]}]
     items = list(model_parameters)
@@ -83,17 +89,11 @@ class Engine:
         self._checkpointing = False
         self.last_checkpoint: dict[str, Any] | None = None  # path, bytes, seconds, gbps of the last save
         self._tracing = False  # recording the timeline for config.trace ([Note: the timeline])
-        self._traced = False  # it has started (once per engine)
-        self._trace_from = 0  # the first step recorded
-        # A client optimizer's own groups say what trains and with which hyper-parameters, as in
-        # DeepSpeed; `model_parameters` only builds the optimizer of the config.
+        self._trace_from = 0  # the first step recorded; 0 until the timeline starts (once per engine)
         # Without an optimizer (none passed, no config section) the engine is for inference, as
         # DeepSpeed's: every parameter is frozen and backward is an error.
         self.inference = optimizer is None and config.optimizer is None
-        if optimizer is not None:
-            groups = list(optimizer.param_groups)
-        else:
-            groups = [] if self.inference else _param_groups(model, model_parameters)
+        groups = _param_groups(model, model_parameters, optimizer, self.inference)
         self.optimizer = ZeroOptimizer(groups, config.optimizer, optimizer)
         self.lr_scheduler = lr_scheduler
         if lr_scheduler is None and config.scheduler is not None:
@@ -244,8 +244,7 @@ class Engine:
         DeepSpeed does."""
         self._check_open()
         if self.inference:
-            self._abandon_backward("backward without an optimizer")
-            self._end_pass(failed=True)
+            self._discard_pass("backward without an optimizer")
             raise RuntimeError("engine.backward: this engine has no optimizer (the config has no 'optimizer' section "
                                "and none was passed to initialize), so it is for inference; give one to train")
         if self._grads_final or self._backward_done:
@@ -302,12 +301,16 @@ class Engine:
         if failed:
             self._end_step_hold(boundary=False)
 
+    def _discard_pass(self, what: str) -> None:
+        """A backward refused before anything of it was reduced or updated: the pass ends."""
+        self._abandon_backward(what)
+        self._end_pass(failed=True)
+
     def _backward_outside_engine(self) -> None:
         """Called by the hooks at the first parameter gradient of a backward that
         `engine.backward` did not start (`loss.backward()`): nothing has been reduced or
         updated yet, so the micro-batch is discarded whole and the error says what to call."""
-        self._abandon_backward("a backward ran outside engine.backward()")
-        self._end_pass(failed=True)
+        self._discard_pass("a backward ran outside engine.backward()")
         raise RuntimeError("a backward through the engine's model ran outside engine.backward() (loss.backward()?): "
                            "call engine.backward(loss), which scales the loss for gradient accumulation and fp16 and "
                            "hands each unit's gradients to the partitioned optimizer; this micro-batch is discarded")
@@ -403,10 +406,10 @@ class Engine:
     def _maybe_start_trace(self) -> None:
         trace = self.config.trace
         # At start_step, or at the first step after it where a resumed run begins.
-        if (trace.path is not None and not self._traced and self.policy.first_micro
+        if (trace.path is not None and not self._trace_from and self.policy.first_micro
                 and self.global_steps + 1 >= trace.start_step):
             TIMELINE.start()
-            self._tracing = self._traced = True
+            self._tracing = True
             self._trace_from = self.global_steps + 1
 
     def _write_trace(self) -> None:
@@ -750,7 +753,7 @@ class Engine:
         self._holding_step = False
         if self._tracing:  # closed before the last recorded step: what was recorded
             self._write_trace()
-        elif self.config.trace.path is not None and not self._traced:
+        elif self.config.trace.path is not None and not self._trace_from:
             log.warning("infinity: trace.path %s: nothing recorded, the engine closed at step %d, before "
                         "trace.start_step %d", self.config.trace.path, self.global_steps, self.config.trace.start_step)
         self._signals.close()  # the user's handlers are back (and run for what arrived) while it is open
@@ -770,67 +773,3 @@ class Engine:
             raise RuntimeError("this engine was closed (engine.close() released its parameters and optimizer "
                                "state); build another one with infinity.initialize")
 
-
-def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None, model_parameters: Any = None,
-               training_data: Any = None, lr_scheduler: Any = None, distributed_port: int | None = None,
-               mpu: Any = None, dist_init_required: bool | None = None, collate_fn: Any = None, config: Any = None,
-               mesh_param: Any = None, config_params: Any = None, *,
-               units: UnitPolicy = None) -> tuple[Engine, ZeroOptimizer, Any, Any]:
-    """DeepSpeed's entry point, with its arguments: returns (engine, optimizer, training
-    dataloader or None, lr_scheduler).
-
-    `config` (or `config_params`) is a DeepSpeed JSON config, a dict or a path;
-    `args.deepspeed_config` (or `args.deepscale_config`) is read when neither is given.
-    `optimizer` may be a torch Adam/AdamW or a callable params -> optimizer; `lr_scheduler` a
-    scheduler of that optimizer or a callable optimizer -> scheduler. `training_data` (a Dataset)
-    gives a DataLoader of `train_micro_batch_size_per_gpu` (a DistributedSampler over ranks, and
-    `collate_fn`). `units` (ours) overrides which modules are gathered together: a list of module
-    classes or a callable (qualified_name, module) -> bool. A model given as the first positional
-    argument is taken as `model` (infinity's earlier signature).
-    """
-    if isinstance(args, nn.Module) and model is None:
-        args, model = None, args
-    if model is None:
-        raise ValueError("model: expected the torch.nn.Module to train, got None")
-    if mpu is not None or mesh_param is not None:
-        raise ValueError("mpu / mesh_param: model (tensor or pipeline) parallelism is not supported by infinity; "
-                         "it shards data-parallel ranks only (ZeRO)")
-    if config is not None and config_params is not None:
-        raise ValueError("config and config_params: give one of them (config_params is DeepSpeed's older name)")
-    config = config if config is not None else config_params
-    in_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
-    if config is not None and in_args is not None:
-        raise ValueError("args.deepspeed_config and config: the DeepSpeed config was given twice; give it one way")
-    config = config if config is not None else in_args
-    if config is None:
-        raise ValueError("config: expected a DeepSpeed JSON config (dict or path), got None")
-    accelerator = make_device()
-    if dist_init_required is not False:
-        _, world = zdist.init_distributed(nccl=accelerator.name == "cuda")  # the batch-size rule needs it
-    else:
-        world = zdist.world_size()
-    cfg = load_config(config, world_size=world)
-    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = optimizer(list(model_parameters) if model_parameters is not None else
-                              [p for p in model.parameters() if p.requires_grad])
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer: the callable returned {type(optimizer).__name__}, expected a torch optimizer")
-    scheduler_factory = None
-    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-        scheduler_factory, lr_scheduler = lr_scheduler, None
-    elif lr_scheduler is not None:
-        bound = getattr(lr_scheduler, "optimizer", None)
-        if bound is not None and bound is not optimizer:
-            raise ValueError("lr_scheduler: it steps an optimizer that is not the one given to initialize(), so "
-                             "its learning rates would never reach the update; build it on that optimizer, or "
-                             "pass a callable optimizer -> scheduler")
-    engine = Engine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
-                    lr_scheduler=lr_scheduler, units=units, accelerator=accelerator)
-    if scheduler_factory is not None:
-        engine.lr_scheduler = scheduler_factory(engine.optimizer)
-    loader = None
-    if training_data is not None:
-        loader = TrainingDataLoader(training_data, cfg.batch.train_micro_batch_size_per_gpu, engine.rank,
-                                    engine.world_size, collate_fn=collate_fn)
-    engine.training_dataloader = loader
-    return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -37,13 +37,23 @@ def fsync_dir(path: str) -> None:
     fsync_file(path)  # a directory opened read-only can be fsynced on Linux
 
 
-def write_atomic(path: str, data: bytes) -> None:
-    """Replaces `path` with `data`: all of it or none of it, durable once this returns."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
+def temporary_name(path: str) -> str:
+    """Where this process writes `path` before publishing it by rename."""
+    return f"{path}.tmp-{os.getpid()}"
+
+
+def write_durable(path: str, data: bytes) -> None:
+    """Writes `data` to `path` and fsyncs it."""
+    with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Replaces `path` with `data`: all of it or none of it, durable once this returns."""
+    tmp = temporary_name(path)
+    write_durable(tmp, data)
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 

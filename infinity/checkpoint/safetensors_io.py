@@ -29,7 +29,7 @@ from collections.abc import Iterable
 
 import torch
 
-from infinity.checkpoint.files import fsync_dir
+from infinity.checkpoint.files import fsync_dir, temporary_name, write_durable
 
 _CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -113,10 +113,6 @@ def _make_dirs(directory: str) -> list[str]:
     return created
 
 
-def _temporary(path: str) -> str:
-    return f"{path}.tmp-{os.getpid()}"
-
-
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -197,16 +193,13 @@ class ShardedWriter:
             self._written.append(self._plan[self._shard][0])
         self._shard += 1
         file, entries = self._plan[self._shard]
-        self._writer = StreamWriter(_temporary(os.path.join(self.directory, file)), entries)
+        self._writer = StreamWriter(temporary_name(os.path.join(self.directory, file)), entries)
         self._left = len(entries)
 
     def add_file(self, name: str, data: bytes) -> None:
         """A small file published with the weights, replacing one of that name."""
-        with open(_temporary(os.path.join(self.directory, name)), "wb") as f:
-            self._extra.append(name)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        self._extra.append(name)
+        write_durable(temporary_name(os.path.join(self.directory, name)), data)
 
     def close(self) -> None:
         """Finishes the last file, then publishes them all and removes the earlier export's
@@ -222,7 +215,7 @@ class ShardedWriter:
         names += self._extra
         for name in names:
             path = os.path.join(self.directory, name)
-            os.replace(_temporary(path), path)
+            os.replace(temporary_name(path), path)
         self._published = True
         fsync_dir(self.directory)
         _remove_stale(self.directory, self.filename, set(names), set(self._extra))
@@ -237,7 +230,7 @@ class ShardedWriter:
             self._written.append(self._plan[self._shard][0])
         for name in self._written + self._extra:
             try:
-                os.remove(_temporary(os.path.join(self.directory, name)))
+                os.remove(temporary_name(os.path.join(self.directory, name)))
             except FileNotFoundError:
                 pass
         for path in self._created:

@@ -64,35 +64,7 @@ class DeferredInit:
                 self.owners.setdefault(id(p), []).append(m)
         hf_init = getattr(model, "_init_weights", None)
         self._init = hf_init if callable(hf_init) else None
-        # [Note: peft adapters under Init]
-        # peft sets a LoRA layer's adapters as it wraps the model (lora_A drawn, lora_B zero, so
-        # the adapted model starts as the base). Under Init that ran on meta tensors, and the
-        # model's own init would then draw both at random: once a layer is built, its adapters
-        # are set again the way peft sets them (`reset_lora_parameters` with the adapter's
-        # `init_lora_weights`). Initialisations computed from the base weights (PiSSA, OLoRA,
-        # LoftQ...) cannot run before those weights are loaded, and are refused.
-        self._lora: dict[int, tuple[nn.Module, dict[str, Any]]] = {}
-        peft_config = getattr(model, "peft_config", None)
-        for name, m in model.named_modules():
-            if not any(p.is_meta for p in m.parameters()):
-                continue
-            if hasattr(m, "adapter_layer_names") and not callable(getattr(m, "reset_lora_parameters", None)):
-                raise ValueError(f"{name}: a peft {type(m).__name__} layer built under infinity.Init; only LoRA "
-                                 "adapters are set again once built: build this peft model without infinity.Init")
-            if not callable(getattr(m, "reset_lora_parameters", None)):
-                continue
-            adapters = {}
-            for adapter in getattr(m, "lora_A", {}).keys():
-                cfg = peft_config.get(adapter) if isinstance(peft_config, dict) else None
-                init = getattr(cfg, "init_lora_weights", None)
-                what = "use_dora" if getattr(cfg, "use_dora", False) else f"init_lora_weights={init!r}"
-                if what == "use_dora" or init not in (True, False, "gaussian"):
-                    raise ValueError(f"{name}: a peft adapter built under infinity.Init with {what}, which peft "
-                                     "computes from base weights not loaded yet (under Init only init_lora_weights "
-                                     "True, False and 'gaussian' can be set once the layer is built): build the "
-                                     "peft model without infinity.Init")
-                adapters[adapter] = init
-            self._lora[id(m)] = (m, adapters)
+        self._lora = _lora_layers(model)  # [Note: peft adapters under Init]
 
     def materialize(self, params: list[nn.Parameter]) -> None:
         """Builds and initialises every module holding one of `params` that is still on meta."""
@@ -145,6 +117,41 @@ class DeferredInit:
                 raise ValueError(f"{where}.{name}: built under infinity.Init, but nothing initialised it ({how}); "
                                  "give the module a reset_parameters() method or the model an "
                                  "_init_weights(module) method, or build the model without Init")
+
+
+def _lora_layers(model: nn.Module) -> dict[int, tuple[nn.Module, dict[str, Any]]]:
+    """[Note: peft adapters under Init]
+    peft sets a LoRA layer's adapters as it wraps the model (lora_A drawn, lora_B zero, so the
+    adapted model starts as the base). Under Init that ran on meta tensors, and the model's own
+    init would then draw both at random: once a layer is built, its adapters are set again the
+    way peft sets them (`reset_lora_parameters` with the adapter's `init_lora_weights`).
+    Initialisations computed from the base weights (PiSSA, OLoRA, LoftQ, DoRA's magnitudes)
+    cannot run before those weights are loaded, nor are other tuners' layers set again: both are
+    refused. Returns id -> (layer, adapter -> init) of the LoRA layers still on meta."""
+    layers: dict[int, tuple[nn.Module, dict[str, Any]]] = {}
+    peft_config = getattr(model, "peft_config", None)
+    for name, m in model.named_modules():
+        if not any(p.is_meta for p in m.parameters()):
+            continue
+        lora = callable(getattr(m, "reset_lora_parameters", None))
+        if hasattr(m, "adapter_layer_names") and not lora:
+            raise ValueError(f"{name}: a peft {type(m).__name__} layer built under infinity.Init; only LoRA "
+                             "adapters are set again once built: build this peft model without infinity.Init")
+        if not lora:
+            continue
+        adapters = {}
+        for adapter in getattr(m, "lora_A", {}).keys():
+            cfg = peft_config.get(adapter) if isinstance(peft_config, dict) else None
+            init = getattr(cfg, "init_lora_weights", None)
+            what = "use_dora" if getattr(cfg, "use_dora", False) else f"init_lora_weights={init!r}"
+            if what == "use_dora" or init not in (True, False, "gaussian"):
+                raise ValueError(f"{name}: a peft adapter built under infinity.Init with {what}, which peft "
+                                 "computes from base weights not loaded yet (under Init only init_lora_weights "
+                                 "True, False and 'gaussian' can be set once the layer is built): build the "
+                                 "peft model without infinity.Init")
+            adapters[adapter] = init
+        layers[id(m)] = (m, adapters)
+    return layers
 
 
 def _nan_empty(t: torch.Tensor) -> torch.Tensor:

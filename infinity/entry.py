@@ -1,0 +1,81 @@
+"""`infinity.initialize`: DeepSpeed's entry point, from its arguments to an Engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from infinity.compat import TrainingDataLoader
+from infinity.config import load_config
+from infinity.device import make_device
+from infinity.engine import Engine
+from infinity.zero import dist as zdist
+from infinity.zero.partitioner import UnitPolicy
+from infinity.zero.zero_optimizer import ZeroOptimizer
+
+
+def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None, model_parameters: Any = None,
+               training_data: Any = None, lr_scheduler: Any = None, distributed_port: int | None = None,
+               mpu: Any = None, dist_init_required: bool | None = None, collate_fn: Any = None, config: Any = None,
+               mesh_param: Any = None, config_params: Any = None, *,
+               units: UnitPolicy = None) -> tuple[Engine, ZeroOptimizer, Any, Any]:
+    """DeepSpeed's entry point, with its arguments: returns (engine, optimizer, training
+    dataloader or None, lr_scheduler).
+
+    `config` (or `config_params`) is a DeepSpeed JSON config, a dict or a path;
+    `args.deepspeed_config` (or `args.deepscale_config`) is read when neither is given.
+    `optimizer` may be a torch Adam/AdamW or a callable params -> optimizer; `lr_scheduler` a
+    scheduler of that optimizer or a callable optimizer -> scheduler. `training_data` (a Dataset)
+    gives a DataLoader of `train_micro_batch_size_per_gpu` (a DistributedSampler over ranks, and
+    `collate_fn`). `units` (ours) overrides which modules are gathered together: a list of module
+    classes or a callable (qualified_name, module) -> bool. A model given as the first positional
+    argument is taken as `model` (infinity's earlier signature).
+    """
+    if isinstance(args, nn.Module) and model is None:
+        args, model = None, args
+    if model is None:
+        raise ValueError("model: expected the torch.nn.Module to train, got None")
+    if mpu is not None or mesh_param is not None:
+        raise ValueError("mpu / mesh_param: model (tensor or pipeline) parallelism is not supported by infinity; "
+                         "it shards data-parallel ranks only (ZeRO)")
+    if config is not None and config_params is not None:
+        raise ValueError("config and config_params: give one of them (config_params is DeepSpeed's older name)")
+    config = config if config is not None else config_params
+    in_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if config is not None and in_args is not None:
+        raise ValueError("args.deepspeed_config and config: the DeepSpeed config was given twice; give it one way")
+    config = config if config is not None else in_args
+    if config is None:
+        raise ValueError("config: expected a DeepSpeed JSON config (dict or path), got None")
+    accelerator = make_device()
+    if dist_init_required is not False:
+        _, world = zdist.init_distributed(nccl=accelerator.name == "cuda")  # the batch-size rule needs it
+    else:
+        world = zdist.world_size()
+    cfg = load_config(config, world_size=world)
+    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer(list(model_parameters) if model_parameters is not None else
+                              [p for p in model.parameters() if p.requires_grad])
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer: the callable returned {type(optimizer).__name__}, expected a torch optimizer")
+    scheduler_factory = None
+    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        scheduler_factory, lr_scheduler = lr_scheduler, None
+    elif lr_scheduler is not None:
+        bound = getattr(lr_scheduler, "optimizer", None)
+        if bound is not None and bound is not optimizer:
+            raise ValueError("lr_scheduler: it steps an optimizer that is not the one given to initialize(), so "
+                             "its learning rates would never reach the update; build it on that optimizer, or "
+                             "pass a callable optimizer -> scheduler")
+    engine = Engine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
+                    lr_scheduler=lr_scheduler, units=units, accelerator=accelerator)
+    if scheduler_factory is not None:
+        engine.lr_scheduler = scheduler_factory(engine.optimizer)
+    loader = None
+    if training_data is not None:
+        loader = TrainingDataLoader(training_data, cfg.batch.train_micro_batch_size_per_gpu, engine.rank,
+                                    engine.world_size, collate_fn=collate_fn)
+    engine.training_dataloader = loader
+    return engine, engine.optimizer, loader, engine.lr_scheduler
