@@ -340,7 +340,6 @@ def test_unknown_key_without_a_close_match_lists_the_valid_ones() -> None:
     ("zero_optimization.zero_quantized_weights", True),
     ("zero_optimization.zero_quantized_gradients", True),
     ("zero_optimization.stage3_model_persistence_threshold", 1e9),
-    ("zero_optimization.cpu_offload", True),
     ("fp16.fused_mode", True),
     ("optimizer.params.max_grad_norm", 1.0),
 ])
@@ -761,3 +760,35 @@ def test_sections_of_missing_features_at_deepspeeds_defaults_are_accepted() -> N
            ValueError, "activation_checkpointing: DeepSpeed key not implemented by infinity")
     raises(with_key(config, "data_types.grad_accum_dtype", "bf16"), ValueError,
            'data_types.grad_accum_dtype: DeepSpeed key not implemented by infinity except at null or "fp32", got')
+
+
+def test_deepspeeds_deprecated_offload_switches_are_read_as_deepspeed_reads_them() -> None:
+    """`cpu_offload: false` (DeepSpeed's own test configs spell it out) is no offload, true the
+    section that replaced it with device "cpu"; both at once is DeepSpeed's error too."""
+    base = {**MINIMAL, "optimizer": {"type": "Adam"}}
+    zero = {"stage": 2, "cpu_offload": False, "cpu_offload_use_pin_memory": False}
+    assert load_config({**base, "zero_optimization": zero}).zero.offload_optimizer.device == "none"
+    config = load_config({**base, "zero_optimization": {**zero, "cpu_offload": True, "cpu_offload_use_pin_memory": True}})
+    assert config.zero.offload_optimizer.device == "cpu"
+    config = load_config({**base, "zero_optimization": {"stage": 3, "cpu_offload_param": True, "cpu_offload": False}})
+    assert (config.zero.offload_param.device, config.zero.offload_optimizer.device) == ("cpu", "none")
+    raises({**base, "zero_optimization": {"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}},
+           ValueError, "zero_optimization.cpu_offload, zero_optimization.offload_optimizer: DeepSpeed's deprecated "
+                       "switch and the section that replaces it; give only offload_optimizer")
+    raises({**base, "zero_optimization": {"stage": 2, "cpu_offload": "yes"}}, TypeError,
+           "zero_optimization.cpu_offload: expected true or false")
+
+
+def test_checkpoint_section_keeps_deepspeeds_keys_and_adds_save_total_limit() -> None:
+    base = {**MINIMAL, "optimizer": {"type": "Adam"}}
+    assert load_config(base).checkpoint.save_total_limit is None
+    config = load_config({**base, "checkpoint": {"save_total_limit": 3, "tag_validation": "Warn"}})
+    assert config.checkpoint.save_total_limit == 3
+    raises({**base, "checkpoint": {"save_total_limit": 0}}, ValueError,
+           "checkpoint.save_total_limit: expected an integer >= 1, got 0")
+    raises({**base, "checkpoint": {"save_total_limit": 2.5}}, TypeError,
+           "checkpoint.save_total_limit: expected an integer")
+    raises({**base, "checkpoint": {"save_total_limt": 2}}, ValueError,
+           "checkpoint.save_total_limt: unknown key; did you mean checkpoint.save_total_limit?")
+    raises({**base, "checkpoint": {"load_universal": True}}, ValueError,
+           "checkpoint.load_universal: DeepSpeed key not implemented by infinity except at DeepSpeed's default false")

@@ -21,6 +21,7 @@ from infinity.config.sections import (
     AdamParams,
     BF16Config,
     BatchConfig,
+    CheckpointConfig,
     FP16Config,
     InfinityConfig,
     OffloadOptimizerConfig,
@@ -37,7 +38,7 @@ from infinity.config.sections import (
 # The constants above are importable by name (lr_schedules uses WARMUP_TYPES) but, as before
 # the split into a package, are not part of __all__.
 __all__ = [
-    "AIOConfig", "AdamParams", "BF16Config", "BatchConfig", "FP16Config", "InfinityConfig",
+    "AIOConfig", "AdamParams", "BF16Config", "BatchConfig", "CheckpointConfig", "FP16Config", "InfinityConfig",
     "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig",
     "TraceConfig", "WarmupCosineLRParams", "WarmupDecayLRParams", "WarmupLRParams", "ZeroConfig", "load_config",
 ]

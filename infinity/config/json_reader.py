@@ -37,6 +37,7 @@ from infinity.config.sections import (
     AdamParams,
     BF16Config,
     BatchConfig,
+    CheckpointConfig,
     FP16Config,
     InfinityConfig,
     OffloadOptimizerConfig,
@@ -65,7 +66,8 @@ def _fraction(value: Any, path: str) -> float:
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _ROOT_SCALARS = ("gradient_clipping", "steps_per_print", "wall_clock_breakdown")
-_ROOT_SECTIONS = ("fp16", "bf16", "bfloat16", "optimizer", "scheduler", "zero_optimization", "aio", "trace")
+_ROOT_SECTIONS = ("fp16", "bf16", "bfloat16", "optimizer", "scheduler", "zero_optimization", "aio", "trace",
+                  "checkpoint")
 
 _NO_EFFECT_ROOT: dict[str, _Check] = {
     "zero_allow_untested_optimizer": _bool,
@@ -100,10 +102,20 @@ _DEFAULTS_ONLY_SECTIONS_ROOT: dict[str, dict[str, tuple[Any, ...]]] = {
         "cpu_checkpointing": (False,), "number_checkpoints": (None,),
         "synchronize_checkpoint_boundary": (False,), "profile": (False,),
     },
-    "checkpoint": {"tag_validation": ("Warn", "Ignore"), "load_universal": (False,),
-                   "use_node_local_storage": (False,)},
     "data_types": {"grad_accum_dtype": (None, "fp32")},  # gradients accumulate in fp32 here
 }
+
+_DEFAULT_ONLY_CHECKPOINT: dict[str, Any] = {"load_universal": False, "use_node_local_storage": False}
+
+
+def _tag_validation(value: Any, path: str) -> None:
+    """DeepSpeed's check that every rank saves under the same tag: "Warn" and "Ignore" are
+    what happens here (rank 0 names the directory); "Fail" is not implemented."""
+    if not any(_is_default(value, mode) for mode in ("Warn", "Ignore")):
+        raise ValueError(f'{path}: {NOT_IMPLEMENTED} except at "Warn" or "Ignore", got {_show(value)}')
+
+
+_NO_EFFECT_CHECKPOINT: dict[str, _Check] = {"tag_validation": _tag_validation}
 
 _DEFAULT_ONLY_FP16: dict[str, Any] = {"auto_cast": False, "fp16_master_weights_and_grads": False}
 _NOT_IMPLEMENTED_FP16 = {"fused_mode": "a legacy DeepSpeed key"}
@@ -129,6 +141,7 @@ _NO_EFFECT_ZERO: dict[str, _Check] = {
         "ignore_unused_parameters", "use_multi_rank_bucket_allreduce", "memory_efficient_linear",
         "override_module_apply", "log_trace_cache_warnings", "enable_sanity_checks",
         "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential",
+        "cpu_offload_use_pin_memory",  # deprecated: DeepSpeed warns and reads nothing from it
     )},
     **{name: _size for name in (
         "allgather_bucket_size", "stage3_module_granularity_threshold",
@@ -148,13 +161,13 @@ _NOT_IMPLEMENTED_ZERO: dict[str, str] = {
         "pipeline_loading_checkpoint", "legacy_stage1",
     )
 } | {
-    "cpu_offload": 'deprecated in DeepSpeed; use offload_optimizer {"device": "cpu"}',
-    "cpu_offload_param": 'deprecated in DeepSpeed; use offload_param {"device": "cpu"}',
-    "cpu_offload_use_pin_memory": "deprecated in DeepSpeed; use pin_memory in offload_param "
-                                  "or offload_optimizer",
     "stage3_gather_fp16_weights_on_model_save": "deprecated in DeepSpeed; use "
                                                 "stage3_gather_16bit_weights_on_model_save",
 }
+
+# DeepSpeed's deprecated switches, read as DeepSpeed reads them: true is the section it names with
+# device "cpu", false no offload; given beside that section, an error (DeepSpeed asserts).
+_DEPRECATED_OFFLOAD_SWITCHES = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
 
 _NO_EFFECT_OFFLOAD_OPTIMIZER: dict[str, _Check] = {
     "convert_grad_on_cpu": _bool, "cpuadam_cores_perc": _fraction,
@@ -351,6 +364,8 @@ def _parse_root(raw: Any, world_size: int) -> InfinityConfig:
         zero=_parse_zero(keys.get("zero_optimization", {})),
         aio=_parse_aio(keys.get("aio", {})),
         trace=_parse_section(keys.get("trace", {}), "trace", TraceConfig),
+        checkpoint=_parse_section(keys.get("checkpoint", {}), "checkpoint", CheckpointConfig,
+                                  no_effect=_NO_EFFECT_CHECKPOINT, default_only=_DEFAULT_ONLY_CHECKPOINT),
         **{name: keys[name] for name in _ROOT_SCALARS if name in keys},
     )
 
@@ -409,8 +424,15 @@ def _parse_scheduler(raw: Any) -> SchedulerConfig:
 
 def _parse_zero(raw: Any) -> ZeroConfig:
     path = ZeroConfig._PATH
-    keys = _take(raw, path, _field_names(ZeroConfig), no_effect=_NO_EFFECT_ZERO,
+    keys = _take(raw, path, (*_field_names(ZeroConfig), *_DEPRECATED_OFFLOAD_SWITCHES), no_effect=_NO_EFFECT_ZERO,
                  default_only=_DEFAULT_ONLY_ZERO, not_implemented=_NOT_IMPLEMENTED_ZERO)
+    for switch, section in _DEPRECATED_OFFLOAD_SWITCHES.items():
+        if switch in keys:
+            on = _bool(keys.pop(switch), _join(path, switch))
+            if section in keys:
+                raise ValueError(f"{_join(path, switch)}, {_join(path, section)}: DeepSpeed's deprecated switch and "
+                                 f"the section that replaces it; give only {section}")
+            keys[section] = {"device": "cpu"} if on else None
     # DeepSpeed takes null for "no offload".
     offload_param = keys.get("offload_param")
     keys["offload_param"] = _parse_section(

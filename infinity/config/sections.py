@@ -536,6 +536,23 @@ class TraceConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointConfig:
+    """What `engine.save_checkpoint` keeps (section `checkpoint`; DeepSpeed's other keys there,
+    `tag_validation`, `load_universal`, `use_node_local_storage`, at the values that describe
+    what infinity does)."""
+
+    _PATH: ClassVar[str] = "checkpoint"
+
+    save_total_limit: int | None = _spec(_optional(_int), minimum=1, default=None)
+    """(infinity) Checkpoints kept in a save directory: once a save is published, the oldest
+    beyond the newest N are removed (never the one `latest` names); None keeps them all.
+    Hugging Face's name for the same setting."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class InfinityConfig:
     """A whole job's configuration: one sub-config per DeepSpeed section, plus top-level keys."""
 
@@ -557,6 +574,8 @@ class InfinityConfig:
     """NVMe I/O tuning."""
     trace: TraceConfig = _spec(_instance, TraceConfig, factory=TraceConfig)
     """The step timeline (infinity's own section)."""
+    checkpoint: CheckpointConfig = _spec(_instance, CheckpointConfig, factory=CheckpointConfig)
+    """Checkpoints kept by save_checkpoint."""
     gradient_clipping: float = _spec(_float, minimum=0.0, default=1.0)
     """Clip the global gradient norm to this value; 0 disables clipping."""
     steps_per_print: int | None = _spec(_optional(_int), minimum=1, default=None)
