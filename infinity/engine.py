@@ -22,7 +22,7 @@ from torch import nn
 from infinity.config import InfinityConfig
 from infinity.device import Device, make_device
 from infinity.lr_schedules import build_scheduler
-from infinity.signals import SignalGate
+from infinity.signals import SignalGate, deferred_signals
 from infinity.timeline import TIMELINE
 from infinity.zero import dist as zdist
 from infinity.zero.fetcher import Fetcher
@@ -212,12 +212,14 @@ class Engine:
         self._check_open()
         t0 = time.perf_counter()
         if not self._in_pass:
+            training = torch.is_grad_enabled()  # a training pass: its backward will follow
+            if training and not self._holding_step:  # until the step that ends this accumulation
+                # First, before anything changes ([Note: where a held handler may run] in signals.py).
+                self._signals.hold()
+                self._holding_step = True
             self.fetcher.begin_step()
             self._in_pass = True
-            if torch.is_grad_enabled():  # a training pass: its backward will follow
-                if not self._holding_step:  # until the step that ends this accumulation
-                    self._holding_step = True
-                    self._signals.hold()
+            if training:
                 self.hooks.reset_backward()
                 self._maybe_start_trace()
                 self.policy.last_micro = self.is_gradient_accumulation_boundary()
@@ -469,8 +471,8 @@ class Engine:
         if self._checkpointing:
             raise RuntimeError("a checkpoint is being saved or loaded by this engine (a signal handler called "
                                "save_checkpoint or load_checkpoint inside it?); wait for it to finish")
+        self._signals.hold()  # a pending handler runs here, before this save begins
         self._checkpointing = True
-        self._signals.hold()
         ok = False
         try:
             yield
@@ -751,12 +753,16 @@ class Engine:
         if self.closed:
             return
         self._holding_step = False
+        self._signals.close()  # the user's handlers are back, and run for what arrived, while it is open
+        with deferred_signals():  # what arrives now waits for the cleanup ([Note: signals during cleanup])
+            self._close()
+
+    def _close(self) -> None:
         if self._tracing:  # closed before the last recorded step: what was recorded
             self._write_trace()
         elif self.config.trace.path is not None and not self._trace_from:
             log.warning("infinity: trace.path %s: nothing recorded, the engine closed at step %d, before "
                         "trace.start_step %d", self.config.trace.path, self.global_steps, self.config.trace.start_step)
-        self._signals.close()  # the user's handlers are back (and run for what arrived) while it is open
         self.closed = True
         self.hooks.remove()
         for h in self._state_dict_hooks:

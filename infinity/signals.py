@@ -23,14 +23,35 @@ signal, Python's own KeyboardInterrupt, and the tiers' cleanup handler ([Note: c
 in infinity/tiers/store.py), which kills the process anyway, act at once. Handlers can only be
 changed from the main thread; elsewhere nothing is held. A handler installed while the gate
 holds is taken as the user's new one at the next hold.
+
+[Note: where a held handler may run]
+CPython runs a Python handler in the main thread, at the first bytecode after the signal
+arrived, and `signal.signal()` itself first runs the handlers of signals that are pending. So a
+hold starts before the engine changes anything: a handler that was pending when a step begins
+runs at `hold()`, with the engine still between steps, and after `hold()` every signal is only
+noted. While held handlers are delivered, our note-taker stays in front of them: a second
+signal during a handler (one that is saving a checkpoint) is noted and its handler runs after
+the first returns, as POSIX delivers a signal that arrived during its own handler, instead of
+entering the handler again in the middle of its save. A signal is only seen by the main thread
+at once if the kernel hands it to that thread: the I/O engine's workers (csrc/aio) and our
+other threads block the held signals, so that a main thread asleep in a system call is woken.
+
+[Note: signals during cleanup]
+`engine.close()` removes the NVMe stores, the only copy of the masters and moments. A signal
+arriving in the middle, whatever its disposition (a user's handler, Python's KeyboardInterrupt,
+the default that kills), would leave half of them behind or raise out of the removal. So inside
+`deferred_signals()` every held signal that is not ignored is noted, and once the block is done
+each acts as it would have: the handler is called, KeyboardInterrupt raised, the default
+disposition kills the process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 HELD = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
              if hasattr(signal, name))
@@ -68,21 +89,30 @@ class _Gate:
         self.handlers = {}
 
     def deliver(self, agree: Callable[[set[int]], set[int]] | None, keep: bool) -> None:
-        """Runs the handlers of the signals that arrived (all ranks' with `agree`); `keep`: our
+        """Runs the handlers of the signals that arrived (all ranks' with `agree`), and of those
+        that arrive while they run ([Note: where a held handler may run]); `keep`: our
         note-taker stays in front of them afterwards."""
-        arrived, self.arrived = self.arrived, set()
-        if agree is not None:
-            arrived = agree(arrived)
         handlers = dict(self.handlers)
-        if not keep:
-            self.restore()
         self.delivering = True
         try:
-            for signum in sorted(arrived):
-                if signum in handlers:
-                    handlers[signum](signum, sys._getframe(2))  # noqa: SLF001 (the frame a handler is given)
+            while True:  # with `agree`, every rank loops as often: each round's set is agreed
+                arrived, self.arrived = self.arrived, set()
+                if agree is not None:
+                    arrived = agree(arrived)
+                if not arrived:
+                    break
+                for signum in sorted(arrived):
+                    if signum in handlers:
+                        handlers[signum](signum, sys._getframe(2))  # noqa: SLF001 (the frame a handler is given)
         finally:
             self.delivering = False
+            if not keep:
+                self.restore()
+        if not keep:  # arrived between the last round and the restore
+            late, self.arrived = self.arrived, set()
+            for signum in sorted(late):
+                if signum in handlers:
+                    handlers[signum](signum, sys._getframe(1))  # noqa: SLF001
 
 
 _GATE = _Gate()
@@ -106,20 +136,32 @@ class SignalGate:
         if self._depth == 0:
             _GATE.holders += 1
         self._depth += 1
-        _GATE.install()
+        try:
+            _GATE.install()  # may run a pending handler first ([Note: where a held handler may run])
+        except BaseException:  # that handler raised: this hold never began
+            self._depth -= 1
+            if self._depth == 0:
+                _GATE.holders -= 1
+                if _GATE.holders == 0 and not _GATE.delivering:  # nothing left noted behind the handlers
+                    _GATE.deliver(None, keep=False)
+            raise
 
     def release(self, boundary: bool = True) -> None:
         """Ends one hold; at the last one of the process (and not inside a handler) the held
-        signals' handlers run. With ranks > 1 `release` is collective: every rank calls it at
-        the same point, and handlers stay held between steps."""
+        signals' handlers run, also after a failed step (`boundary` False: the step was
+        abandoned, and the engine is between steps again). With ranks > 1 `release` at a
+        boundary is collective: every rank calls it at the same point, and handlers stay held
+        between steps and after a failure on one rank."""
         if self._depth == 0:
             return
         self._depth -= 1
         if self._depth:
             return
         _GATE.holders -= 1
-        if _GATE.holders or _GATE.delivering or not boundary:
+        if _GATE.holders or _GATE.delivering:
             return
+        if self._agree is not None and not boundary:
+            return  # ranks run handlers together, at the end of a step that every rank reached
         _GATE.deliver(self._agree, keep=self._agree is not None)
 
     def close(self) -> None:
@@ -129,3 +171,33 @@ class SignalGate:
             _GATE.holders -= 1
         if _GATE.holders == 0 and not _GATE.delivering:
             _GATE.deliver(None, keep=False)
+
+
+@contextlib.contextmanager
+def deferred_signals() -> Iterator[None]:
+    """Every held signal that arrives inside the block acts when it ends, whatever its
+    disposition ([Note: signals during cleanup]). In the main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    saved: dict[int, object] = {}
+    try:
+        for signum in HELD:  # a handler pending now runs here, before anything is removed
+            handler = signal.getsignal(signum)
+            if handler is signal.SIG_IGN or handler is None:
+                continue
+            saved[signum] = handler
+            signal.signal(signum, lambda signum, frame: arrived.append(signum))
+        yield
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(arrived):
+            handler = saved[signum]
+            if handler == _GATE.note:  # the gate holds it: its handler runs when the gate lets go
+                _GATE.arrived.add(signum)
+            elif handler is signal.SIG_DFL:
+                signal.raise_signal(signum)
+            else:
+                handler(signum, sys._getframe(1))  # noqa: SLF001 (the frame a handler is given)

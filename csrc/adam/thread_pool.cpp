@@ -1,5 +1,7 @@
 #include "thread_pool.h"
 
+#include "../aio/quiet_thread.h"  // [Note: workers block signals]
+
 #include <unistd.h>
 
 #include <new>
@@ -48,7 +50,7 @@ void ThreadPool::run(int num_tasks, const std::function<void(int)>& task) {
     owner_pid_ = getpid();
     while (static_cast<int>(workers_.size()) < num_tasks - 1) {
       const int index = static_cast<int>(workers_.size()) + 1;
-      workers_.emplace_back([this, index] { work(index); });
+      workers_.push_back(start_quiet_thread("infinity-adam", [this, index] { work(index); }));
     }
     task_ = &task;
     num_tasks_ = num_tasks;

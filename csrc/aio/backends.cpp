@@ -12,6 +12,7 @@
 #include <deque>
 
 #include "engine.h"
+#include "quiet_thread.h"
 
 namespace infinity::aio {
 namespace {
@@ -240,7 +241,7 @@ class Psync final : public Backend {
  public:
   explicit Psync(int queue_depth) {
     int n = std::clamp(queue_depth, 1, 8);
-    for (int i = 0; i < n; ++i) threads_.emplace_back([this] { run(); });
+    for (int i = 0; i < n; ++i) threads_.push_back(start_quiet_thread("infinity-psync", [this] { run(); }));
   }
   ~Psync() override {
     {

@@ -1,6 +1,7 @@
 // Request splitting, workers and completion checking. See [Note: request life cycle] and
 // [Note: O_DIRECT alignment] in engine.h.
 #include "engine.h"
+#include "quiet_thread.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -104,7 +105,7 @@ class Worker {
       : config_(config), backend_(std::move(backend)), slots_(config.queue_depth),
         bounce_(config.queue_depth, nullptr) {
     for (int i = config.queue_depth - 1; i >= 0; --i) free_slots_.push_back(i);
-    thread_ = std::thread([this] { run(); });
+    thread_ = start_quiet_thread("infinity-aio", [this] { run(); });  // [Note: workers block signals]
   }
 
   ~Worker() {

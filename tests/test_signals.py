@@ -1,0 +1,229 @@
+"""Signals that race the engine ([Note: where a held handler may run], [Note: signals during
+cleanup] in infinity/signals.py, [Note: workers block signals] in csrc/aio/quiet_thread.h).
+Each race is made deterministic by sending the signal from the point where it used to go wrong."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import pytest
+import torch
+
+import infinity
+from infinity.signals import deferred_signals
+
+HERE = os.path.dirname(__file__)
+
+
+def _engine(tmp_path=None, placement: str = "cpu"):
+    from gpt import TinyGPT, config
+    torch.manual_seed(0)
+    cfg = config(3, placement, placement)
+    if placement == "nvme":
+        for section in ("offload_param", "offload_optimizer"):
+            cfg["zero_optimization"][section]["nvme_path"] = str(tmp_path)
+    engine, *_ = infinity.initialize(TinyGPT(), config=cfg)
+    return engine
+
+
+def _one_step(engine):
+    from gpt import batches
+    idx, tgt = batches(1, 4)[0]
+    engine.backward(engine(idx, tgt))
+    engine.step()
+
+
+@pytest.fixture
+def usr1():
+    """The user's SIGUSR1 handler calls whatever the test puts in `calls`."""
+    calls = []
+    previous = signal.signal(signal.SIGUSR1, lambda s, f: calls[0](s, f))
+    yield calls
+    signal.signal(signal.SIGUSR1, previous)
+
+
+def _kill_at_hold(engine, times: int = 1):
+    """The next `times` calls of the engine's hold() start with a signal: it arrives just as the
+    engine is about to hold (the moment a signal that was pending is run)."""
+    hold = engine._signals.hold
+    left = [times]
+
+    def hold_after_a_signal():
+        if left[0]:
+            left[0] -= 1
+            os.kill(os.getpid(), signal.SIGUSR1)
+        hold()
+    engine._signals.hold = hold_after_a_signal
+
+
+def test_a_signal_pending_as_a_step_starts_is_handled_between_steps(tmp_path, usr1):
+    engine = _engine()
+    saved = []
+    usr1.append(lambda s, f: saved.append(engine.save_checkpoint(tmp_path / "ckpt", tag=f"t{engine.global_steps}")))
+    try:
+        _one_step(engine)
+        _kill_at_hold(engine)
+        _one_step(engine)  # the handler ran as the step began, with nothing of it done
+        assert saved == [True]
+        assert os.path.isdir(tmp_path / "ckpt" / "t1")
+        _one_step(engine)
+    finally:
+        engine.close()
+
+
+def test_a_second_signal_during_the_handlers_save_waits_for_the_handler(tmp_path, usr1):
+    engine = _engine()
+    runs = []
+
+    def save(s, f):
+        runs.append(engine.global_steps)
+        if len(runs) == 1:
+            _kill_at_hold(engine)  # the second signal arrives as the first handler's save begins
+        engine.save_checkpoint(tmp_path / "ckpt", tag=f"run{len(runs)}")
+    usr1.append(save)
+    try:
+        from gpt import batches
+        idx, tgt = batches(1, 4)[0]
+        engine.backward(engine(idx, tgt))
+        os.kill(os.getpid(), signal.SIGUSR1)  # held by the step
+        engine.step()
+        assert runs == [1, 1]  # one after the other, not one inside the other
+        assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "run1", "run2"]
+        engine.save_checkpoint(tmp_path / "ckpt", tag="after")  # nothing stays set
+        os.kill(os.getpid(), signal.SIGUSR1)  # between steps: at once
+        assert runs == [1, 1, 1]
+    finally:
+        engine.close()
+
+
+def test_a_signal_after_a_failed_step_is_not_swallowed(tmp_path, usr1):
+    engine = _engine()
+    seen = []
+    usr1.append(lambda s, f: seen.append(s))
+    try:
+        from gpt import batches
+        idx, tgt = batches(1, 4)[0]
+        hook = engine.module.blocks[1].register_forward_hook(lambda *a: os.kill(os.getpid(), signal.SIGUSR1)
+                                                             or (_ for _ in ()).throw(ValueError("bad batch")))
+        with pytest.raises(ValueError, match="bad batch"):
+            engine(idx, tgt)
+        assert seen == [signal.SIGUSR1]  # the step was abandoned: its handler runs then
+        hook.remove()
+        _one_step(engine)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1] * 2
+        assert signal.getsignal(signal.SIGUSR1) is not engine._signals  # the user's handler is in place
+    finally:
+        engine.close()
+
+
+def test_deferred_signals_act_after_the_block_as_they_would_have():
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda s, f: seen.append("handler"))
+    try:
+        with deferred_signals():
+            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), signal.SIGINT)
+            seen.append("block done")
+        pytest.fail("KeyboardInterrupt was not raised after the block")
+    except KeyboardInterrupt:
+        seen.append("interrupt")
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert seen == ["block done", "handler", "interrupt"]
+
+
+CLOSE_UNDER_A_SIGNAL = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import torch, infinity
+import infinity.tiers.lock as lock
+from gpt import TinyGPT, batches, config
+how = sys.argv[3]
+if how == "handler":  # a preemption handler that saves: too late once close() has begun
+    signal.signal(signal.SIGTERM, lambda s, f: engine.save_checkpoint(sys.argv[2] + "/../ckpt"))
+cfg = config(3, "nvme", "nvme")
+for s in ("offload_param", "offload_optimizer"):
+    cfg["zero_optimization"][s]["nvme_path"] = sys.argv[2]
+engine, *_ = infinity.initialize(TinyGPT(), config=cfg)
+idx, tgt = batches(1, 4)[0]
+engine.backward(engine(idx, tgt))
+engine.step()
+if how == "default":  # as the README's example does before close()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+rmtree = lock.shutil.rmtree
+def interrupted(path, *a, **k):  # the signal arrives as the first store's files are being removed
+    lock.shutil.rmtree = rmtree
+    os.kill(os.getpid(), signal.SIGINT if how == "interrupt" else signal.SIGTERM)
+    rmtree(path, *a, **k)
+lock.shutil.rmtree = interrupted
+try:
+    engine.close()
+except KeyboardInterrupt:
+    print("interrupted after close", flush=True)
+    sys.exit(3)
+except RuntimeError as e:
+    print("handler raised after close:", "engine was closed" in str(e), flush=True)
+    sys.exit(4)
+print("closed", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["default", "handler", "interrupt"])
+def test_a_signal_during_close_waits_for_the_cleanup(tmp_path, how):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    out = subprocess.run([sys.executable, "-c", CLOSE_UNDER_A_SIGNAL, HERE, str(nvme), how], capture_output=True,
+                         text=True, timeout=120, cwd=tempfile.gettempdir(), env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert os.listdir(nvme) == [], out.stderr[-3000:]  # both stores removed whole
+    if how == "default":
+        assert out.returncode == -signal.SIGTERM, out.stderr[-3000:]  # and then it died of the signal
+    elif how == "handler":
+        assert out.returncode == 4, out.stderr[-3000:]
+        assert out.stdout.splitlines() == ["handler raised after close: True"]
+    else:
+        assert out.returncode == 3 and out.stdout.splitlines() == ["interrupted after close"], out.stderr[-3000:]
+
+
+SIGNAL_WHILE_MAIN_BLOCKS = """
+import glob, json, os, signal, sys, time
+import torch
+from infinity.io import AsyncIOHandle
+from infinity.optim import CPUAdam
+handles = [AsyncIOHandle(thread_count=2), AsyncIOHandle(thread_count=2, engine="psync")]  # their workers
+param = torch.nn.Parameter(torch.ones(1 << 16))
+param.grad = torch.ones(1 << 16)
+CPUAdam([param], lr=0.1, num_threads=2).step()  # the Adam kernel's own threads
+ours = {}
+for task in glob.glob(f"/proc/{os.getpid()}/task/*"):
+    name = open(task + "/comm").read().strip()
+    if name.startswith("infinity-"):
+        blocked = int(next(l for l in open(task + "/status") if l.startswith("SigBlk:")).split()[1], 16)
+        ours.setdefault(name, []).append(all(blocked >> (s - 1) & 1 for s in (signal.SIGINT, signal.SIGTERM)))
+print(json.dumps(ours), flush=True)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+os.kill(os.getpid(), signal.SIGINT)  # a thread that does not block it would take it now
+time.sleep(0.3)
+print("held while the main thread blocks it", flush=True)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+time.sleep(5)
+print("never", flush=True)
+"""
+
+
+def test_signals_reach_the_main_thread_not_the_extensions_workers():
+    # torch's own OpenMP threads are not ours to mask: one thread, so that there are none.
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(SIGNAL_WHILE_MAIN_BLOCKS)], capture_output=True,
+                         text=True, timeout=60, cwd=tempfile.gettempdir(), env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = out.stdout.splitlines()
+    assert lines[1:] == ["held while the main thread blocks it"], out.stderr[-3000:]
+    threads = json.loads(lines[0])
+    assert {"infinity-aio", "infinity-psync"} <= threads.keys()
+    assert all(all(blocked) for blocked in threads.values()), threads
+    assert "KeyboardInterrupt" in out.stderr
