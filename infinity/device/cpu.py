@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import queue
 import random
+import signal
 import threading
 import weakref
 
 import torch
 
 from infinity.device.base import Device, InFlight
+from infinity.signals import HELD
 
 GARBAGE = 0xFF  # every byte: NaN in fp32, bf16 and fp16
 
@@ -62,6 +64,7 @@ class _Copy:
 
 
 def _land_copies(copies: queue.Queue, rng: random.Random, max_delay_s: float, stopping: threading.Event) -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, HELD)  # [Note: workers block signals] in csrc/aio/quiet_thread.h
     while (copy := copies.get()) is not None:
         stopping.wait(rng.uniform(0.0, max_delay_s))  # no more waiting once the device stops
         copy.land()
