@@ -7,6 +7,14 @@ reads and writes of one file under --nvme-path with O_DIRECT, prints the table s
 and writes the best setting as a ready-to-paste `{"aio": {...}}` block for the config.
 The file is written once before timing, so writes measure overwriting in place (as the
 engine's store does; on ext4 writing fresh extents runs at about half speed).
+
+[Note: sweep values checked first]
+Every value is checked before the file is written, and a bad one is one line naming its flag
+(exit 2), not a traceback part way through the grid. The ranges of block size, queue depth and
+threads are the handle's own (a throwaway `AsyncIOHandle` is asked, so there is one rule). Block
+and I/O sizes must also be whole pages: the engine cuts O_DIRECT pieces at page boundaries, so a
+block of 6000 bytes would be timed as 8K and written into the config as 6000, and an I/O size
+with a partial page would time some page-cache copies.
 """
 
 from __future__ import annotations
@@ -23,11 +31,13 @@ import tempfile
 import time
 from typing import NamedTuple
 
+import psutil
 from tqdm import tqdm
 
 from infinity.io import AsyncIOHandle, aligned_empty, available_engines
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def parse_size(text: str) -> int:
@@ -70,7 +80,7 @@ def _grid(args: argparse.Namespace) -> list[Setting]:
     else:
         defaults = dict(block_sizes=[128 << 10, 1 << 20, 4 << 20, 8 << 20], queue_depths=[4, 8, 16, 32, 64],
                         threads=[1, 2], single_submit=[False, True], overlap_events=[True, False],
-                        engines=[e for e in available_engines() if e != "psync"])
+                        engines=[e for e in available_engines() if e != "psync"] or ["psync"])
     pick = {k: getattr(args, k) or v for k, v in defaults.items()}
     return [Setting(*combo) for combo in itertools.product(
         pick["block_sizes"], pick["queue_depths"], pick["threads"], pick["single_submit"],
@@ -142,6 +152,40 @@ def _positive(text: str) -> int:
     return value
 
 
+def _handle_accepts(**setting: int) -> None:
+    """Raises ArgumentTypeError with the handle's own message when it refuses `setting`
+    ([Note: sweep values checked first])."""
+    try:
+        AsyncIOHandle(engine="psync", **setting)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _block_size(text: str) -> int:
+    value = parse_size(text)
+    if value % _PAGE:
+        raise argparse.ArgumentTypeError(f"expected a multiple of {_PAGE} bytes (the page size, where the engine "
+                                         f"cuts its pieces), got {text!r}")
+    _handle_accepts(block_size=value)
+    return value
+
+
+def _queue_depth(text: str) -> int:
+    value = _positive(text)
+    _handle_accepts(queue_depth=value)
+    return value
+
+
+def _thread_count(text: str) -> int:
+    value = _positive(text)
+    _handle_accepts(thread_count=value)
+    return value
+
+
+def _memory_available() -> int:
+    return psutil.virtual_memory().available
+
+
 def _flag(text: str) -> bool:
     word = text.lower()
     if word not in ("1", "true", "yes", "0", "false", "no"):
@@ -161,15 +205,38 @@ def _check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         parser.error("--plot: needs matplotlib (pip install 'infinity[plot]')")
 
 
+def _check_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace, io_size: int) -> None:
+    """Before any work: the I/O buffer is whole pages and fits in memory, the engines exist here."""
+    if io_size % _PAGE:
+        parser.error(f"argument --io-size: expected a multiple of {_PAGE} bytes (the page size; a partial page "
+                     f"goes through the page cache), got {io_size}")
+    free = _memory_available()
+    if io_size > free:
+        parser.error(f"argument --io-size: {io_size / 2**30:.2f} GiB is the size of the buffer held in memory, "
+                     f"and {free / 2**30:.2f} GiB of memory is available")
+    missing = [e for e in args.engines or () if e not in available_engines()]
+    if missing:
+        parser.error(f"argument --engines {' '.join(missing)}: not offered by this kernel "
+                     f"(available: {', '.join(available_engines())})")
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse's `prog: error: message` without the usage block above it, so that a bad value
+    reads as one line (--help still shows the usage)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="aio_bench_sweep", description=__doc__.split("\n\n")[0])
+    p = _OneLineParser(prog="aio_bench_sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("--nvme-path", required=True, help="directory on the disk to measure")
     p.add_argument("--io-size", type=parse_size, default=None, help="bytes per transfer (default 1G, 256M with --quick)")
     p.add_argument("--read", action="store_true", help="measure reads (default: reads and writes)")
     p.add_argument("--write", action="store_true", help="measure writes (default: reads and writes)")
-    p.add_argument("--block-sizes", type=parse_size, nargs="+")
-    p.add_argument("--queue-depths", type=_positive, nargs="+")
-    p.add_argument("--threads", type=_positive, nargs="+")
+    p.add_argument("--block-sizes", type=_block_size, nargs="+", help=f"multiples of the page size ({_PAGE})")
+    p.add_argument("--queue-depths", type=_queue_depth, nargs="+")
+    p.add_argument("--threads", type=_thread_count, nargs="+")
     p.add_argument("--single-submit", type=_flag, nargs="+")
     p.add_argument("--overlap-events", type=_flag, nargs="+")
     p.add_argument("--engines", nargs="+", choices=["io_uring", "aio", "psync"])
@@ -183,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     io_size = args.io_size or ((256 << 20) if args.quick else (1 << 30))
     ops = [op for op, on in (("read", args.read), ("write", args.write)) if on] or ["read", "write"]
     _check_target(args.nvme_path, io_size)
+    _check_sizes(p, args, io_size)
     grid = _grid(args)
 
     work = tempfile.mkdtemp(prefix="aio_bench_sweep-", dir=args.nvme_path)
