@@ -7,6 +7,7 @@ left on disk).
     infinity estimate --params 13B --gpus 1 --gpu-mem 80G --cpu-mem 512G --nvme-free 4T
     infinity estimate --model llama-3b --lora 16   # this machine's memory and disk
     infinity consolidate ckpt/ out/ --dtype bf16
+    infinity run --num_gpus 2 train.py --deepspeed ds.json   # `deepspeed` is infinity in train.py
     infinity clean /local_nvme [--dry-run]
 """
 
@@ -119,11 +120,20 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--max-shard-size", default="5GB", help="split into shards above this size (default 5GB)")
     k.add_argument("--lora-scale", type=_finite_float, help="merge the checkpoint's LoRA adapters into their "
                    "weights, each as B @ A * LORA_SCALE (alpha / r: 2 for `infinity finetune --lora`)")
+    from infinity.launcher import add_arguments as add_run_arguments
+    r = sub.add_parser("run", help="launch a training script on every GPU (CPU ranks without one) and host, as the "
+                       "`deepspeed` launcher does, with `deepspeed` meaning infinity in it",
+                       usage="infinity run [--num_gpus N] [--hostfile F] [--include/--exclude SPEC] [options] "
+                       "SCRIPT [ARGS...]")
+    add_run_arguments(r)
     c = sub.add_parser("clean", help="list and remove what runs killed outright (kill -9, OOM) left on disk")
     c.add_argument("nvme_path", help="the nvme_path of the runs")
     c.add_argument("--dry-run", action="store_true", help="list only")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if args.command == "run":
+        from infinity.launcher import run as launch
+        return launch(args)
     if args.command == "finetune":
         _check_finetune_arguments(parser, args)
         try:
