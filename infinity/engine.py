@@ -685,6 +685,8 @@ class Engine:
         keep_vars: list[bool] = []  # one entry per module whose state_dict() is running
 
         def before(module, prefix, keep):
+            if self._broken is not None:  # half-updated or half-loaded values: exported as little as saved
+                self.check_step_boundary("state_dict()")
             released = [p for p in module.parameters(recurse=False)
                         if id(p) in self._owner and self._owner[id(p)][0].state is UnitState.RELEASED]
             if self.world_size > 1 and not keep and released:  # gathered ones (GatheredParameters) are whole
@@ -729,6 +731,8 @@ class Engine:
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The full fp32 state dict on CPU, gathered unit by unit, on rank 0 (empty elsewhere)."""
+        if self._broken is not None:  # half-updated or half-loaded values: exported as little as saved
+            self.check_step_boundary("consolidated_state_dict")
         full_values: dict[int, torch.Tensor] = {}
         for u in self.units:
             full = self.full_fp32_values(u)
