@@ -8,7 +8,7 @@ left on disk).
     infinity estimate --model llama-3b --lora 16   # this machine's memory and disk
     infinity consolidate ckpt/ out/ --dtype bf16
     infinity run --num_gpus 2 train.py --deepspeed ds.json   # `deepspeed` is infinity in train.py
-    infinity clean /local_nvme [--dry-run]
+    infinity clean /local_nvme [--dry-run]          # also a checkpoint or export directory
 """
 
 from __future__ import annotations
@@ -35,24 +35,33 @@ def estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def clean(args: argparse.Namespace) -> int:
-    """Lists the store directories under NVME_PATH and removes those whose process is gone."""
+    """Lists what runs killed outright left in DIR (NVMe stores under an nvme_path, unfinished
+    saves and exports in a checkpoint or export directory) and removes what belongs to
+    processes that are gone."""
+    from infinity.checkpoint import leftovers
     from infinity.tiers.lock import remove_stale, survey
     from infinity.tiers._messages import human_bytes
 
-    found = survey(args.nvme_path)
-    if not found:
-        print(f"no infinity store directories under {args.nvme_path}")
+    stores = survey(args.directory)
+    found = leftovers.find_for(args.directory)
+    if not stores and not found:
+        print(f"nothing that infinity left in {args.directory}")
         return 0
-    print(f"{'status':<16}{'size':>10}  directory (owner)")
+    print(f"{'status':<16}{'size':>10}  path (what, owner)")
+    for f in stores:
+        print(f"{f.status:<16}{human_bytes(f.nbytes):>10}  {f.directory} (an NVMe store, {f.owner})")
     for f in found:
-        print(f"{f.status:<16}{human_bytes(f.nbytes):>10}  {f.directory} ({f.owner})")
-    stale = [f for f in found if f.status == "stale"]
-    reclaim = human_bytes(sum(f.nbytes for f in stale))
+        back = f"; put back as {f.restore}" if f.restore else ""
+        print(f"{f.status:<16}{human_bytes(f.nbytes):>10}  {f.path} ({f.what}, "
+              f"{leftovers.describe_writer(f.writer)}{back})")
+    stale = [f.nbytes for f in stores if f.status == "stale"] + [f.nbytes for f in found if f.status == "stale"]
+    reclaim = human_bytes(sum(stale))
     if args.dry_run:
         print(f"{len(stale)} stale, {reclaim}: run without --dry-run to remove them")
         return 0
-    removed = remove_stale(args.nvme_path, "infinity-*/rank*")
-    print(f"removed {len(removed)} stale directories, {reclaim}; directories in use are left alone")
+    remove_stale(args.directory, "infinity-*/rank*")
+    leftovers.remove(found)
+    print(f"removed {len(stale)} stale, {reclaim}; what is in use is left alone")
     return 0
 
 
@@ -127,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                        "SCRIPT [ARGS...]")
     add_run_arguments(r)
     c = sub.add_parser("clean", help="list and remove what runs killed outright (kill -9, OOM) left on disk")
-    c.add_argument("nvme_path", help="the nvme_path of the runs")
+    c.add_argument("directory", metavar="DIR", help="the nvme_path of the runs, a checkpoint directory (save_dir), "
+                   "or an export's directory")
     c.add_argument("--dry-run", action="store_true", help="list only")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -153,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"infinity consolidate: {e}", file=sys.stderr)
             return 2
     if args.command == "clean":
-        if not os.path.isdir(args.nvme_path):
-            parser.error(f"nvme_path {args.nvme_path}: not a directory")
+        if not os.path.isdir(args.directory):
+            parser.error(f"DIR {args.directory}: not a directory")
         return clean(args)
     return estimate(args, e)
 

@@ -2,20 +2,37 @@
 each, files fsynced, names published by atomic rename.
 
 [Note: publishing a checkpoint]
-Every rank writes into `save_dir/.<tag>.partial`; when all of them have fsynced their files
-(the manifest's gather is the barrier), rank 0 writes the manifest, fsyncs the directory and
-renames it to `save_dir/<tag>`, fsyncs `save_dir`, then replaces `latest` the same way (a
-temporary file, fsync, rename). A crash at any point leaves either the old tag and `latest` or
-the new ones: a partial directory is never named by `latest` and is removed by the next save of
-its tag. Saving again under an existing tag moves the old directory to `.<tag>.replaced` first;
-if the process dies between the two renames, loading that tag finds the old one there.
+Every rank writes into `save_dir/.<tag>.partial-<host>-<pid>` (rank 0's name, which the others
+are told); when all of them have fsynced their files (the manifest's gather is the barrier),
+rank 0 writes the manifest, fsyncs the directory and renames it to `save_dir/<tag>`, fsyncs
+`save_dir`, then replaces `latest` the same way (a temporary file, fsync, rename). A crash at
+any point leaves either the old tag and `latest` or the new ones: a partial directory is never
+named by `latest`, and the next save into `save_dir` removes it once its writer is gone (as
+`infinity clean` does). Saving again under an existing tag moves the old directory to
+`.<tag>.replaced` first; if the process dies between the two renames, loading that tag finds
+the old one there. A failure (a full disk) before the tag is published removes the partial
+directory and leaves `latest` as it was; one while writing `latest` leaves the new tag, whole,
+and says that `latest` still names the previous one. Only after all that are the checkpoints
+beyond `checkpoint.save_total_limit` removed (in save.py).
+
+[Note: leftovers and their writers]
+Whatever a writer leaves on disk before publishing carries the writer in its name, `<host>-<pid>`
+(`.<tag>.partial-<host>-<pid>`, `latest.tmp-<host>-<pid>`, `.<out>.export-<host>-<pid>`), so
+that a later save, export or `infinity clean` can tell leftovers of a process killed outright
+(its host is this one and no process has its pid) from the work of a live one, which is never
+touched. A name of another host is never judged: its pid means nothing here (a checkpoint
+directory on a shared file system). A pid reused by an unrelated process keeps the leftover
+until that process ends, which errs on the safe side.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import socket
 import zlib
+from collections.abc import Iterator
 
 import torch
 
@@ -37,25 +54,77 @@ def fsync_dir(path: str) -> None:
     fsync_file(path)  # a directory opened read-only can be fsynced on Linux
 
 
+def writer_id() -> str:
+    """`<host>-<pid>`: names what this process writes before publishing it ([Note: leftovers and
+    their writers])."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+STALE, IN_USE, FOREIGN = "stale", "in use", "another host's"
+
+
+def writer_status(writer: str) -> str:
+    """Whether the writer a name carries (`writer_id`, or a bare pid of this host as older
+    versions wrote) may still be writing: STALE only for a process of this host that is gone,
+    FOREIGN for another host's ([Note: leftovers and their writers])."""
+    host, _, pid = writer.rpartition("-")
+    if not host and writer.isdigit():
+        host, pid = socket.gethostname(), writer
+    if host != socket.gethostname() or not pid.isdigit():
+        return FOREIGN
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return STALE
+    except PermissionError:  # another user's process
+        pass
+    return IN_USE
+
+
 def temporary_name(path: str) -> str:
     """Where this process writes `path` before publishing it by rename."""
-    return f"{path}.tmp-{os.getpid()}"
+    return f"{path}.tmp-{writer_id()}"
+
+
+@contextlib.contextmanager
+def naming(path: str) -> Iterator[None]:
+    """An OSError raised inside names `path` if it names no file: a write to a full disk
+    through a file object says only "No space left on device"."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror or str(e), path) from None
 
 
 def write_durable(path: str, data: bytes) -> None:
-    """Writes `data` to `path` and fsyncs it."""
-    with open(path, "wb") as f:
+    """Writes `data` to `path` and fsyncs it; a failure names `path`."""
+    with naming(path), open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
 
 def write_atomic(path: str, data: bytes) -> None:
-    """Replaces `path` with `data`: all of it or none of it, durable once this returns."""
+    """Replaces `path` with `data`: all of it or none of it, durable once this returns. A
+    failure leaves `path` as it was and no temporary beside it."""
     tmp = temporary_name(path)
-    write_durable(tmp, data)
-    os.replace(tmp, path)
+    try:
+        write_durable(tmp, data)
+        with naming(path):
+            os.replace(tmp, path)
+    except BaseException:
+        remove_file(tmp)
+        raise
     fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def remove_file(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
 
 
 def crc_of_file(path: str) -> tuple[int, int]:

@@ -40,6 +40,7 @@ from infinity.checkpoint.save import (
     agree,
     check_tag,
     persistent_buffers,
+    read_latest,
 )
 from infinity.io import AsyncIOHandle
 from infinity.zero.nvme_io import make_handle
@@ -56,11 +57,15 @@ def resolve(load_dir: str, tag: Any = None) -> str | None:
     `latest` and no tag was given."""
     load_dir = os.fspath(load_dir)
     if tag is None:
-        latest = os.path.join(load_dir, LATEST)
-        if not os.path.isfile(latest):
+        tag = read_latest(load_dir)
+        if tag is None:
             return None
-        with open(latest, encoding="utf-8") as f:
-            tag = f.read().strip()
+        try:
+            check_tag(tag)
+        except ValueError:
+            raise ValueError(f"{os.path.join(load_dir, LATEST)}: holds {tag!r}, not the name of a checkpoint "
+                             f"directory in {load_dir} (it is written by save_checkpoint); give the tag to load, "
+                             "or write the tag's name there") from None
     tag = check_tag(tag)
     path = os.path.join(load_dir, tag)
     replaced = os.path.join(load_dir, f".{tag}.replaced")

@@ -7,15 +7,8 @@ writes it first and then streams each tensor as it arrives: nothing but the tens
 memory, however large the file. Hugging Face's sharded layout is several such files and a
 `model.safetensors.index.json` mapping each name to its file.
 
-[Note: publishing an export]
-An export goes into a directory that may hold an earlier export and files of the user's. Each
-file is written beside its final name as `<name>.tmp-<pid>` and fsynced; only once all of them
-are written are they renamed into place (the shards, then the index, the single file and
-config.json), and then what the earlier export under the same name left that the new one did
-not replace (shards of another count, the index of a now single file, the single file of a now
-sharded one) is removed. A failure before that removes the temporaries and the directories the
-writer created, so the directory holds what it held. Only names of the export's own layout,
-and temporaries of processes that are gone, are ever removed.
+An export is Hugging Face's layout (`ShardedWriter`), written into a staging directory and
+published whole ([Note: publishing an export] in publish.py).
 """
 
 from __future__ import annotations
@@ -25,11 +18,12 @@ import math
 import os
 import re
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
-from infinity.checkpoint.files import fsync_dir, temporary_name, write_durable
+from infinity.checkpoint.files import STALE, naming, remove_file, write_durable, writer_status
+from infinity.checkpoint.publish import Publisher
 
 _CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -66,8 +60,14 @@ class StreamWriter:
         self._entries = list(entries)
         self._next = 0
         self._f = open(path, "wb")
-        self._f.write(struct.pack("<Q", len(raw)))
-        self._f.write(raw)
+        try:
+            with naming(path):
+                self._f.write(struct.pack("<Q", len(raw)))
+                self._f.write(raw)
+        except BaseException:
+            self.abort()
+            remove_file(path)  # not even its header: nothing to keep
+            raise
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         expected, dtype, shape = self._entries[self._next]
@@ -75,19 +75,27 @@ class StreamWriter:
             raise ValueError(f"{self.path}: expected {expected} {dtype} {list(shape)} next, got {name} "
                              f"{tensor.dtype} {list(tensor.shape)}")
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        self._f.write(data.numpy().data)
+        with naming(self.path):
+            self._f.write(data.numpy().data)
         self._next += 1
 
     def close(self) -> None:
         if self._next != len(self._entries):
-            self._f.close()
+            self.abort()
             raise ValueError(f"{self.path}: {len(self._entries) - self._next} declared tensors were never written")
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
+        try:
+            with naming(self.path):
+                self._f.flush()
+                os.fsync(self._f.fileno())
+        finally:
+            self.abort()
 
     def abort(self) -> None:
-        self._f.close()
+        """Closes the file; what could not be written (a full disk) is dropped."""
+        try:
+            self._f.close()
+        except OSError:
+            pass  # the write that failed already said why
 
 
 def check_filename(filename: str) -> None:
@@ -102,42 +110,21 @@ def check_out_dir(directory: str, what: str) -> None:
         raise ValueError(f"{what} {directory}: exists and is not a directory")
 
 
-def _make_dirs(directory: str) -> list[str]:
-    """Creates `directory` and its missing parents; returns those it created, deepest first."""
-    created = []
-    path = os.path.abspath(directory)
-    while not os.path.exists(path):
-        created.append(path)
-        path = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    return created
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # another user's process
-        pass
-    return False
-
-
-def _remove_stale(directory: str, filename: str, keep: set[str], extra: set[str]) -> None:
-    """What an earlier export under `filename` left that the new one (`keep`) did not replace
-    (a single file would shadow new shards, old shards would outlive a new single file), as
-    save_pretrained does; and the temporaries of exports killed outright."""
+def _replaced(filename: str, extra: set[str]) -> Callable[[str], bool]:
+    """Whether an entry of the directory belongs to an earlier export under `filename`, which the
+    new one replaces (a single file would shadow new shards, old shards would outlive a new
+    single file), as save_pretrained does: its layout's names, `extra` (the small files the new
+    export brings), and temporaries of those written by processes that are gone."""
     stem = re.escape(filename.removesuffix(".safetensors"))
     index = re.escape(filename + INDEX_SUFFIX)
     ours = re.compile(rf"{re.escape(filename)}|{index}|{stem}-\d{{5}}-of-\d{{5}}\.safetensors")
-    for name in os.listdir(directory):
-        final, _, pid = name.rpartition(".tmp-")
-        stale = ours.fullmatch(name) and name not in keep
-        if stale or (pid.isdigit() and (ours.fullmatch(final) or final in extra) and _gone(int(pid))):
-            try:
-                os.remove(os.path.join(directory, name))
-            except FileNotFoundError:
-                pass
+
+    def replaced(name: str) -> bool:
+        final, _, writer = name.rpartition(".tmp-")
+        if ours.fullmatch(name) or name in extra:
+            return True
+        return bool(writer) and bool(ours.fullmatch(final) or final in extra) and writer_status(writer) == STALE
+    return replaced
 
 
 class ShardedWriter:
@@ -145,7 +132,7 @@ class ShardedWriter:
     `max_shard_bytes`, else `<stem>-00001-of-0000N.safetensors` files and `<filename>.index.json`;
     tensors are given one at a time in the declared order, small files (config.json) whole.
     Nothing in `directory` changes before `close` publishes it all ([Note: publishing an
-    export]); `what` names `directory` in errors."""
+    export] in publish.py); `what` names `directory` in errors."""
 
     def __init__(self, directory: str, filename: str, entries: list[tuple[str, torch.dtype, list[int]]],
                  max_shard_bytes: int, what: str = "save_dir"):
@@ -176,10 +163,8 @@ class ShardedWriter:
         self._left = 0
         self._writer: StreamWriter | None = None
         self._weight_map = {e[0]: n for n, shard in self._plan for e in shard}
-        self._written: list[str] = []  # final names whose temporaries are complete, in publishing order
-        self._extra: list[str] = []  # small files' names, published last
-        self._published = False
-        self._created = _make_dirs(directory)
+        self._extra: list[str] = []  # small files' names, published before the weights' entry point
+        self._publisher = Publisher(directory)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         while self._left == 0:
@@ -190,55 +175,39 @@ class ShardedWriter:
     def _next_shard(self) -> None:
         if self._writer is not None:
             self._writer.close()
-            self._written.append(self._plan[self._shard][0])
         self._shard += 1
         file, entries = self._plan[self._shard]
-        self._writer = StreamWriter(temporary_name(os.path.join(self.directory, file)), entries)
+        self._writer = None
+        self._writer = StreamWriter(self._publisher.path(file), entries)
         self._left = len(entries)
 
     def add_file(self, name: str, data: bytes) -> None:
         """A small file published with the weights, replacing one of that name."""
         self._extra.append(name)
-        write_durable(temporary_name(os.path.join(self.directory, name)), data)
+        write_durable(self._publisher.path(name), data)
 
     def close(self) -> None:
-        """Finishes the last file, then publishes them all and removes the earlier export's
-        leftovers ([Note: publishing an export])."""
+        """Finishes the last file, then publishes them all in place of the earlier export
+        ([Note: publishing an export] in publish.py)."""
         while self._shard < len(self._plan) - 1:  # shards without tensors (an empty model)
             self._next_shard()
         self._writer.close()
-        self._written.append(self._plan[self._shard][0])
-        names = list(self._written)
+        index_name = self.filename + INDEX_SUFFIX
+        names = [name for name, _ in self._plan]
         if len(self._plan) > 1:
             index = {"metadata": {"total_size": self.total_bytes}, "weight_map": self._weight_map}
-            self.add_file(self.filename + INDEX_SUFFIX, json.dumps(index, indent=2, sort_keys=True).encode())
-        names += self._extra
-        for name in names:
-            path = os.path.join(self.directory, name)
-            os.replace(temporary_name(path), path)
-        self._published = True
-        fsync_dir(self.directory)
-        _remove_stale(self.directory, self.filename, set(names), set(self._extra))
+            write_durable(self._publisher.path(index_name), json.dumps(index, indent=2, sort_keys=True).encode())
+            names += self._extra + [index_name]  # the entry point last
+        else:
+            names = self._extra + names
+        self._publisher.commit(names, _replaced(self.filename, set(self._extra)), [index_name, self.filename])
 
     def abort(self) -> None:
         """Removes what was written and not published, and the directories this writer created
         if they are empty; what was in the directory stays as it was."""
-        if self._published:
-            return
         if self._writer is not None:
             self._writer.abort()
-            self._written.append(self._plan[self._shard][0])
-        for name in self._written + self._extra:
-            try:
-                os.remove(temporary_name(os.path.join(self.directory, name)))
-            except FileNotFoundError:
-                pass
-        for path in self._created:
-            try:
-                os.rmdir(path)
-            except OSError:
-                break
-        self._published = True  # nothing left to abort
+        self._publisher.abort()
 
 
 def read_header(path: str) -> tuple[dict, int]:

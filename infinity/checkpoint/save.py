@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from infinity.checkpoint import files
+from infinity.checkpoint import files, leftovers
 from infinity.checkpoint.layout import (
     BUFFERS,
     FORMAT,
@@ -133,21 +133,16 @@ def save_checkpoint(engine: "Engine", save_dir: str, tag: Any = None, client_sta
     rank = engine.rank
     save_dir = os.fspath(save_dir)
     t0 = time.perf_counter()
-    error = None
+    error = partial = None
     try:
         engine.check_step_boundary("save_checkpoint")
         state = _state_bytes(engine, client_state)
         tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
-        partial = os.path.join(save_dir, f".{tag}.partial")
         if rank == 0:
-            if not os.path.isdir(save_dir):
-                os.makedirs(save_dir)
-                files.fsync_dir(os.path.dirname(os.path.abspath(save_dir)))
-            files.remove_tree(partial)  # a save of this tag that died: never published, nobody's state
-            os.makedirs(partial)
+            partial = _start(save_dir, tag)
     except Exception as e:  # noqa: BLE001 (every rank hears of it, then it is raised)
         error = e
-    agree(error, "save_checkpoint")
+    partial = agree(error, "save_checkpoint", partial)[0]  # rank 0's: [Note: leftovers and their writers]
     final = os.path.join(save_dir, tag)
     gas = engine.config.batch.gradient_accumulation_steps
     if rank == 0 and engine.micro_steps % gas:
@@ -172,6 +167,8 @@ def save_checkpoint(engine: "Engine", save_dir: str, tag: Any = None, client_sta
         except BaseException as e:  # noqa: BLE001
             error = e
     agree(error, "save_checkpoint (publishing on rank 0)")
+    if rank == 0 and engine.config.checkpoint.save_total_limit is not None:
+        _keep_newest(save_dir, engine.config.checkpoint.save_total_limit, tag)
     seconds = time.perf_counter() - t0
     engine.last_checkpoint = {"path": final, "bytes": nbytes, "seconds": seconds,
                               "gbps": nbytes / seconds / 1e9 if seconds else 0.0}
@@ -230,10 +227,7 @@ def _write_rank(engine: "Engine", partial: str, tag: str, state: bytes, exclude_
     finally:
         bar.close()
     path = os.path.join(partial, state_file(rank))
-    with open(path, "wb") as f:
-        f.write(state)
-        f.flush()
-        os.fsync(f.fileno())
+    files.write_durable(path, state)
     size, crc = files.crc_of_file(path)
     entries[state_file(rank)] = {"bytes": size, "crc32": crc}
     if rank == 0:
@@ -254,30 +248,120 @@ def _write_rank(engine: "Engine", partial: str, tag: str, state: bytes, exclude_
     return entries
 
 
+def _start(save_dir: str, tag: str) -> str:
+    """Rank 0: creates `save_dir` if needed, removes what saves killed outright left there, and
+    creates the directory the ranks write into; returns it ([Note: publishing a checkpoint])."""
+    if not os.path.isdir(save_dir):
+        os.makedirs(save_dir)
+        files.fsync_dir(os.path.dirname(os.path.abspath(save_dir)))
+    leftovers.remove(leftovers.find(save_dir))
+    partial = os.path.join(save_dir, f".{tag}.partial-{files.writer_id()}")
+    os.makedirs(partial)
+    return partial
+
+
 def _publish(engine: "Engine", save_dir: str, tag: str, partial: str, final: str, entries: dict[str, dict],
              save_latest: bool, exclude_frozen: bool) -> None:
-    """[Note: publishing a checkpoint] in files.py."""
+    """[Note: publishing a checkpoint] in files.py. A failure before the tag is published
+    removes what was written; one writing `latest` keeps the tag, which is whole, and says so."""
     zero = engine.config.zero
     manifest = {
         "format": FORMAT, "version": VERSION, "tag": tag, "world_size": engine.world_size, "stage": zero.stage,
         "compute_dtype": dtype_name(engine.dtype), "offload_param": zero.offload_param.device,
         "offload_optimizer": zero.offload_optimizer.device, "global_steps": engine.global_steps,
-        "param_groups": len(engine.optimizer.param_groups),
+        "param_groups": len(engine.optimizer.param_groups), "saved_at": time.time(),
         "units": unit_entries(engine.units, exclude_frozen), "frozen_excluded": exclude_frozen,
         "aliases": aliases(engine), "hf_config": HF_CONFIG in entries,
         "files": dict(sorted(entries.items())),
     }
     manifest[MANIFEST_CRC] = manifest_crc(manifest)
-    files.write_atomic(os.path.join(partial, MANIFEST), json.dumps(manifest, indent=1).encode())
-    files.fsync_dir(partial)
+    try:
+        files.write_atomic(os.path.join(partial, MANIFEST), json.dumps(manifest, indent=1).encode())
+        files.fsync_dir(partial)
+        _rename_into_place(save_dir, tag, partial, final)
+    except BaseException:
+        files.remove_tree(partial)
+        raise
+    if save_latest:
+        _write_latest(save_dir, tag)
+
+
+def _rename_into_place(save_dir: str, tag: str, partial: str, final: str) -> None:
     replaced = os.path.join(save_dir, f".{tag}.replaced")
     if os.path.isdir(replaced) and not os.path.exists(final):
         os.rename(replaced, final)  # an earlier replace died between its renames: that was the tag
     if os.path.exists(final):
         files.remove_tree(replaced)
         os.rename(final, replaced)
-    os.rename(partial, final)
+    try:
+        os.rename(partial, final)
+    except BaseException:
+        if not os.path.exists(final):
+            os.rename(replaced, final)
+        raise
     files.fsync_dir(save_dir)
     files.remove_tree(replaced)
-    if save_latest:
-        files.write_atomic(os.path.join(save_dir, LATEST), f"{tag}\n".encode())
+
+
+def read_latest(save_dir: str) -> str | None:
+    """What `save_dir/latest` holds (stripped), None when there is no such file."""
+    path = os.path.join(save_dir, LATEST)
+    if not os.path.isfile(path):
+        return None
+    with files.naming(path), open(path, encoding="utf-8") as f:
+        return f.read().strip()
+
+
+def _write_latest(save_dir: str, tag: str) -> None:
+    path = os.path.join(save_dir, LATEST)
+    try:
+        previous = read_latest(save_dir)
+    except (OSError, UnicodeDecodeError):
+        previous = None
+    try:
+        files.write_atomic(path, f"{tag}\n".encode())
+    except OSError as e:
+        raise OSError(e.errno, f"{e.strerror or e}; the checkpoint {os.path.join(save_dir, tag)} was saved whole, "
+                      f"but {LATEST} still names {previous!r}: load it with tag={tag!r}, or make room and save "
+                      "again", path) from None
+
+
+# ---- keeping the newest checkpoints (checkpoint.save_total_limit) --------------------------------
+
+
+def published(save_dir: str) -> list[str]:
+    """The checkpoints of `save_dir` (directories holding our manifest), oldest first by when
+    they were published: the manifest's `saved_at`, else its modification time."""
+    found = []
+    for name in os.listdir(save_dir):
+        path = os.path.join(save_dir, name, MANIFEST)
+        if name.startswith(".") or not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and data.get("format") == FORMAT:
+            when = data.get("saved_at")
+            found.append((when if isinstance(when, (int, float)) else os.path.getmtime(path), name))
+    return [name for _, name in sorted(found)]
+
+
+def _keep_newest(save_dir: str, limit: int, saved: str) -> None:
+    """Removes the checkpoints beyond the newest `limit`, oldest first, never the one just saved
+    nor the one `latest` names. Each goes out of sight by one rename, then is deleted; a
+    failure is said and the save stands."""
+    try:
+        named = read_latest(save_dir)
+        for name in published(save_dir)[:-limit]:
+            if name in (saved, named):
+                continue
+            doomed = os.path.join(save_dir, f".{name}.removed-{files.writer_id()}")
+            os.rename(os.path.join(save_dir, name), doomed)
+            files.fsync_dir(save_dir)
+            files.remove_tree(doomed)
+            log.info("infinity: removed checkpoint %s (checkpoint.save_total_limit %d)", name, limit)
+    except (OSError, UnicodeDecodeError) as e:
+        log.warning("save_checkpoint: checkpoint.save_total_limit %d: could not remove older checkpoints of %s "
+                    "(%s); they are left in place", limit, save_dir, e)

@@ -125,10 +125,14 @@ def describe_owner(lock_path: str) -> str:
 
 
 def remove_stale(root: str, pattern: str) -> list[str]:
-    """Removes every directory `<root>/<pattern>` whose lock is not held; returns those removed.
+    """Removes every directory `<root>/<pattern>` whose lock is not held, and the private lock
+    names of processes killed while taking a lock; returns the directories removed.
 
     Directories of live processes, of other hosts and kept ones are left alone.
     """
+    for path in _private_leftovers(root, pattern):
+        _unlink_quietly(path)
+        rmdir_if_empty(os.path.dirname(path))
     removed = []
     for lock_path in sorted(glob.glob(os.path.join(glob.escape(root), pattern + ".lock"))):
         stale, _ = _take_existing(lock_path)
@@ -136,6 +140,41 @@ def remove_stale(root: str, pattern: str) -> list[str]:
             removed.append(stale.directory)
             stale.remove()
     return removed
+
+
+def _private_leftovers(root: str, pattern: str) -> list[str]:
+    """The private lock names (`_private_name`) under `<root>/<pattern>` that a process of this
+    host left when it died between creating one and removing it: its pid is gone and nobody holds
+    the file's flock. A live owner is never judged stale: it holds the flock from the moment it
+    can publish the name, and its pid lives before that."""
+    found = []
+    host = socket.gethostname()
+    for path in sorted(glob.glob(os.path.join(glob.escape(root), pattern + ".lock.*.tmp"))):
+        owner_host, _, pid = path[: -len(".tmp")].rpartition(".")
+        if not owner_host.endswith(f".lock.{host}") or not pid.isdigit() or _pid_lives(int(pid)):
+            continue
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue
+        finally:
+            os.close(fd)
+        found.append(path)
+    return found
+
+
+def _pid_lives(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
 
 
 class Leftover(NamedTuple):
@@ -161,6 +200,9 @@ def survey(root: str, pattern: str = "infinity-*/rank*") -> list[Leftover]:
         directory = lock_path[: -len(".lock")]
         found.append(Leftover(directory, {"held": "in use", "foreign": "another host's"}.get(status, status),
                               describe_owner(lock_path), _disk_bytes(directory)))
+    for path in _private_leftovers(root, pattern):
+        pid = path[: -len(".tmp")].rpartition(".")[2]
+        found.append(Leftover(path, "stale", f"process {pid} on {socket.gethostname()}", _disk_bytes(path)))
     return found
 
 
