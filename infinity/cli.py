@@ -103,6 +103,8 @@ def _check_finetune_arguments(parser: argparse.ArgumentParser, args: argparse.Na
             parser.error(f"{flag} {path}: not a file")
     if args.model and not os.path.isdir(args.model) and (os.sep in args.model or os.path.exists(args.model)):
         parser.error(f"--model {args.model}: not a directory (expected a Hugging Face model directory or a preset name)")
+    if args.save_total_limit is not None and not args.save:
+        parser.error("--save-total-limit: keeps the newest checkpoints under --save; give --save DIR too")
     if args.config:
         given = [flag for flag, value in (("--lr", args.lr), ("--batch", args.batch), ("--offload", args.offload))
                  if value is not None]

@@ -42,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "pretrained model")
     p.add_argument("--save", help="checkpoint directory: every --save-every steps, on SIGTERM, and at the end")
     p.add_argument("--save-every", type=_positive, default=50)
+    p.add_argument("--save-total-limit", type=_positive, help="keep only the newest N checkpoints under --save "
+                   "(the config's checkpoint.save_total_limit; default: all)")
     p.add_argument("--resume", help="a checkpoint directory to continue from (its `latest` tag)")
     p.add_argument("--export", help="write the fine-tuned model here (Hugging Face layout)")
     p.add_argument("--plot", help="draw the loss and per-step I/O into this image (needs matplotlib)")
@@ -374,11 +376,14 @@ def run(args) -> int:
     # The stores go straight under --nvme-path, where the next run and `infinity clean` look for
     # what a killed run left ([Note: cleanup on exit] in infinity/tiers/store.py).
     config = args.config or _default_config(args.nvme_path, args.offload or "nvme", args.batch or 4, lr)
-    if args.trace:
+    if args.trace or args.save_total_limit:
         if not isinstance(config, dict):
             with open(config, encoding="utf-8") as f:
                 config = json.load(f)
+    if args.trace:
         config = {**config, "trace": {**config.get("trace", {}), "path": args.trace}}
+    if args.save_total_limit:
+        config = {**config, "checkpoint": {**config.get("checkpoint", {}), "save_total_limit": args.save_total_limit}}
     engine, *_ = infinity.initialize(model=model, config=config)
     previous = signal.getsignal(signal.SIGTERM)
     try:

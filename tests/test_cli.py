@@ -23,6 +23,15 @@ def test_finetune_a_preset_on_nvme_runs_and_cleans_up(tmp_path, capsys):
     assert os.listdir(tmp_path) == []  # the job's NVMe files are gone
 
 
+def test_finetune_save_total_limit_keeps_the_newest_checkpoints(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    rc = infinity_main(["finetune", "--model", "llama-tiny", "--steps", "4", "--seq-len", "16", "--sample-tokens", "0",
+                        "--nvme-path", str(tmp_path), "--save", str(ckpt), "--save-every", "1",
+                        "--save-total-limit", "2"])
+    assert rc == 0, capsys.readouterr().err
+    assert sorted(os.listdir(ckpt)) == ["global_step3", "global_step4", "latest"]
+
+
 def test_finetune_names_an_unknown_preset(tmp_path, capsys):
     assert infinity_main(["finetune", "--model", "no-such-model", "--nvme-path", str(tmp_path)]) == 2
     err = capsys.readouterr().err
@@ -34,10 +43,13 @@ def test_finetune_names_an_unknown_preset(tmp_path, capsys):
     (["--config", "/no/such.json"], "--config /no/such.json: not a file"),
     (["--model", "/no/such/model"], "--model /no/such/model: not a directory"),
     (["--config", "CFG", "--lr", "1e-3", "--batch", "2"], "--lr, --batch: only set the built-in config"),
-    (["--lr", "-1"], "argument --lr: expected a positive number, got -1")])
+    (["--lr", "-1"], "argument --lr: expected a positive number, got -1"),
+    (["--save-total-limit", "2"], "--save-total-limit: keeps the newest checkpoints under --save"),
+    (["--save", "CKPT", "--save-total-limit", "0"], "argument --save-total-limit: expected a positive integer")])
 def test_finetune_bad_paths_and_conflicts_are_refused_before_any_work(tmp_path, capsys, extra, said):
     (tmp_path / "ds.json").write_text("{}")
-    argv = ["finetune", "--nvme-path", str(tmp_path)] + [str(tmp_path / "ds.json") if a == "CFG" else a for a in extra]
+    named = {"CFG": str(tmp_path / "ds.json"), "CKPT": str(tmp_path / "ckpt")}
+    argv = ["finetune", "--nvme-path", str(tmp_path)] + [named.get(a, a) for a in extra]
     with pytest.raises(SystemExit) as exit_:
         infinity_main(argv)
     assert exit_.value.code == 2
