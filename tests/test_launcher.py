@@ -159,6 +159,37 @@ def test_the_ranks_get_local_rank_unless_no_local_rank(tmp_path):
                                  "-m", "infinity.deepspeed", *local_rank, str(script), "--deepspeed", "ds.json"]
 
 
+class _FourGpus:
+    """What get_accelerator() answers on a host with 4 GPUs visible."""
+
+    def device_name(self, index=None):
+        return "cuda"
+
+    def device_count(self):
+        return 4
+
+
+@pytest.mark.parametrize("flags,nproc,visible", [
+    ([], 4, "3,5,6,7"),
+    (["--num_gpus", "2"], 2, "3,5"),
+    (["--include", "localhost:1,3"], 2, "5,7"),
+    (["--exclude", "localhost:0"], 3, "5,6,7")])
+def test_gpu_slots_count_the_visible_gpus(tmp_path, monkeypatch, flags, nproc, visible):
+    import infinity.deepspeed.accelerator as accelerator
+
+    monkeypatch.setattr(accelerator, "_accelerator", _FourGpus())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7")
+    script = tmp_path / "job.py"
+    script.write_text("")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    (node,) = _plan(parser.parse_args([*flags, str(script)]))
+    assert f"--nproc-per-node={nproc}" in node.argv
+    assert node.env["CUDA_VISIBLE_DEVICES"] == visible and node.env["LOCAL_SIZE"] == str(nproc)
+    with pytest.raises(ValueError, match="--num_gpus 5: host 'localhost' has 4 slot"):
+        _plan(parser.parse_args(["--num_gpus", "5", str(script)]))
+
+
 # ---- real launches -------------------------------------------------------------------------------------------
 
 
