@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 
+import psutil
 import torch
 from torch import nn
 from tqdm import tqdm
@@ -26,6 +27,8 @@ DEFAULT_MODEL = {"vocab_size": 257, "hidden_size": 256, "intermediate_size": 704
                  "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 1024}
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPT = "import os\n\n\ndef "
+DEFAULT_BATCH = 4  # sequences per step of the built-in config
+SAMPLE_WINDOW = 256  # the most tokens `generate` feeds the model at once
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora", type=_non_negative, default=0, help="LoRA rank on the attention and MLP projections "
                                                                  "(0: train every weight)")
     p.add_argument("--steps", type=_positive, default=200)
-    p.add_argument("--batch", type=_positive, help="sequences per step for the built-in config (default 4)")
+    p.add_argument("--batch", type=_positive, help=f"sequences per step for the built-in config (default {DEFAULT_BATCH})")
     p.add_argument("--seq-len", type=_positive, default=128)
     p.add_argument("--lr", type=_positive_float, help="for the built-in config: default 3e-3, or 1e-4 for a "
                    "pretrained model")
@@ -53,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload", choices=["cpu", "nvme"], help="tier for the built-in config (default nvme)")
     p.add_argument("--trace", help="write a timeline of steps 2-4 here (Chrome trace JSON; the config's `trace` section)")
     p.add_argument("--sample-tokens", type=_non_negative, default=48)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     p.set_defaults(nvme_path_given=False)
 
 
@@ -66,11 +69,22 @@ class _Given(argparse.Action):
         setattr(namespace, f"{self.dest}_given", True)
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+def _integer(text: str, low: int, high: int | None, expected: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = low - 1
+    if value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
     return value
+
+
+def _positive(text: str) -> int:
+    return _integer(text, 1, None, "a positive integer")
+
+
+def _seed(text: str) -> int:
+    return _integer(text, -2**63, 2**64 - 1, "an integer from -2**63 to 2**64 - 1 (torch.manual_seed's range)")
 
 
 def _positive_float(text: str) -> float:
@@ -84,10 +98,7 @@ def _positive_float(text: str) -> float:
 
 
 def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text}")
-    return value
+    return _integer(text, 0, None, "a non-negative integer")
 
 
 class LoRALinear(nn.Linear):
@@ -226,6 +237,68 @@ def _check_destination(flag: str, path: str, directory: bool) -> None:
         raise OSError(f"{flag} {path}: cannot create files in {parent} ({e.strerror})") from None
 
 
+def check_model_sizes(args, config, tokenizer) -> None:
+    """The flags the model's shapes bound, checked before it is built: --seq-len and the sample
+    within its positions, --lora within its projections' rank, and a step's activations within
+    the memory of the device that computes them. Raises ValueError naming the flag."""
+    from infinity.models.presets import layer_linears
+
+    shapes = _shapes(config)
+    positions = shapes["max_position_embeddings"]
+    if positions and args.seq_len > positions:
+        raise ValueError(f"--seq-len {args.seq_len}: above the model's max_position_embeddings {positions}, "
+                         f"the longest sequence it is built for; give at most {positions}")
+    if positions and args.sample_tokens:
+        prompt = len(tokenizer.encode(PROMPT))
+        if min(SAMPLE_WINDOW, prompt + args.sample_tokens - 1) > positions:
+            raise ValueError(f"--sample-tokens {args.sample_tokens}: the prompt ({prompt} tokens) and the sample "
+                             f"go beyond the model's max_position_embeddings {positions}; give at most "
+                             f"{max(positions - prompt + 1, 0)}")
+    if args.lora and all(shapes[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads")):
+        most = min(min(dims) for dims in layer_linears(shapes).values())
+        if args.lora > most:
+            raise ValueError(f"--lora {args.lora}: a LoRA update B @ A has at most the rank of its projection, "
+                             f"min(in, out), and this model's smallest is {most}; give at most {most}")
+    _check_activations(args, shapes)
+
+
+def _shapes(config) -> dict:
+    """A preset dict's or a transformers config's architecture keys (None where it has none)."""
+    from infinity.models.llama import DEFAULTS
+
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings")
+    if isinstance(config, dict):
+        return {k: config.get(k, DEFAULTS.get(k)) for k in keys}
+    return {k: getattr(config, k, None) for k in keys}
+
+
+def _check_activations(args, shapes: dict) -> None:
+    """Refuses a micro-batch whose activations alone cannot fit the compute device's memory
+    ([Note: activation floor] in infinity/models/presets.py: a lower bound, so nothing that fits
+    is refused)."""
+    from infinity.device import device_kind, gpu_memory
+    from infinity.models.presets import activation_floor_bytes
+
+    if args.config is None:
+        micro, named = args.batch or DEFAULT_BATCH, "--batch"
+    else:
+        from infinity.config import load_config
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        micro = load_config(args.config, world_size=world).batch.train_micro_batch_size_per_gpu
+        named = "train_micro_batch_size_per_gpu"
+    if device_kind() == "cuda":
+        where, have = "this GPU's memory", min(gpu_memory())
+    else:
+        where, have = "this machine's memory", psutil.virtual_memory().total
+    need = activation_floor_bytes(shapes, micro * args.seq_len)
+    if need > have:
+        raise ValueError(f"--seq-len {args.seq_len} x {named} {micro}: a step's activations need at least "
+                         f"{need / 2**30:.1f} GiB (tokens x (layers x (hidden + intermediate) x 2 + vocab x 6) "
+                         f"bytes), more than the {have / 2**30:.1f} GiB of {where}; give a shorter --seq-len "
+                         "or a smaller batch")
+
+
 def _check_token_ids(args, config, tokenizer, rows: torch.Tensor) -> None:
     """The tokenizer's ids must index the model's embedding (an IndexError deep in the forward otherwise)."""
     vocab = config["vocab_size"] if isinstance(config, dict) else getattr(config, "vocab_size", None)
@@ -251,7 +324,7 @@ def generate(engine, tokenizer, prompt: str, n: int, temperature: float = 0.7) -
     engine.eval()
     with torch.no_grad():
         for _ in range(n):
-            logits = _logits(engine(input_ids=ids[:, -256:]))[:, -1].float().cpu()
+            logits = _logits(engine(input_ids=ids[:, -SAMPLE_WINDOW:]))[:, -1].float().cpu()
             token = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=g)
             ids = torch.cat([ids, token], dim=1)
     engine.train()
@@ -367,6 +440,7 @@ def run(args) -> int:
     check_arguments(args)
     torch.manual_seed(args.seed)
     model_config, tokenizer, pretrained = read_model(args)
+    check_model_sizes(args, model_config, tokenizer)
     texts = read_texts(args.data) if args.data else stdlib_corpus(4 << 20)
     rows = pack(texts, tokenizer, args.seq_len)
     _check_token_ids(args, model_config, tokenizer, rows)
@@ -375,7 +449,7 @@ def run(args) -> int:
     lr = args.lr if args.lr is not None else (1e-4 if pretrained else 3e-3)
     # The stores go straight under --nvme-path, where the next run and `infinity clean` look for
     # what a killed run left ([Note: cleanup on exit] in infinity/tiers/store.py).
-    config = args.config or _default_config(args.nvme_path, args.offload or "nvme", args.batch or 4, lr)
+    config = args.config or _default_config(args.nvme_path, args.offload or "nvme", args.batch or DEFAULT_BATCH, lr)
     if args.trace or args.save_total_limit:
         if not isinstance(config, dict):
             with open(config, encoding="utf-8") as f:
