@@ -465,16 +465,19 @@ def test_save_total_limit_keeps_the_newest_checkpoints(tmp_path):
     engine = _engine(save_total_limit=2)
     try:
         (ckpt / "notes").mkdir(parents=True)  # not a checkpoint: never removed
+        engine.save_checkpoint(tmp_path / "other", tag="elsewhere")
+        (ckpt / "linked").symlink_to(tmp_path / "other" / "elsewhere")  # the oldest, but a link of the user's
         for _ in range(4):
             _steps(engine, 1)
             engine.save_checkpoint(ckpt)
             assert (ckpt / LATEST).read_text() == f"global_step{engine.global_steps}\n"
-        assert sorted(os.listdir(ckpt)) == ["global_step3", "global_step4", "latest", "notes"]
+        assert sorted(os.listdir(ckpt)) == ["global_step3", "global_step4", "latest", "linked", "notes"]
         engine.save_checkpoint(ckpt, tag="kept", save_latest=False)  # newer, but `latest` names global_step4
-        assert sorted(os.listdir(ckpt)) == ["global_step4", "kept", "latest", "notes"]
+        assert sorted(os.listdir(ckpt)) == ["global_step4", "kept", "latest", "linked", "notes"]
         _steps(engine, 1)
         engine.save_checkpoint(ckpt, tag="global_step3")  # a re-save counts as the newest
-        assert sorted(os.listdir(ckpt)) == ["global_step3", "kept", "latest", "notes"]
+        assert sorted(os.listdir(ckpt)) == ["global_step3", "kept", "latest", "linked", "notes"]
+        assert (tmp_path / "other" / "elsewhere" / "manifest.json").is_file()
     finally:
         engine.close()
     engine = _engine(save_total_limit=2)

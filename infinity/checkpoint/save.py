@@ -335,8 +335,8 @@ def published(save_dir: str) -> list[str]:
     found = []
     for name in os.listdir(save_dir):
         path = os.path.join(save_dir, name, MANIFEST)
-        if name.startswith(".") or not os.path.isfile(path):
-            continue
+        if name.startswith(".") or os.path.islink(os.path.join(save_dir, name)) or not os.path.isfile(path):
+            continue  # a link to a checkpoint elsewhere is the user's
         try:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
