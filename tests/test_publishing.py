@@ -339,6 +339,17 @@ def test_a_full_disk_at_any_stage_of_an_export_leaves_the_previous_export(small_
     assert sorted(os.listdir(small_disk.path)) == ["out"]
 
 
+def test_a_safetensors_header_that_does_not_fit_leaves_no_file(small_disk):
+    from infinity.checkpoint.safetensors_io import StreamWriter
+    path = small_disk.path / "model.safetensors"
+    small_disk.allow(0)
+    entries = [(f"layer{i}.weight", torch.float32, [1024, 1024]) for i in range(200)]  # a header of pages
+    with pytest.raises(OSError) as failed:
+        StreamWriter(str(path), entries).close()
+    assert failed.value.errno == errno.ENOSPC and failed.value.filename == str(path)
+    assert os.listdir(small_disk.path) == []
+
+
 # ---- leftovers of kill -9 --------------------------------------------------------------------------
 
 KILLED_SAVE = r"""
