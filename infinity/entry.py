@@ -13,6 +13,7 @@ from infinity.device import make_device
 from infinity.engine import Engine
 from infinity.zero import dist as zdist
 from infinity.zero.partitioner import UnitPolicy
+from infinity.zero.registry import owner_of
 from infinity.zero.zero_optimizer import ZeroOptimizer
 
 
@@ -37,6 +38,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         args, model = None, args
     if model is None:
         raise ValueError("model: expected the torch.nn.Module to train, got None")
+    _check_not_partitioned(model)
     if mpu is not None or mesh_param is not None:
         raise ValueError("mpu / mesh_param: model (tensor or pipeline) parallelism is not supported by infinity; "
                          "it shards data-parallel ranks only (ZeRO)")
@@ -79,3 +81,17 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                                     engine.world_size, collate_fn=collate_fn)
     engine.training_dataloader = loader
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _check_not_partitioned(model: nn.Module) -> None:
+    """An engine empties the parameters it partitions (their values live in its tiers), and
+    close() frees those tiers: such a model has nothing left to build another engine from."""
+    for param in model.parameters():
+        found = owner_of(param)
+        if found is None:
+            continue
+        if found[0].closed:
+            raise ValueError("model: its parameters were released by engine.close() (their values went with that "
+                             "engine's tiers); build the model again (or load it again) and pass the new one")
+        raise ValueError("model: its parameters are partitioned by a live engine from an earlier "
+                         "infinity.initialize(); use that engine, or close it and build the model again")
