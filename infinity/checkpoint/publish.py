@@ -8,9 +8,10 @@ not exist, the staging directory is renamed to `out`. If it does, the user's fil
 but the earlier export's layout, its config.json when the new export brings one, and
 temporaries of dead writers) are hard-linked into the staging directory (copied where a link is
 refused, links kept as links), and the two directories are swapped in one step (renameat2
-RENAME_EXCHANGE), after which the staging name holds the old directory and is removed. A reader therefore finds at `out` the earlier export or the new one, whole:
-**a directory named `out` is always a finished export**; names starting with `.` and holding
-`.export-` or `.old-` never are.
+RENAME_EXCHANGE), after which the staging name holds the old directory and is removed. A
+reader therefore finds at `out` the earlier export or the new one, whole: **a directory named
+`out` is always a finished export**; names starting with `.` and holding `.export-` or `.old-`
+never are.
 
 A crash leaves, at each point:
   * before the swap: `out` as it was, and the staging directory;
@@ -24,15 +25,17 @@ aside to `.<out>.old-<host>-<pid>` and the staging directory to `out`: between t
 no `out` exists, and a crash there leaves the old directory aside, which the next export or
 `infinity clean` of the parent puts back (the new one, in staging, is removed).
 
+In a swap, entries that appeared in `out` while the export was being written are moved into
+the new directory before the old one is removed, and this process's working directory, if it
+was `out`, follows to the new one (another process, a shell, keeps the removed one).
+
 Where `out` is not to be replaced (it holds subdirectories, such as a training run's output or
 a home directory; it is a mount point or another user's; its parent is not ours to write), the
-staging directory goes inside `out` and the files are renamed into place
-one by one, after the earlier export's entry points (its index and its single file) are
-removed: a reader finds the old export, then nothing it can load, then the new one, never a
-mix; a crash in between leaves no loadable export, and the next export removes what is left.
-Entries that appeared in `out` while the export was being written are moved into the new
-directory before the old one is removed. When this process's working directory was `out`, it
-follows to the new one (another process, a shell, keeps the removed one).
+staging directory goes inside `out` and the files are renamed into place one by one, after the
+earlier export's entry points (its index and its single file) are removed: a reader finds the
+old export, then nothing it can load, then the new one, never a mix; a crash in between leaves
+no loadable export (`infinity clean out`, or the next export, removes what is left). There a
+finished export is one whose entry point exists.
 """
 
 from __future__ import annotations
