@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -245,7 +246,19 @@ class SmallDisk:
         s = os.statvfs(self.path)
         return (s.f_blocks - s.f_bfree) * s.f_frsize
 
+    def reachable(self) -> int:
+        total = 0
+        for root, dirs, names in os.walk(self.path):
+            total += sum(os.lstat(os.path.join(root, n)).st_blocks * 512 for n in dirs + names)
+        return total
+
     def allow(self, nbytes: int) -> None:
+        # A removed file's space comes back when its last descriptor closes, which an I/O thread
+        # may do a moment after the failure was reported: wait for it, or the budget is off.
+        for _ in range(500):
+            if self.used() == self.reachable():
+                break
+            time.sleep(0.01)
         size = self.used() + nbytes
         subprocess.run(["mount", "-o", f"remount,size={max(size, 4096)}", str(self.path)], check=True)
 

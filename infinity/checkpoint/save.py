@@ -234,9 +234,13 @@ def _write_rank(engine: "Engine", partial: str, tag: str, state: bytes, exclude_
         buffers = persistent_buffers(engine.module)
         path = os.path.join(partial, BUFFERS)
         w = StreamWriter(path, [(n, b.dtype, list(b.shape)) for n, b in buffers.items()])
-        for n, b in buffers.items():
-            w.add(n, b)
-        w.close()
+        try:
+            for n, b in buffers.items():
+                w.add(n, b)
+            w.close()
+        except BaseException:
+            w.abort()  # now, not when the traceback is collected: a removed file's space is held while open
+            raise
         size, crc = files.crc_of_file(path)
         entries[BUFFERS] = {"bytes": size, "crc32": crc}
         hf_config = getattr(engine.module, "config", None)
