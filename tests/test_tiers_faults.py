@@ -118,6 +118,34 @@ def test_a_failed_write_invalidates_only_its_shard(rig, mode):
     assert torch.equal(read(swapper, 1), new)
 
 
+def test_a_lost_write_is_named_until_the_shard_is_written_again(rig):
+    """`lost()`: what the engine asks before it goes on ([Note: failed updates] in
+    infinity/zero/step_policy.py). A failed read loses nothing; a failed write loses its shard's
+    bytes, reported or not, until a new write of it succeeds, which also makes its failure moot
+    for `flush` (a load that rewrites the state is not refused for an old failure)."""
+    swapper, handle, data = rig
+    handle.fail(swapper.store.extent("param", 0), "read")
+    with pytest.raises(OSError, match="read of shard 0"):
+        swapper.wait(swapper.fetch("param", 0))
+    assert swapper.lost() is None
+    handle.fail(swapper.store.extent("param", 1), "write")
+    handle.fail(swapper.store.extent("param", 2), "write")
+    first, second = swapper.write("param", 1, data[1]), swapper.write("param", 2, data[2])
+    with pytest.raises(OSError, match="write of shard 1"):
+        swapper.wait(first)  # reported
+    with pytest.raises(OSError, match="fetch: shard 2 of kind 'param' is invalid"):
+        swapper.fetch("param", 2)  # completes the write: met, but its failure not reported yet
+    assert "write of shard 1" in swapper.lost().strerror  # the oldest, reported or not
+    assert "write of shard 1" in swapper.lost(["param"]).strerror and swapper.lost(["grad"]) is None
+    swapper.wait(swapper.write("param", 2, data[2]))
+    assert "write of shard 1" in swapper.lost().strerror  # 2 is good again...
+    swapper.flush()  # ...and its failure moot: nothing left to raise
+    swapper.check_invariants()
+    swapper.wait(swapper.write("param", 1, data[1]))
+    assert swapper.lost() is None
+    assert_others_intact(swapper, data, bad=None)
+
+
 def test_a_failure_nobody_waited_for_is_raised_by_flush(rig):
     swapper, handle, data = rig
     handle.fail(swapper.store.extent("param", 2), "write")

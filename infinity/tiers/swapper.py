@@ -11,9 +11,10 @@ What the states guarantee, and how:
     the last write issued is the one on disk.
   * A shard being read is handed out only by `wait`, after the read completed; a buffer under a
     transfer goes back to the pool only after the transfer was waited for.
-  * A failed write makes the shard INVALID: its bytes are never read back as if they were good.
-    A failed read changes nothing on disk: the shard is NVME again, its buffer back in the
-    pool, and fetching it again retries.
+  * A failed write makes the shard INVALID: its bytes are never read back as if they were good,
+    and `lost()` names it until a write of it succeeds (new bytes replace the lost ones, so its
+    failure is then no longer one for `flush` to raise). A failed read changes nothing on disk:
+    the shard is NVME again, its buffer back in the pool, and fetching it again retries.
 
 [Note: completing transfers]
 Each I/O request is waited for by exactly one thread (a handle's request ids are single-use):
@@ -44,7 +45,7 @@ from __future__ import annotations
 import errno
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 from typing import Protocol
 
 import torch
@@ -116,6 +117,7 @@ class Swapper:
     _shards: dict[ShardKey, Shard]
     _writes: dict[ShardKey, Shard]  # shards with a write in flight, oldest first
     _unreported: list[OSError]  # failed writes nobody has waited for ([Note: completing transfers])
+    _lost: dict[ShardKey, OSError]  # INVALID shards (or rewritten, not yet done): why their bytes are gone
     _counters: SwapCounters  # what moved, for `stats`
 
     def __init__(
@@ -152,6 +154,7 @@ class Swapper:
         self._shards = {}
         self._writes = {}
         self._unreported = []
+        self._lost = {}
         self._parked: dict[ShardKey, tuple[torch.Tensor, int]] = {}  # failed write's buffer -> loans out
         self._counters = SwapCounters()
         self._cond = threading.Condition(threading.Lock())  # guards every Shard and the fields above
@@ -174,6 +177,13 @@ class Swapper:
         """Whether `count` buffers are available without waiting (`buffers_available`),
         counting those of writes the kernel has finished (`reap`)."""
         return self.buffers_available >= count or (self.reap() > 0 and self.buffers_available >= count)
+
+    def lost(self, kinds: Collection[str] | None = None) -> OSError | None:
+        """Why the bytes of a shard (of one of `kinds`; None: any) are lost: the failure of the
+        oldest write that left a shard INVALID and was not followed by a successful one; None
+        when there is none. Reported or not, a lost write stays lost until rewritten."""
+        with self._cond:
+            return next((e for (kind, _), e in self._lost.items() if kinds is None or kind in kinds), None)
 
     @property
     def stats(self) -> SwapStats:
@@ -432,6 +442,10 @@ class Swapper:
                     assert shard.holders > 0, f"{shard.name}: idle in host memory but not cached"
                 assert (shard.state is ShardState.HOST_TO_NVME) == ((kind, key) in self._writes), shard.name
                 assert shard.lent <= shard.holders, f"{shard.name}: {shard.lent} loans, {shard.holders} holders"
+                if shard.state is ShardState.INVALID:
+                    assert (kind, key) in self._lost, f"{shard.name}: invalid, but not counted as lost"
+                elif (kind, key) in self._lost:
+                    assert shard.state is ShardState.HOST_TO_NVME, f"{shard.name}: lost, but {shard.state.name}"
             in_use = self.pool.stats.bytes_in_use // self.pool.buffer_size
             owning += len(self._parked)
             assert in_use == owning + outside, f"pool: {in_use} buffers in use, shards own {owning} + {outside} outside"
@@ -515,7 +529,11 @@ class Swapper:
         del self._writes[(shard.kind, shard.key)]
         if error is not None:
             self._fail_write(shard, transfer, error)
-        elif shard.buffer is None:  # written from the caller's tensor
+            return
+        lost = self._lost.pop((shard.kind, shard.key), None)
+        if lost is not None:  # written again: its bytes are good, and the old failure is moot
+            self._unreported = [e for e in self._unreported if e is not lost]
+        if shard.buffer is None:  # written from the caller's tensor
             shard.to_nvme()
         else:
             shard.to_host()
@@ -527,6 +545,7 @@ class Swapper:
         caller raises the error at once (so it is not left for `flush`)."""
         failure = self._transfer_error(shard, error, "write", "its bytes on NVMe are invalid until it is written again")
         shard.failure = (transfer, failure)
+        self._lost[(shard.kind, shard.key)] = failure
         shard.holders = 0  # fetches that waited on this write fail with it, as with a failed read
         if transfer is not None:
             self._unreported.append(failure)
