@@ -485,6 +485,8 @@ class Engine:
         """Raises unless the engine is between steps (what checkpoints read and write);
         `replaces_all`: a load of every value, which mends a half-updated state."""
         self._check_open()
+        if not replaces_all:  # a failed write, or an update that cannot resume ([Note: failed updates] in step_policy.py)
+            self.policy.check_intact(what)
         if self._broken is not None and not replaces_all:
             remedy = ("Load a whole checkpoint (with its optimizer states)" if self._broken_by_load
                       else "Run a step, load a checkpoint")

@@ -41,7 +41,7 @@ def test_one_failed_transfer_of_optimizer_state(tmp_path, clip, op):
             engine.backward(engine(idx, tgt))
             engine.step()
             outcomes.append("ok")
-        except OSError as e:
+        except (OSError, RuntimeError) as e:  # the error, then (where the engine refuses) why it refuses
             assert "exp_avg_sq" in str(e) and "(0, 0)" in str(e), e  # the shard, by name
             outcomes.append("error")
         assert time.monotonic() - start < 4.0  # at once: nothing waited for a buffer
@@ -51,8 +51,10 @@ def test_one_failed_transfer_of_optimizer_state(tmp_path, clip, op):
     except OSError:
         pass
     assert engine.optim_state.pool.stats.bytes_in_use == 0
-    if op == "read":  # met by the update that reads it; nothing changed on disk: the next steps work
+    if op == "read" and clip:  # met by the deferred update, which the next forward resumes: the next steps work
         assert outcomes == ["error"] + ["ok"] * 4
+    elif op == "read":  # met by an update in backward after other units took the step: half applied, so
+        assert outcomes == ["error"] * 5  # every later step refuses ([Note: failed updates] in step_policy.py)
     else:  # met by the next flush (writes drain behind the next step with clipping) or read; the
         # shard is invalid from then on: every later step says so again, never reading its bytes
         first = outcomes.index("error")

@@ -44,10 +44,23 @@ its writes drain behind the next unit's backward.
 
 [Note: failed transfers give their buffers back]
 A read that failed holds nothing; every other buffer an update holds when a read or a fetch
-fails (the piece's other kinds, the piece read ahead, the gradient it was given) goes back to
-the pool before the error is raised, and the engine abandons the step: the next step then meets
-the failed shard at once (a failed write leaves it INVALID: its bytes are never taken for good)
-or works, and never waits for a buffer that nobody will release.
+fails (the piece's other kinds, the piece read ahead, the gradient it was given, the reads of
+its later pieces issued ahead) goes back to the pool before the error is raised: nothing waits
+for a buffer that nobody will release. A failed write leaves its shard INVALID: its bytes are
+never taken for good, and the state is damaged ([Note: resuming an update]).
+
+[Note: resuming an update]
+An update writes each piece back as soon as it is updated, so when piece k's read fails, pieces
+0..k-1 hold the new values on disk (or on their way there) and the others the old ones. Running
+the whole update again would apply Adam twice to 0..k-1, so the tier records how many pieces are
+done (`_resume`, set before a piece's writes start) and the next `update` of the unit, with the
+same arguments, starts at the first piece not done: the result is the same, bit for bit, as one
+update that never failed. A failed read changes nothing on disk, so that is exact whenever the
+failure is an OSError and no shard of the unit lost its bytes to a failed write. Otherwise (a
+write failed, a gradient spilled to a shard whose write failed, any other exception) the unit is
+damaged: `damage()` says so until a load replaces all of its state, and the step policy refuses
+to go on ([Note: updates after the norm] in step_policy.py). The parameter tier keeps the target
+buffer of an unfinished update, with the values of the pieces done, for the resumed one.
 
 [Note: gradient spill]
 Gradients are reduced to this rank's shard and accumulated in fp32 on the host. When the update
@@ -158,6 +171,8 @@ class NvmeOptimizerState:
         self._deferred: list[int] = []  # units whose update waits for their next use, in that order
         # The last deferred order: the next step's, too ([Note: reading ahead in the expected order]).
         self._defer_order = list(self._expected) if deferred else []
+        self._resume: dict[int, int] = {}  # unit -> pieces of its unfinished update done ([Note: resuming an update])
+        self._damaged: dict[int, str] = {}  # unit -> why its state is not of any step, until a load replaces it
         self._tally = IOTally(self.swapper)
 
     def _kinds(self, index: int) -> tuple[str, ...]:
@@ -321,7 +336,7 @@ class NvmeOptimizerState:
         the expected order]), as far as the pool allows; first those of pending updates, in the
         order they will run."""
         for index in self._deferred:
-            for k in range(len(self._pieces[index])):
+            for k in range(self._resume.get(index, 0), len(self._pieces[index])):
                 if not self._read_early(index, k):
                     return
         if not self._reading_ahead:
@@ -345,13 +360,15 @@ class NvmeOptimizerState:
         if grad is None and index not in self._spilled:
             grad = torch.zeros(unit.train_shard_numel, dtype=torch.float32)  # no gradient reached this unit
         half = None if out.dtype == torch.float32 else out  # the kernel rounds into it in its pass
+        first = self._resume.get(index, 0)  # [Note: resuming an update]
         pending: list | None = None  # the next piece: fetched, not waited for
         upcoming: list | None = None  # the piece about to be updated: fetched, not waited for
         current: list | None = None  # the piece being updated: waited for, not yet released
-        k = -1
+        k = first
         try:
-            pending = self._fetch(index, 0)
-            for k, (start, n) in enumerate(pieces):
+            pending = self._fetch(index, first)
+            for k in range(first, len(pieces)):
+                start, n = pieces[k]
                 upcoming, pending = pending, None
                 if k + 1 < len(pieces):
                     pending = self._fetch(index, k + 1)  # read ahead while this piece updates
@@ -370,18 +387,24 @@ class NvmeOptimizerState:
                     if half is None:
                         out[start:start + n].copy_(master)
                 current = None
+                self._resume[index] = k + 1  # before its writes start: never updated twice
                 self._release_piece(index, k, spilled=bool(spilled))
-        except BaseException:
+        except BaseException as e:
             # [Note: failed transfers give their buffers back]: what this update holds goes back
-            # unchanged, so the next step either works or meets the failed shard at once.
+            # unchanged; the pieces not done are read again when it resumes.
             for kind in self._kinds(index) if current is not None else ():
                 self.swapper.release(kind, (index, k))
             for handle in [*(upcoming or ()), *(pending or ())]:
                 self.swapper.let_go(handle)
+            self._drop_early(only=index)
+            if not isinstance(e, OSError) or self._lost(index):  # [Note: resuming an update]
+                self.mark_damaged(unit, f"the update of unit {index} failed at piece {k} of {len(pieces)} "
+                                        f"({type(e).__name__}: {e}) and cannot be resumed")
             raise
         finally:
             if fresh is not None:
                 self._landing.release(fresh)
+        self._resume.pop(index, None)
         if index in self._deferred:  # the last step's, not this one's
             self._deferred.remove(index)
             self._final.discard(index)
@@ -404,10 +427,40 @@ class NvmeOptimizerState:
                     if self.swapper.state(kind, (index, k)) is ShardState.INVALID:
                         self.swapper.fetch(kind, (index, k))  # raises the error naming the shard
 
-    def _drop_early(self, keep: list[int] = ()) -> None:
-        for key in [key for key in self._early if key[0] not in keep]:
+    def _drop_early(self, keep: list[int] = (), only: int | None = None) -> None:
+        """Lets go of the reads issued ahead, but those of the units in `keep` (`only`: of that unit only)."""
+        for key in [key for key in self._early if key[0] not in keep and only in (None, key[0])]:
             for handle in self._early.pop(key).values():
                 self.swapper.let_go(handle)
+
+    # ---- failed updates ([Note: resuming an update]) ---------------------------------------
+
+    def _lost(self, index: int) -> bool:
+        """Whether a shard of the unit (any kind, its gradient too) lost its bytes to a failed write."""
+        return any(self.swapper.state(kind, (index, k)) is ShardState.INVALID
+                   for kind in self._kinds(index) for k in range(len(self._pieces[index])))
+
+    def mark_damaged(self, unit: Unit, why: str) -> None:
+        """The unit's state is not that of any step (an update failed part way and cannot resume,
+        or was applied in a step that was abandoned): `damage()` says why until `load_state`
+        replaces all of it."""
+        self._damaged.setdefault(unit.index, why)
+        self._resume.pop(unit.index, None)
+
+    def damage(self) -> str | None:
+        """Why the state is not that of any step, or None: a damaged unit, or a write of master or
+        moments that failed (its bytes are lost until written again)."""
+        if self._damaged:
+            return next(iter(self._damaged.values()))
+        lost = self.swapper.lost(KINDS)
+        return None if lost is None else f"a write of optimizer state failed ({lost.strerror})"
+
+    def drop_deferred(self) -> None:
+        """The deferred updates will not run (the state is damaged): their reads ahead go back."""
+        self._deferred = []
+        self._final.clear()
+        self._resume.clear()
+        self._drop_early()
 
     def finish_step(self) -> None:
         self._drop_early(keep=self._deferred)  # reads for an update that did not come (a skipped step)
@@ -436,9 +489,9 @@ class NvmeOptimizerState:
     def _read_all(self, index: int, kind: str) -> torch.Tensor:
         out = torch.empty(sum(n for _, n in self._pieces[index]), dtype=torch.float32)
         for k, (start, n) in enumerate(self._pieces[index]):
-            h = self.swapper.fetch(kind, (index, k))
+            data = self.swapper.wait(self.swapper.fetch(kind, (index, k)))  # a failed read holds nothing
             try:
-                out[start:start + n].copy_(self.swapper.wait(h).view(torch.float32)[:n])
+                out[start:start + n].copy_(data.view(torch.float32)[:n])
             finally:
                 self.swapper.release(kind, (index, k))
         return out
@@ -474,6 +527,9 @@ class NvmeOptimizerState:
                 for k, (start, n) in enumerate(self._pieces[unit.index]):
                     self.swapper.write(kind, (unit.index, k), state[kind][start:start + n].contiguous())
         self.swapper.flush()  # the sources are views of `state`: alive until here
+        if all(kind in state for kind in KINDS):  # all of it replaced: no longer damaged
+            self._damaged.pop(unit.index, None)
+            self._resume.pop(unit.index, None)
 
     def io_stats(self) -> dict[str, float]:
         return self._tally.take()
@@ -481,5 +537,7 @@ class NvmeOptimizerState:
     def close(self) -> None:
         self._landing.settle()
         self._drop_early()
-        self.swapper.close()
-        self.store.close()
+        try:
+            self.swapper.close()  # raises a failed write nobody has met yet
+        finally:
+            self.store.close()  # its files go all the same

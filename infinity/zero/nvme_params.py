@@ -195,6 +195,10 @@ class NvmeParams:
 
     def update_target(self, unit: Unit, on_device: bool) -> torch.Tensor:
         self._settle(unit.index)
+        if unit.index in self._targets:  # an update that failed part way resumes into the same buffer
+            target, was_on_device = self._targets[unit.index]  # ([Note: resuming an update] in nvme_optim.py)
+            assert was_on_device == on_device, unit
+            return target
         if on_device:  # copied into a pool buffer at commit
             target = self.device.empty(unit.train_shard_numel, unit.dtype)
         else:
@@ -212,8 +216,15 @@ class NvmeParams:
             target = buf
         self.swapper.evict(KIND, unit.index, target.view(torch.uint8))
 
+    def _drop_target(self, index: int) -> None:
+        """Gives back the target of an update that will never be committed (it failed for good)."""
+        target, on_device = self._targets.pop(index, (None, True))
+        if not on_device:
+            self.pool.release(target.view(torch.uint8))
+
     def replace(self, unit: Unit, shard: torch.Tensor) -> None:
         self._settle(unit.index)
+        self._drop_target(unit.index)
         self._write(unit, shard)
 
     def host_copy(self, unit: Unit) -> torch.Tensor:
@@ -221,9 +232,9 @@ class NvmeParams:
         out = torch.empty(unit.shard_numel, dtype=unit.dtype)
         start = 0
         for kind, n in _parts(unit):
-            handle = self.swapper.fetch(kind, unit.index)
+            data = self.swapper.wait(self.swapper.fetch(kind, unit.index))  # a failed read holds nothing
             try:
-                out[start:start + n].copy_(self.swapper.wait(handle).view(unit.dtype)[:n])
+                out[start:start + n].copy_(data.view(unit.dtype)[:n])
             finally:
                 self.swapper.release(kind, unit.index)
             start += n
@@ -232,6 +243,12 @@ class NvmeParams:
     def flush(self) -> None:
         self._return(block=True)
         self.swapper.flush()
+
+    def damage(self) -> str | None:
+        """Why the shards are not those of any step: a write of new values that failed (its bytes
+        are lost until written again), or None."""
+        lost = self.swapper.lost()
+        return None if lost is None else f"a write of parameters failed ({lost.strerror})"
 
     def io_stats(self) -> dict[str, float]:
         """Traffic since the last call: bytes, GB/s, and how much of the I/O time was hidden."""
@@ -242,5 +259,9 @@ class NvmeParams:
         self._returning.extend(self._held.items())
         self._held.clear()
         self._return(block=True)
-        self.swapper.close()
-        self.store.close()
+        for index in list(self._targets):
+            self._drop_target(index)
+        try:
+            self.swapper.close()  # raises a failed write nobody has met yet
+        finally:
+            self.store.close()  # its files go all the same

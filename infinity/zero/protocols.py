@@ -69,6 +69,9 @@ class ParamTier(Protocol):
     def io_stats(self) -> dict[str, float]:
         """NVMe traffic since the last call, for the step report (empty without NVMe)."""
 
+    def damage(self) -> str | None:
+        """Why the shards are not those of any step (a write of new values failed), or None."""
+
     def close(self) -> None: ...
 
 
@@ -125,7 +128,18 @@ class OptimizerTier(Protocol):
         """A host copy of the unit's accumulated fp32 gradient, if one is kept."""
 
     def load_state(self, unit: Unit, state: dict[str, torch.Tensor]) -> None:
-        """Makes the given kinds of `state` (host fp32; any of master, exp_avg, exp_avg_sq) the unit's."""
+        """Makes the given kinds of `state` (host fp32; any of master, exp_avg, exp_avg_sq) the unit's;
+        all three end the unit's damage."""
+
+    def mark_damaged(self, unit: Unit, why: str) -> None:
+        """The unit's state is not that of any step (an update abandoned part way)."""
+
+    def damage(self) -> str | None:
+        """Why the state is not that of any step (a damaged unit, a failed write), or None."""
+
+    def drop_deferred(self) -> None:
+        """Forgets the updates waiting for the next forward (they will not run), and their reads ahead."""
+
     def io_stats(self) -> dict[str, float]:
         """NVMe traffic since the last call, for the step report (empty without NVMe)."""
 

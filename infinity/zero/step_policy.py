@@ -32,8 +32,24 @@ the buffer its update wrote them to (no NVMe read). The update is the one `step(
 run, with the hyper-parameters, step count and clip coefficient taken at `step()`: losses and
 weights are bit-identical. Whatever reads the values or the state before that forward (a
 checkpoint, `consolidated_state_dict`, GatheredParameters, an eval forward, the next `step()`)
-first settles what it touches, or everything (`settle_all`). An update that fails stays
-pending: the next read of the unit tries it again.
+first settles what it touches, or everything (`settle_all`).
+
+[Note: failed updates]
+After an I/O error reaches the user, either every update is applied exactly once, or the engine
+refuses to go on (`broken`: steps, backward's updates, saves and the forward of a unit whose
+update is pending raise, saying to restore a checkpoint) until a load replaces all of the state.
+  * A deferred update that fails on a read has written back the pieces it finished (and only
+    those: [Note: resuming an update] in nvme_optim.py); it stays pending, with the same
+    hyper-parameters, step count and clip coefficient, and the next read of the unit resumes it
+    from the failed piece, so going on gives the numbers of a run without the failure.
+  * Anything else damages the state: an update that fails otherwise (a write that failed, a
+    gradient whose spill was lost, an exception that is not an OSError, a commit that failed
+    once all pieces were updated), or an update in backward or in `step()` that fails (the
+    units updated before it have taken the step, the others not, and the step is abandoned), or
+    a backward that failed after updating units. So does any write of new values that failed
+    (the tiers' `damage()`): its bytes are gone.
+A failed read outside an update (a parameter fetch, a checkpoint's read) changes nothing: the
+step or save is abandoned and may be tried again.
 """
 
 from __future__ import annotations
@@ -113,30 +129,63 @@ class StepPolicy:
             # Its backward is over: release it first, so that no gathered copy holds the
             # shard's buffer in the parameter tier while the update writes the new values.
             self.fetcher.release(unit, keep_if_reused=False, force=True)
-            self._update(unit, 1.0)
+            self._update(unit, 1.0, "backward")
             self._updated_in_backward += 1
 
     def abandon(self) -> None:
         """A backward failed: whatever it updated stays updated, but the step it belonged to is
-        over (the next update counts a new Adam step)."""
+        over, half applied ([Note: failed updates])."""
+        for index in sorted(self._updated):
+            self.optim_state.mark_damaged(self.units[index], f"a backward that updated units as their gradients became "
+                                          f"final failed after updating {len(self._updated)} of them")
         self._hypers, self._updated, self._updated_in_backward = None, set(), 0
         self.first_micro = True
+
+    # ---- failed updates ([Note: failed updates]) -------------------------------------------
+
+    @property
+    def broken(self) -> str | None:
+        """Why the parameters and optimizer state are not those of any step, or None."""
+        return self.optim_state.damage() or self.params.damage()
+
+    def check_intact(self, what: str) -> None:
+        """Raises unless the state is that of a step; `what` is refused."""
+        why = self.broken
+        if why is not None:
+            raise RuntimeError(f"{what}: {why}, so the parameters and optimizer state are not those of any step; "
+                               "restore the run from a checkpoint (engine.load_checkpoint, with its optimizer "
+                               "states) or build a new engine")
 
     # ---- updates after the norm ([Note: updates after the norm]) ---------------------------
 
     def settle(self, unit: Unit) -> None:
-        """Runs the unit's pending update, if it has one."""
+        """Runs the unit's pending update, if it has one ([Note: failed updates]: or resumes it)."""
         if unit.index not in self._pending:
             return
-        del self._pending[unit.index]
+        self.check_intact(f"the update of unit {unit.index} that waits for its next use")
         hypers, step, grad_scale = self._pending_args
+        filled = False
+
+        def fill(target: torch.Tensor) -> None:
+            nonlocal filled
+            self.optim_state.update(unit, hypers, step, grad_scale, target)
+            filled = True
+
         try:
-            self.write_params(unit, lambda target: self.optim_state.update(unit, hypers, step, grad_scale, target))
-        except BaseException:
-            self._pending[unit.index] = unit  # unchanged by the failed update: tried again at the next read
-            raise
+            self.write_params(unit, fill)
+        except BaseException as e:
+            if filled or not isinstance(e, OSError):  # updated whole (its commit failed), or not by I/O: no resuming
+                self.optim_state.mark_damaged(unit, f"the update of unit {unit.index} failed ({type(e).__name__}: "
+                                                    f"{e}) and cannot be resumed")
+            raise  # still pending: the next read of the unit resumes it, or refuses
+        del self._pending[unit.index]
 
     def settle_all(self) -> None:
+        """Runs every pending update. Once the state is damaged none can run: they are dropped
+        (what refuses is `check_intact`; a load that replaces everything may follow)."""
+        if self._pending and self.broken is not None:
+            self._pending.clear()
+            self.optim_state.drop_deferred()
         for unit in list(self._pending.values()):
             self.settle(unit)
 
@@ -163,6 +212,7 @@ class StepPolicy:
         return outcome
 
     def _step(self, step_number: int) -> StepOutcome:
+        self.check_intact("step")  # [Note: failed updates]
         # The previous step's optimizer-state writes drained behind this step's forward and
         # backward; a failed one is raised now if nothing met it yet (a read of its shard, such
         # as an update in backward, raises at once: its bytes are never taken for good ones).
@@ -204,7 +254,7 @@ class StepPolicy:
             later = [u for u in left if not u.persistent] if self.defer else []
             now = [u for u in left if u.persistent] if self.defer else left
             for u in self.optim_state.step_order(now):
-                self._update(u, grad_scale)
+                self._update(u, grad_scale, "step")
             if later:  # [Note: updates after the norm]
                 self._begin_update()
                 order = self._next_forward_order(later)
@@ -219,10 +269,18 @@ class StepPolicy:
             self.optimizer.mark_stepped()
             self._hypers = self.optimizer.hypers()
 
-    def _update(self, unit: Unit, grad_scale: float) -> None:
+    def _update(self, unit: Unit, grad_scale: float, where: str) -> None:
+        """Updates the unit now, in backward or in `step()`: a failure leaves the step half applied."""
+        self.check_intact(where)
         self._begin_update()
-        self.write_params(unit, lambda target: self.optim_state.update(
-            unit, self._hypers, self.optimizer.step_count, grad_scale, target))
+        try:
+            self.write_params(unit, lambda target: self.optim_state.update(
+                unit, self._hypers, self.optimizer.step_count, grad_scale, target))
+        except BaseException as e:  # [Note: failed updates]
+            self.optim_state.mark_damaged(unit, f"the update of unit {unit.index} in {where} failed "
+                                                f"({type(e).__name__}: {e}) after {len(self._updated)} other units "
+                                                "took the step")
+            raise
         self._updated.add(unit.index)
 
     def write_params(self, unit: Unit, fill=None, new_shard: torch.Tensor | None = None) -> None:
