@@ -6,15 +6,16 @@ Each submodule is a thin adapter over infinity (the engine never imports them): 
 (`Init`, `GatheredParameters`, `ZeroParamStatus`), `comm` (torch.distributed),
 `accelerator.get_accelerator()` (infinity's device choice), `runtime.lr_schedules`,
 `ops.adam` (`DeepSpeedCPUAdam`, `FusedAdam`), `ops.aio`, `utils` (the `safe_get_full_*`
-helpers, `logger`), `checkpoint.utils`, `moe.utils`. What DeepSpeed has and this package does
-not is missing here too (an ImportError or AttributeError), never a stand-in that does nothing.
+helpers, `logger`), `checkpoint.utils`, `moe.utils`, `checkpointing` (activation checkpointing).
+What DeepSpeed has and this package does not is missing here too (an ImportError or
+AttributeError), never a stand-in that does nothing.
 
 `python -m infinity.deepspeed SCRIPT ARGS...` runs a script with the alias on (__main__.py).
 """
 
 import infinity
 from infinity.alias import DEEPSPEED_VERSION
-from infinity.deepspeed import checkpoint, comm, moe, ops, runtime, utils
+from infinity.deepspeed import checkpoint, checkpointing, comm, moe, ops, runtime, utils
 from infinity.deepspeed.accelerator import get_accelerator
 from infinity.deepspeed.runtime import zero
 from infinity.deepspeed.utils import log_dist, logger
@@ -28,5 +29,6 @@ initialize = infinity.initialize
 init_distributed = infinity.init_distributed
 add_config_arguments = infinity.add_config_arguments
 
-__all__ = ["DeepSpeedEngine", "__version__", "add_config_arguments", "checkpoint", "comm", "get_accelerator",
-           "init_distributed", "initialize", "log_dist", "logger", "moe", "ops", "runtime", "utils", "version", "zero"]
+__all__ = ["DeepSpeedEngine", "__version__", "add_config_arguments", "checkpoint", "checkpointing", "comm",
+           "get_accelerator", "init_distributed", "initialize", "log_dist", "logger", "moe", "ops", "runtime", "utils",
+           "version", "zero"]
