@@ -7,6 +7,7 @@ resuming, the single-file conversion); the registered names; precisions; `config
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -198,6 +199,19 @@ def test_configure_model_builds_under_init_and_trains(tmp_path):
     assert len(model.losses) == 8 and all(np.isfinite(model.losses))
     values = trainer.strategy.engine.consolidated_state_dict()
     assert all(torch.isfinite(v).all() for v in values.values())
+
+
+def test_a_config_file_is_the_engines_and_its_checkpointing_section_is_infinity_checkpointings(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
+                                "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True,
+                                                             "number_checkpoints": 2}}))
+    plain, _ = _fit("auto", ours=False)
+    model, trainer = _fit(InfinityStrategy(config=str(path)), ours=True)
+    assert _close(model.losses, plain.losses)
+    assert trainer.strategy.engine.config.zero.offload_param.device == "cpu"
+    config = checkpointing._STATE.config
+    assert (config.partition_activations, config.cpu_checkpointing, config.number_checkpoints) == (True, True, 2)
 
 
 def test_clipping_by_value_and_a_config_beside_its_arguments_are_refused():
@@ -408,6 +422,70 @@ def test_fabric_knows_the_names():
     assert "infinity_stage_3_offload_nvme" in STRATEGY_REGISTRY.available_strategies()
     fabric = Fabric(accelerator="cpu", devices=1, strategy="infinity_stage_2")
     assert isinstance(fabric.strategy, InfinityFabricStrategy) and fabric.strategy.config["zero_optimization"]["stage"] == 2
+
+
+# ---- two ranks ---------------------------------------------------------------------------------
+
+_DDP_JOB = """
+import json, os, sys
+import torch
+import lightning.pytorch as pl
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+import torch.utils.checkpoint as torch_checkpoint
+from infinity import checkpointing
+from infinity.lightning import InfinityStrategy
+
+class Model(pl.LightningModule):
+    def __init__(self, ours):
+        super().__init__()
+        self.ours, self.losses = ours, []
+        self.block_1 = nn.Sequential(nn.Linear(32, 32), nn.ReLU())
+        self.block_2 = nn.Linear(32, 2)
+    def forward(self, x):
+        if self.ours:
+            return self.block_2(checkpointing.checkpoint(self.block_1, x))
+        return self.block_2(torch_checkpoint.checkpoint(self.block_1, x, use_reentrant=False))
+    def training_step(self, batch, batch_idx):
+        loss = nn.functional.cross_entropy(self(batch[0]), batch[1])
+        self.losses.append(loss.item())
+        return loss
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+ours, out, nvme = sys.argv[1] == "ours", sys.argv[2], sys.argv[3]
+g = torch.Generator().manual_seed(0)
+data = DataLoader(TensorDataset(torch.randn(64, 32, generator=g), torch.randint(0, 2, (64,), generator=g)), batch_size=8)
+strategy = InfinityStrategy(stage=3, offload_optimizer=True, offload_parameters=True, offload_params_device="nvme",
+                            offload_optimizer_device="nvme", nvme_path=nvme, optimizer_buffer_count=9,
+                            cpu_checkpointing=True) if ours else "ddp"
+torch.manual_seed(0)
+model = Model(ours)
+trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, accumulate_grad_batches=2,
+                     gradient_clip_val=1.0, enable_checkpointing=False, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False)
+trainer.fit(model, data)
+with open(f"{out}.rank{trainer.global_rank}", "w") as f:
+    json.dump(model.losses, f)
+"""
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_train_as_plain_lightning_ddp(tmp_path):
+    """Lightning's own launcher starts the second rank (DDPStrategy's): the engine shards over
+    the two processes, and each rank's losses are those of plain Lightning DDP."""
+    job = tmp_path / "job.py"
+    job.write_text(_DDP_JOB)
+    os.makedirs(tmp_path / "nvme")
+    losses = {}
+    for kind in ("plain", "ours"):
+        proc = subprocess.run([sys.executable, str(job), kind, str(tmp_path / kind), str(tmp_path / "nvme")],
+                              capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        losses[kind] = [json.loads((tmp_path / f"{kind}.rank{r}").read_text()) for r in (0, 1)]
+    assert losses["plain"][0] != losses["plain"][1]  # each rank its own samples
+    for rank in (0, 1):
+        assert len(losses["plain"][rank]) == 4 and _close(losses["ours"][rank], losses["plain"][rank]), losses
 
 
 # ---- the single file, one unit in memory at a time ------------------------------------------------
