@@ -181,6 +181,14 @@ def _add_precision(config: dict, precision: str, fp16: dict) -> None:
         config["bf16"] = {"enabled": True}
 
 
+def _config_dtype(config: dict) -> torch.dtype:
+    """The dtype an engine of this config computes in."""
+    enabled = lambda key: bool((config.get(key) or {}).get("enabled", False))  # noqa: E731
+    if enabled("fp16"):
+        return torch.float16
+    return torch.bfloat16 if enabled("bf16") or enabled("bfloat16") else torch.float32
+
+
 def _zero_stage(config: dict) -> int:
     return int((config.get("zero_optimization") or {}).get("stage", 0))
 
@@ -391,7 +399,13 @@ class InfinityStrategy(DDPStrategy):
         config, section = self._stage_config(trainer, fitting)
         _configure_checkpointing(section)
         held = _engine_of(self.lightning_module)
-        if held is None or held.closed:  # a closed one: initialize() says what happened
+        building = held is None or held.closed  # a closed one: initialize() says what happened
+        dtype = _config_dtype(config) if building else held.dtype
+        if dtype != self.precision_plugin.dtype:
+            raise RuntimeError(f"precision {self.precision_plugin.precision!r}: the model's engine computes in "
+                               f"{dtype} (its config's bf16/fp16 section, or the precision it was set up with); "
+                               "give the precision that matches it")
+        if building:
             self._engine = self._build_engine(config, fitting)
         else:
             self._take_over(held, fitting)
@@ -452,9 +466,6 @@ class InfinityStrategy(DDPStrategy):
                                "for training (the one validate/test/predict built, or another Trainer's), and "
                                "infinity cannot hand them to a new engine; fit first, or build the model again (and "
                                "resume with ckpt_path=...)")
-        if engine.dtype != self.precision_plugin.dtype:
-            raise RuntimeError(f"precision {self.precision_plugin.precision!r}: the model's engine computes in "
-                               f"{engine.dtype}; use the precision it was set up with")
         if fitting:  # on_train_start checks that a checkpoint gave the optimizer its state
             self.optimizers, self.lr_scheduler_configs = self._fit_state
             self._refit_without_state = True
@@ -604,11 +615,12 @@ class InfinityFabricStrategy(FabricDDPStrategy):
     `engine.backward(loss)`; `fabric.save` / `fabric.load` go through the engine's checkpoints
     (the other objects of the state are its client state). Gradient accumulation and clipping
     come from the config (`gradient_accumulation_steps`, `gradient_clipping`), as for DeepSpeed;
-    call `optimizer.step()` after every `fabric.backward`. Arguments as InfinityStrategy's."""
+    call `optimizer.step()` after every `fabric.backward`. Arguments as InfinityStrategy's (no
+    single-file loading: `load_full_weights` is the Trainer's only)."""
 
     def __init__(self, accelerator: Any = None, config: Any = None, *, remote_device: str | None = None,
-                 load_full_weights: bool = False, exclude_frozen_parameters: bool = False,
-                 logging_level: int = logging.WARN, parallel_devices: list[torch.device] | None = None,
+                 exclude_frozen_parameters: bool = False, logging_level: int = logging.WARN,
+                 parallel_devices: list[torch.device] | None = None,
                  cluster_environment: Any = None, precision: FabricPrecision | None = None,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
                  **options: Any) -> None:
@@ -619,7 +631,6 @@ class InfinityFabricStrategy(FabricDDPStrategy):
         self.config = _user_config(config, options)
         self.config.setdefault("train_micro_batch_size_per_gpu", 1)
         self.remote_device = remote_device
-        self.load_full_weights = load_full_weights
         self.exclude_frozen_parameters = exclude_frozen_parameters
         log.setLevel(logging_level)
         self._engine: Engine | None = None
@@ -727,7 +738,7 @@ class InfinityFabricStrategy(FabricDDPStrategy):
 
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        if isinstance(state, (nn.Module, torch.optim.Optimizer)) or self.load_full_weights:
+        if isinstance(state, (nn.Module, torch.optim.Optimizer)):
             raise NotImplementedError("InfinityFabricStrategy loads infinity checkpoint directories into the engine: "
                                       "fabric.load(path, {'model': model, 'optimizer': optimizer, ...})")
         if not state:

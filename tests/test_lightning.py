@@ -8,6 +8,7 @@ resuming, the single-file conversion); the registered names; precisions; `config
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -38,12 +39,14 @@ def _isolated(monkeypatch):
     """Lightning's DDP set-up writes the launcher's variables into os.environ and leaves a gloo
     group behind; checkpointing's settings are process-wide: each test gets them back as they were."""
     env = dict(os.environ)
+    level = logging.getLogger("infinity").level  # a strategy sets it (logging_level), as DeepSpeed's does
     monkeypatch.setattr(checkpointing, "_STATE", checkpointing._State())
     yield
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     os.environ.clear()
     os.environ.update(env)
+    logging.getLogger("infinity").setLevel(level)
 
 
 class SeedModel(pl.LightningModule):
@@ -271,6 +274,22 @@ def test_model_checkpoint_then_test_with_ckpt_path_in_the_same_process(tmp_path)
 def test_test_with_ckpt_path_on_a_new_model_beside_the_fitted_one(tmp_path):
     _, trainer, saver = _fit_two_epochs_saving_each(_on_nvme(tmp_path / "nvme"), True, tmp_path / "ours")
     trainer.test(SeedModel(), ckpt_path=saver.best_model_path, dataloaders=_data(), verbose=False)
+
+
+def test_test_with_ckpt_path_on_a_new_model_builds_an_engine_without_optimizer(tmp_path):
+    model, trainer = _fit(_on_nvme(tmp_path / "nvme1"), ours=True)
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    expected = trainer.test(model, dataloaders=_data(), verbose=False)
+    tester = _trainer(_on_nvme(tmp_path / "nvme2"))  # another nvme_path: see the xfail above
+    result = tester.test(SeedModel(), ckpt_path=str(tmp_path / "run.ckpt"), dataloaders=_data(), verbose=False)
+    assert tester.strategy.engine.inference
+    assert result[0]["test_loss"] == expected[0]["test_loss"]
+
+
+def test_a_precision_beside_another_config_section_is_refused():
+    strategy = InfinityStrategy(config={"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}})
+    with pytest.raises(RuntimeError, match="precision '32-true': the model's engine computes in torch.bfloat16"):
+        _trainer(strategy).fit(SeedModel(), _data())
 
 
 def test_fit_with_ckpt_path_resumes_as_plain_lightning(tmp_path):
