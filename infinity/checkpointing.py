@@ -203,7 +203,7 @@ class _Kept:
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor: torch.Tensor | None = tensor.detach()  # on its device; None once its host copy is done
-        self.version = tensor._version  # a later in-place change is caught, not recomputed from
+        self.version = _version(tensor)  # a later in-place change is caught, not recomputed from
         self.requires_grad = tensor.requires_grad
         # a parameter passed as an argument is the model's, not an activation: never copied out
         self.activation = tensor.is_floating_point() and not isinstance(tensor, torch.nn.Parameter)
@@ -212,6 +212,11 @@ class _Kept:
         # host -> device, issued ahead of the recompute; after it, the fence alone (the host buffer
         # is not reused before a host wait on it, [Note: in-flight copies])
         self.copy_in: InFlight | None = None
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """The tensor's version counter (None for an inference tensor, which has none)."""
+    return None if t.is_inference() else t._version
 
 
 class _Lease:
@@ -242,11 +247,12 @@ class _Marker:
 class _Frame:
     """One call of `checkpoint`: what its recompute needs, and the tensors it caught."""
 
-    __slots__ = ("function", "args", "kwargs", "kept", "rng", "autocast", "num_saved", "recomputed",
+    __slots__ = ("function", "device", "args", "kwargs", "kept", "rng", "autocast", "num_saved", "recomputed",
                  "offloaded", "__weakref__")
 
     def __init__(self, function: Callable, args: tuple, kwargs: dict, device: Device):
         self.function = function
+        self.device = device  # its copies' device, whatever configure() does before its recompute
         self.kept: list[_Kept] = []
         self.args = tuple(self._mark(a) for a in args)
         self.kwargs = {k: self._mark(v) for k, v in kwargs.items()}
@@ -269,10 +275,9 @@ class _Frame:
     def check_unchanged(self, args: tuple, kwargs: dict) -> None:
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         for i, (k, t) in enumerate(zip(self.kept, tensors)):
-            if t._version != k.version:
+            if _version(t) != k.version:
                 raise RuntimeError(f"checkpoint: the function changed its tensor argument {i} in place; its recompute "
                                    "would start from the changed values (clone the argument first)")
-            k.version = t._version
 
     def fill(self, tensors: list[torch.Tensor]) -> tuple[tuple, dict]:
         put = lambda v: tensors[v.index] if isinstance(v, _Marker) else v  # noqa: E731
@@ -349,7 +354,7 @@ def _is_dense(t: torch.Tensor) -> bool:
 
 def _offload(frame: _Frame, state: _State) -> None:
     """Issues the copies of the frame's floating-point device arguments into one host buffer."""
-    device = state.device
+    device = frame.device
     movable = [k for k in frame.kept if k.activation and k.tensor.device == device.compute and k.tensor.numel()]
     if not movable:
         return
@@ -371,14 +376,13 @@ def _offload(frame: _Frame, state: _State) -> None:
 def _settle(state: _State) -> None:
     """Drops the device tensors whose copies to the host are reported done (their memory goes back
     once nothing else holds it), oldest first, and forgets checkpoints that are gone."""
-    device = state.device
     pending = []
     for ref in state.copying_out:
         frame = ref()
         if frame is None:
             continue
         for k in frame.kept:
-            if k.copy_out is not None and device.done(k.copy_out):
+            if k.copy_out is not None and frame.device.done(k.copy_out):
                 _drop_source(k)
         if any(k.copy_out is not None for k in frame.kept):
             pending.append(ref)
@@ -387,7 +391,7 @@ def _settle(state: _State) -> None:
 
 
 def _drop_source(k: _Kept) -> None:
-    if k.tensor._version != k.version:
+    if _version(k.tensor) != k.version:
         raise RuntimeError("checkpoint: a tensor argument of a checkpoint was changed in place after the checkpoint, "
                            "while its copy to host memory ran; the recompute cannot tell which values it copied")
     k.copy_out = None
@@ -403,7 +407,7 @@ def _prefetch(frame: _Frame, state: _State) -> None:
     for earlier in reversed(live[:live.index(frame)]):
         if earlier.recomputed is None:
             if earlier.offloaded:
-                _copy_in(earlier, state.device)
+                _copy_in(earlier, earlier.device)
             return
 
 
@@ -427,7 +431,7 @@ def _restore(frame: _Frame, device: Device) -> list[torch.Tensor]:
             if k.copy_in is not None:
                 t = device.wait_compute(k.copy_in)
             else:
-                if k.tensor._version != k.version:
+                if _version(k.tensor) != k.version:
                     raise RuntimeError(f"checkpoint: tensor argument {i} of a checkpoint was changed in place between "
                                        "its forward and its recompute; the recompute would use the changed values")
                 t = k.tensor
@@ -452,7 +456,7 @@ def _unpack(handle: tuple[_Frame, int]) -> torch.Tensor:
 
 def _recompute(frame: _Frame) -> None:
     state = _STATE
-    device = state.device
+    device = frame.device
     cfg = state.config
     if cfg.synchronize_checkpoint_boundary or cfg.profile:
         _synchronize(device)

@@ -217,6 +217,19 @@ def test_in_place_changes_to_kept_inputs_are_refused():
         out.sum().backward()
 
 
+@pytest.mark.parametrize("on_host", [False, True])
+def test_an_input_made_under_inference_mode_is_kept_without_a_version(on_host):
+    checkpointing.configure(checkpoint_in_cpu=on_host)
+    with torch.inference_mode():
+        x = torch.randn(3, 4)
+    bias = nn.Parameter(torch.randn(4))
+    checkpointing.checkpoint(lambda h: torch.tanh(h + bias), x).sum().backward()  # autograd saves no x
+    ours = bias.grad.clone()
+    bias.grad = None
+    torch.tanh(x + bias).sum().backward()
+    assert torch.equal(ours, bias.grad)
+
+
 def test_configure_reads_deepspeeds_section_and_arguments_win(tmp_path):
     assert not checkpointing.is_configured()
     path = tmp_path / "ds.json"
