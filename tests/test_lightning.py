@@ -138,13 +138,20 @@ def test_seed_module_on_nvme_trains_as_plain_lightning(tmp_path):
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.01 * 0.8 ** 4)
 
 
-def test_a_registered_name_trains(tmp_path):
-    assert {"infinity", "infinity_stage_2_offload", "infinity_stage_3_offload", "infinity_stage_3_offload_nvme"} <= set(
+@pytest.mark.parametrize(("name", "stage", "params", "optimizer"), [
+    ("infinity", 2, "none", "none"),
+    ("infinity_stage_2_offload", 2, "none", "cpu"),
+    ("infinity_stage_3_offload", 3, "cpu", "cpu"),
+])
+def test_a_registered_name_trains(name, stage, params, optimizer):
+    assert {"infinity", "infinity_stage_1", "infinity_stage_2", "infinity_stage_2_offload", "infinity_stage_3",
+            "infinity_stage_3_offload", "infinity_stage_3_offload_nvme"} <= set(
         pl.strategies.StrategyRegistry.available_strategies())
     plain, _ = _fit("auto", ours=False)
-    model, trainer = _fit("infinity_stage_3_offload", ours=True)
+    model, trainer = _fit(name, ours=True)
     assert isinstance(trainer.strategy, InfinityStrategy)
-    assert trainer.strategy.engine.config.zero.offload_param.device == "cpu"
+    zero = trainer.strategy.engine.config.zero
+    assert (zero.stage, zero.offload_param.device, zero.offload_optimizer.device) == (stage, params, optimizer)
     assert _close(model.losses, plain.losses), (model.losses, plain.losses)
 
 
