@@ -22,6 +22,7 @@ from torch import nn
 from infinity.config import InfinityConfig
 from infinity.device import Device, make_device
 from infinity.lr_schedules import build_scheduler
+from infinity.lifecycle import Health, Lifecycle, Phase
 from infinity.signals import SignalGate, deferred_signals
 from infinity.timeline import TIMELINE
 from infinity.zero import dist as zdist
@@ -71,22 +72,14 @@ class Engine:
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
-        self._in_pass = False
-        self.closed = False
         self._grad_norm: float | None = None
         self._step_applied = False
-        self._grads_final = False  # accumulated gradients are complete (boundary backward done, step not yet)
-        self._backward_done = False  # this micro-step's backward has run, its step() not yet
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary's, until the step
         self.global_samples = 0  # samples over all ranks in the steps taken (DeepSpeed's counter)
         self.training_dataloader: Any = None  # initialize(training_data=...)'s loader
         self._values_cache: dict[int, torch.Tensor] | None = None  # [Note: state dict values]
-        # [Note: signals at step boundaries] in infinity/signals.py
-        self._signals = SignalGate(agree=self._agree_on_signals if self.world_size > 1 else None)
-        self._holding_step = False  # this engine holds the signals until the step that ends the accumulation
-        self._broken: str | None = None  # why the state may be half-updated (a failed step), until the next step
-        self._broken_by_load = False  # a load that failed part way: broken until a load succeeds, not a step
-        self._checkpointing = False
+        # [Note: engine lifecycle] in infinity/lifecycle.py; [Note: signals at step boundaries] in infinity/signals.py
+        self.lifecycle = Lifecycle(SignalGate(agree=self._agree_on_signals if self.world_size > 1 else None))
         self.last_checkpoint: dict[str, Any] | None = None  # path, bytes, seconds, gbps of the last save
         self._tracing = False  # recording the timeline for config.trace ([Note: the timeline])
         self._trace_from = 0  # the first step recorded; 0 until the timeline starts (once per engine)
@@ -209,34 +202,27 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
-        self._check_open()
         t0 = time.perf_counter()
-        if not self._in_pass:
-            training = torch.is_grad_enabled()  # a training pass: its backward will follow
-            if training and not self._holding_step:  # until the step that ends this accumulation
-                # First, before anything changes ([Note: where a held handler may run] in signals.py).
-                self._signals.hold()
-                self._holding_step = True
+        training = torch.is_grad_enabled()  # a training pass: its backward will follow
+        opens = self.lifecycle.begin_forward(training)  # holds the signals first ([Note: engine lifecycle])
+        if opens:
             self.fetcher.begin_step()
-            self._in_pass = True
             if training:
                 self.hooks.reset_backward()
                 self._maybe_start_trace()
-                self.policy.last_micro = self.is_gradient_accumulation_boundary()
-                self.optim_state.begin_pass(last=self.policy.last_micro)
+                self.policy.begin_pass(last=self.is_gradient_accumulation_boundary())
         args, kwargs = self.accelerator.move((args, kwargs))  # inputs go where the model computes
         try:
             with TIMELINE.span("forward", "phase"):
                 out = self.module(*args, **kwargs)
         except BaseException:  # the pass is over: nothing will run its backward
-            self.fetcher.end_step()
-            self._in_pass = False
-            self.hooks.reset_backward()
-            self._end_step_hold(boundary=False)
+            if opens or self.lifecycle.in_pass:
+                self.fetcher.end_step()
+                self.hooks.reset_backward()
+                self.lifecycle.forward_failed()
             raise
-        if not torch.is_grad_enabled():  # evaluation: no backward will end this pass
+        if opens and not training:  # evaluation: no backward will end this pass
             self.fetcher.end_step()
-            self._in_pass = False
         self.report.add_time("forward", time.perf_counter() - t0)
         return out
 
@@ -244,40 +230,28 @@ class Engine:
         """Backward of `loss` scaled for accumulation (unless `scale_wrt_gas` is false) and by the
         fp16 loss scale; reduces gradients. Returns the loss as scaled for accumulation, as
         DeepSpeed does."""
-        self._check_open()
+        self.lifecycle.check_open()
         if self.inference:
-            self._discard_pass("backward without an optimizer")
+            if self.lifecycle.in_pass:
+                self._discard_pass("backward without an optimizer")
             raise RuntimeError("engine.backward: this engine has no optimizer (the config has no 'optimizer' section "
                                "and none was passed to initialize), so it is for inference; give one to train")
-        if self._grads_final or self._backward_done:
-            gas = self.config.batch.gradient_accumulation_steps
-            what = ("the gradients of the last accumulation boundary have not been applied" if self._grads_final
-                    else "this micro-batch's gradients are accumulated already, and would count twice")
-            raise RuntimeError(
-                f"engine.backward() was called again before engine.step(): {what} (gradient_accumulation_steps="
-                f"{gas}); call engine.step() after every engine.backward(), as with DeepSpeed, and sum the "
-                "losses of one micro-batch before its backward")
+        self.lifecycle.begin_backward(self.config.batch.gradient_accumulation_steps)
         t0 = time.perf_counter()
         gas_scale = 1.0 / self.config.batch.gradient_accumulation_steps if scale_wrt_gas else 1.0
         scale = gas_scale
         if self.scaler is not None:
             scale *= self.scaler.scale
-        failed = False
-        self.hooks.in_backward = True
         try:
-            with TIMELINE.span("backward", "phase"):
+            with TIMELINE.span("backward", "phase"), self.hooks.running_backward():
                 (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
                 self.hooks.finish_backward()
         except BaseException:
-            self._abandon_backward("backward failed")
-            failed = True
+            self._discard_pass("backward failed")
             raise
-        finally:
-            self.hooks.in_backward = False
-            self._end_pass(failed)
-        self.policy.first_micro = False
-        self._grads_final = self.policy.last_micro
-        self._backward_done = True
+        self.fetcher.end_step()
+        self.policy.end_backward()
+        self.lifecycle.end_backward(boundary=self.policy.last_micro)
         self.report.add_time("backward", time.perf_counter() - t0)
         return loss * gas_scale if gas_scale != 1.0 else loss
 
@@ -294,19 +268,15 @@ class Engine:
                         "next micro-batch starts a new one", what, dropped)
         self.micro_steps -= dropped
         if self.update_in_backward and self.policy.last_micro:
-            self._broken = "a backward that updates units as their gradients are final failed"
+            self.lifecycle.step_failed("a backward that updates units as their gradients are final failed")
         self.policy.abandon()
 
-    def _end_pass(self, failed: bool) -> None:
-        self.fetcher.end_step()
-        self._in_pass = False
-        if failed:
-            self._end_step_hold(boundary=False)
-
     def _discard_pass(self, what: str) -> None:
-        """A backward refused before anything of it was reduced or updated: the pass ends."""
+        """A backward that failed, or was refused before anything of it was reduced or updated:
+        the pass ends and the micro-batch is discarded."""
         self._abandon_backward(what)
-        self._end_pass(failed=True)
+        self.fetcher.end_step()
+        self.lifecycle.backward_failed()
 
     def _backward_outside_engine(self) -> None:
         """Called by the hooks at the first parameter gradient of a backward that
@@ -332,7 +302,8 @@ class Engine:
         when the engine plans what the backward reduces and updates."""
         if not isinstance(is_boundary, bool):
             raise TypeError(f"is_boundary: expected a bool, got {is_boundary!r}")
-        if (self._in_pass or self._backward_done) and is_boundary != self.policy.last_micro:
+        if self.lifecycle.phase in (Phase.FORWARD, Phase.BACKWARD, Phase.ACCUMULATED, Phase.BOUNDARY) \
+                and is_boundary != self.policy.last_micro:
             raise RuntimeError("set_gradient_accumulation_boundary: the forward of this micro-batch has run as "
                                f"{'the last' if self.policy.last_micro else 'not the last'} of its accumulation; "
                                "set the boundary before the forward")
@@ -341,28 +312,17 @@ class Engine:
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Ends the micro-step: at an accumulation boundary applies the update (and steps the
         LR scheduler, with `lr_kwargs` as keyword arguments); counts the micro-step always."""
-        self._check_open()
-        self._backward_done = False
-        boundary = self._grads_final
+        applies = self.lifecycle.begin_step()
         try:
-            if boundary:
+            if applies:
                 self._step(lr_kwargs)
         except BaseException as e:
-            if not self._broken_by_load:
-                self._broken = f"step {self.global_steps + 1} failed ({type(e).__name__}: {e})"
-            self._end_step_hold(boundary=False)
+            self.lifecycle.end_step(ok=False, why=f"step {self.global_steps + 1} failed ({type(e).__name__}: {e})")
             raise
         finally:
             self.micro_steps += 1
-        if boundary:
-            if not self._broken_by_load:
-                self._broken = None
-            self._end_step_hold(boundary=True)  # held signal handlers run now ([Note: signals at step boundaries])
-
-    def _end_step_hold(self, boundary: bool) -> None:
-        if self._holding_step:
-            self._holding_step = False
-            self._signals.release(boundary)
+        if applies:
+            self.lifecycle.end_step(ok=True)  # held signal handlers run now ([Note: signals at step boundaries])
 
     def _agree_on_signals(self, arrived: set[int]) -> set[int]:
         """The signals any rank received ([Note: signals at step boundaries]); all ranks call it."""
@@ -378,9 +338,7 @@ class Engine:
             with TIMELINE.span("step", "phase"):
                 outcome = self.policy.step(self.global_steps)
         finally:  # a failed step is abandoned: the next micro-step starts a new accumulation
-            self._grads_final = False
             self._boundary_override = None
-            self.policy.first_micro = True
         self._step_applied = outcome.applied
         if self.policy.pending_updates == 0:  # every shard has its new values
             self.fetcher.prefetch_next_step()
@@ -467,53 +425,44 @@ class Engine:
     @contextlib.contextmanager
     def _held_signals(self):
         """A save or load runs whole: a handler (one that saves, too) waits for its end, and a
-        second save or load from inside it is refused."""
-        if self._checkpointing:
-            raise RuntimeError("a checkpoint is being saved or loaded by this engine (a signal handler called "
-                               "save_checkpoint or load_checkpoint inside it?); wait for it to finish")
-        self._signals.hold()  # a pending handler runs here, before this save begins
-        self._checkpointing = True
+        second save or load from inside it is refused ([Note: engine lifecycle])."""
+        self.lifecycle.begin_checkpoint()
         ok = False
         try:
             yield
             ok = True
         finally:
-            self._checkpointing = False
-            self._signals.release(boundary=ok)
+            self.lifecycle.end_checkpoint(ok)
 
     def check_step_boundary(self, what: str, replaces_all: bool = False) -> None:
         """Raises unless the engine is between steps (what checkpoints read and write);
         `replaces_all`: a load of every value, which mends a half-updated state."""
-        self._check_open()
+        self.lifecycle.check_open()
         if not replaces_all:  # a failed write, or an update that cannot resume ([Note: failed updates] in step_policy.py)
             self.policy.check_intact(what)
-        if self._broken is not None and not replaces_all:
-            remedy = ("Load a whole checkpoint (with its optimizer states)" if self._broken_by_load
-                      else "Run a step, load a checkpoint")
-            raise RuntimeError(f"{what}: {self._broken}, so the parameters and optimizer state may be partly "
-                               f"updated; no checkpoint is taken of them. {remedy}, or build a new engine")
-        if self._in_pass:
-            raise RuntimeError(f"{what}: a training forward is under way and its backward has not run; call it "
-                               "between steps (after engine.step())")
-        if self._grads_final:
-            raise RuntimeError(f"{what}: backward() ended an accumulation and step() has not run; call engine.step() "
-                               "first, so that the state is the step's result")
+        self.lifecycle.check_between_steps(what, replaces_all)
         self.policy.settle_all()  # [Note: updates after the norm] in step_policy.py
+
+    def _check_sound(self, what: str) -> None:
+        """Half-updated or half-loaded values are exported as little as saved."""
+        self.policy.check_intact(what)
+        if self.lifecycle.health is not Health.SOUND:
+            self.check_step_boundary(what)
 
     def mark_broken(self, why: str, *, until_load: bool = False) -> None:
         """The values may be half-updated: no checkpoint is taken until a step or a load succeeds
         (`until_load`: a load; a step on half-loaded values does not mend them)."""
-        self._broken = why
-        self._broken_by_load = self._broken_by_load or until_load
+        if until_load:
+            self.lifecycle.part_loaded(why)
+        else:
+            self.lifecycle.step_failed(why)
 
     def after_load(self) -> None:
         """New values were loaded: nothing of the step before them carries over."""
-        self._grads_final = False
-        self.policy.first_micro = True
+        self.lifecycle.loaded()
+        self.policy.reset_accumulation()
         self._grad_norm = None
         self._values_cache = None
-        self._broken = None
-        self._broken_by_load = False
 
     # ---- DeepSpeed's engine surface -------------------------------------------------------
 
@@ -638,7 +587,7 @@ class Engine:
                     "safe_get_full_grad: the gradients were used by the update during backward and are not "
                     "kept (gradient_clipping is 0 and fp16 is off); set gradient_clipping > 0 to keep them "
                     "until step()")
-            local = self.optim_state.grad(unit) if self._grads_final else None
+            local = self.optim_state.grad(unit) if self.lifecycle.grads_final else None
             if local is None:
                 return None
             local = local / self.get_loss_scale()
@@ -687,8 +636,7 @@ class Engine:
         keep_vars: list[bool] = []  # one entry per module whose state_dict() is running
 
         def before(module, prefix, keep):
-            if self._broken is not None:  # half-updated or half-loaded values: exported as little as saved
-                self.check_step_boundary("state_dict()")
+            self._check_sound("state_dict()")
             released = [p for p in module.parameters(recurse=False)
                         if id(p) in self._owner and self._owner[id(p)][0].state is UnitState.RELEASED]
             if self.world_size > 1 and not keep and released:  # gathered ones (GatheredParameters) are whole
@@ -733,8 +681,7 @@ class Engine:
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The full fp32 state dict on CPU, gathered unit by unit, on rank 0 (empty elsewhere)."""
-        if self._broken is not None:  # half-updated or half-loaded values: exported as little as saved
-            self.check_step_boundary("consolidated_state_dict")
+        self._check_sound("consolidated_state_dict")
         full_values: dict[int, torch.Tensor] = {}
         for u in self.units:
             full = self.full_fp32_values(u)
@@ -756,12 +703,14 @@ class Engine:
     def close(self) -> None:
         """Releases the tiers (removes NVMe files unless asked to keep them). The engine and its
         module cannot be used afterwards: their parameters' values are gone with the tiers."""
-        if self.closed:
+        if not self.lifecycle.close():  # delivers the signals held, while the engine is still open
             return
-        self._holding_step = False
-        self._signals.close()  # the user's handlers are back, and run for what arrived, while it is open
         with deferred_signals():  # what arrives now waits for the cleanup ([Note: signals during cleanup])
             self._close()
+
+    @property
+    def closed(self) -> bool:
+        return self.lifecycle.phase is Phase.CLOSED
 
     def _close(self) -> None:
         if self._tracing:  # closed before the last recorded step: what was recorded
@@ -769,19 +718,14 @@ class Engine:
         elif self.config.trace.path is not None and not self._trace_from:
             log.warning("infinity: trace.path %s: nothing recorded, the engine closed at step %d, before "
                         "trace.start_step %d", self.config.trace.path, self.global_steps, self.config.trace.start_step)
-        self.closed = True
         self.hooks.remove()
         for h in self._state_dict_hooks:
             h.remove()
-        self.params.close()
-        self.optim_state.close()
+        try:
+            self.params.close()
+        finally:  # a write failure raised by the first still leaves the second's files removed
+            self.optim_state.close()
 
         def refuse(module, args):
-            self._check_open()
+            self.lifecycle.check_open()
         self.module.register_forward_pre_hook(refuse)
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise RuntimeError("this engine was closed (engine.close() released its parameters and optimizer "
-                               "state); build another one with infinity.initialize")
-

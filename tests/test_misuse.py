@@ -26,7 +26,8 @@ def test_backward_twice_without_step_is_an_error_in_both_modes(tmp_path, clip):
     idx, tgt = batches(1, 4)[0]
     engine.backward(engine(idx, tgt))
     before = engine.consolidated_state_dict()
-    with pytest.raises(RuntimeError, match=r"called again before engine.step\(\)"):
+    # The next training forward is refused already ([Note: engine lifecycle]: BOUNDARY -> step() only).
+    with pytest.raises(RuntimeError, match=r"backward\(\) ended an accumulation and step\(\) has not run"):
         engine.backward(engine(idx, tgt))
     after = engine.consolidated_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # nothing was applied twice
@@ -67,6 +68,9 @@ def test_a_failed_backward_leaves_the_engine_usable(tmp_path):
     loss = engine(idx, tgt)
     engine.backward(loss)
     engine.step()  # not a boundary yet
+    with pytest.raises(RuntimeError, match="not after a training forward"):
+        engine.backward(loss)  # no forward opened a pass: refused before autograd runs
+    engine(idx, tgt)  # a pass whose backward is given the old loss
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         engine.backward(loss)  # autograd's own error, raised through the engine
     for _ in range(4):

@@ -51,7 +51,7 @@ def usr1():
 def _kill_at_hold(engine, times: int = 1):
     """The next `times` calls of the engine's hold() start with a signal: it arrives just as the
     engine is about to hold (the moment a signal that was pending is run)."""
-    hold = engine._signals.hold
+    hold = engine.lifecycle.signals.hold
     left = [times]
 
     def hold_after_a_signal():
@@ -59,7 +59,7 @@ def _kill_at_hold(engine, times: int = 1):
             left[0] -= 1
             os.kill(os.getpid(), signal.SIGUSR1)
         hold()
-    engine._signals.hold = hold_after_a_signal
+    engine.lifecycle.signals.hold = hold_after_a_signal
 
 
 def test_a_signal_pending_as_a_step_starts_is_handled_between_steps(tmp_path, usr1):
@@ -118,7 +118,7 @@ def test_a_signal_after_a_failed_step_is_not_swallowed(tmp_path, usr1):
         _one_step(engine)
         os.kill(os.getpid(), signal.SIGUSR1)
         assert seen == [signal.SIGUSR1] * 2
-        assert signal.getsignal(signal.SIGUSR1) is not engine._signals  # the user's handler is in place
+        assert signal.getsignal(signal.SIGUSR1) is not engine.lifecycle.signals  # the user's handler is in place
     finally:
         engine.close()
 

@@ -27,6 +27,8 @@ pre-hook gathers as usual and the post-hook keeps the unit, whose backward is ab
 
 from __future__ import annotations
 
+import contextlib
+
 import time
 from collections.abc import Callable
 
@@ -95,6 +97,15 @@ class UnitHooks:
                     self._handles.append(
                         slot.param.register_post_accumulate_grad_hook(self._grad_ready(unit, slot.group >= 0)))
         self.reset_backward()
+
+    @contextlib.contextmanager
+    def running_backward(self):
+        """engine.backward runs inside: gradients that arrive are the engine's to reduce."""
+        self.in_backward = True
+        try:
+            yield
+        finally:
+            self.in_backward = False
 
     def remove(self) -> None:
         for h in self._handles:

@@ -94,6 +94,7 @@ class StepPolicy:
         self.update_in_backward = clip == 0 and scaler is None  # [Note: update during backward]
         # Units updated in the hook that finalizes their gradient (the others wait for step()).
         self.in_hook = {u.index for u in units if self.update_in_backward and not u.persistent and u.trainable}
+        # Set by the pass ([Note: engine lifecycle] in infinity/lifecycle.py), read by the updates.
         self.first_micro = True  # the pass running starts an accumulation
         self.last_micro = True  # the pass running ends one: its gradients are final
         self._hypers: list[AdamHyper] | None = None  # this step's, once its first unit was updated
@@ -108,6 +109,22 @@ class StepPolicy:
         fetcher.settle = self.settle
         # One flat gradient buffer per unit size, and the copy that still reads it.
         self._grad_buffers: dict[tuple[int, torch.dtype], tuple[torch.Tensor, InFlight | None]] = {}
+
+    # ---- the pass -------------------------------------------------------------------------
+
+    def begin_pass(self, last: bool) -> None:
+        """A training forward opens a pass; `last`: it ends the accumulation (its gradients are
+        final), so the optimizer tier may start reading the state its updates need."""
+        self.last_micro = last
+        self.optim_state.begin_pass(last=last)
+
+    def end_backward(self) -> None:
+        """The pass's backward handed every gradient on: the next pass adds to them."""
+        self.first_micro = False
+
+    def reset_accumulation(self) -> None:
+        """New values were loaded: the next pass starts a new accumulation."""
+        self.first_micro = True
 
     # ---- backward -------------------------------------------------------------------------
 
@@ -207,6 +224,7 @@ class StepPolicy:
             outcome = self._step(step_number)
         finally:  # also when an update failed: the step is abandoned, its buffers given back
             self._hypers, self._updated, self._updated_in_backward = None, set(), 0
+            self.first_micro = True  # the next pass starts a new accumulation
             self.optim_state.finish_step()
         self.params.flush()  # parameter writes are few (2 bytes a parameter): finish them here
         return outcome
