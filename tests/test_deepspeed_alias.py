@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import subprocess
+import tempfile
 import sys
 import textwrap
 
@@ -34,7 +35,9 @@ from infinity.deepspeed.utils import log_dist, logger
 
 def _python(*args: str, cwd=None) -> dict:
     """Runs python with `args` in a fresh process; the JSON it prints last."""
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+    # Never the checkout's root: its source tree (no compiled extensions) would shadow the installed package.
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd or tempfile.gettempdir(),
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -209,6 +212,7 @@ with open(os.path.join(os.environ["INFINITY_TEST_OUT"], "hf_job.json"), "w") as 
 
 
 def test_under_infinity_run_hf_sees_deepspeed_and_training_matches_pytorch(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not the checkout: its source tree would shadow the installed package
     pytest.importorskip("accelerate")
     pytest.importorskip("transformers")
     script = tmp_path / "hf_job.py"

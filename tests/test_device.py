@@ -24,7 +24,9 @@ SOURCE = pathlib.Path(infinity.__file__).parent
 # Page-locking through the CUDA runtime (cudaHostRegister) is no stream, event or copy: the
 # pinned-memory allocator and the pool that asks it whether CUDA is there may name torch.cuda.
 PINNING = {"io/memory.py": "torch.cuda.cudart()|torch.cuda.is_available()",
-           "tiers/pool.py": "torch.cuda.is_available()"}
+           "tiers/pool.py": "torch.cuda.is_available()",
+           # DeepSpeed's helper that copies a user's state dict to the CPU for torch.save: not the engine's data path
+           "deepspeed/checkpoint/utils.py": ".to(device"}
 FORBIDDEN = re.compile(r"torch\.cuda\.[a-zA-Z_]+(\(\))?|non_blocking|\.cuda\(|\.to\((self\.)?device\b")
 
 
@@ -199,7 +201,9 @@ def _imports(path: pathlib.Path, package: str) -> set[str]:
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("infinity"):
             for alias in node.names:
                 sub = f"{node.module}.{alias.name}"
-                found.add(sub if (SOURCE.parent / (sub.replace(".", "/") + ".py")).exists() else node.module)
+                where = SOURCE.parent / sub.replace(".", "/")
+                is_module = where.with_suffix(".py").exists() or (where / "__init__.py").exists()
+                found.add(sub if is_module else node.module)
         elif isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("infinity")}
     return found

@@ -194,6 +194,7 @@ def test_gpu_slots_count_the_visible_gpus(tmp_path, monkeypatch, flags, nproc, v
 
 
 def test_two_cpu_ranks_on_this_host(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not the checkout: its source tree would shadow the installed package
     script = tmp_path / "job.py"
     script.write_text(WORKER)
     monkeypatch.setenv("INFINITY_TEST_OUT", str(tmp_path))
