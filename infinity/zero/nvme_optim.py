@@ -38,7 +38,7 @@ deferred order instead, so the first units the next forward updates (the embeddi
 gradient is final last) are the first read; where the pool has room, a unit's pieces are
 fetched again for the next step right after its update released them, while their write is in
 flight, which costs no read at all. With the update
-running during backward (no clipping, no fp16: see [Note: update during backward] in engine.py)
+running during backward (no clipping, no fp16: see [Note: update during backward] in step_policy.py)
 the state of a unit is then in memory when its gradient is final, its update runs at once, and
 its writes drain behind the next unit's backward.
 
