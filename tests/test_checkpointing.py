@@ -10,6 +10,7 @@ import json
 import logging
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import weakref
@@ -334,6 +335,7 @@ def test_deepspeed_checkpointing_is_this_module_under_the_alias():
         print(json.dumps([deepspeed.checkpointing.checkpoint is ours.checkpoint, checkpoint is ours.checkpoint,
                           ours.is_configured(), ours._STATE.config.cpu_checkpointing]))
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=tempfile.gettempdir())  # not the checkout, which would shadow the installed package
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [True, True, True, True]

@@ -240,9 +240,9 @@ def test_a_device_mismatch_is_one_clear_error(monkeypatch):
         _trainer(InfinityStrategy(stage=3)).fit(SeedModel(), _data())
 
 
-def test_without_lightning_the_import_names_the_extra():
+def test_without_lightning_the_import_names_the_extra(tmp_path):
     proc = subprocess.run([sys.executable, "-c", "import sys; sys.modules['lightning'] = None; import infinity.lightning"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)  # not the checkout: see below
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1] == (
         "ModuleNotFoundError: infinity.lightning needs Lightning: pip install \"infinity[lightning]\"")
@@ -545,8 +545,9 @@ def test_conversion_holds_one_unit_in_memory_at_a_time(tmp_path):
         "base = [int(x.split()[1]) * 1024 for x in open('/proc/self/status') if x.startswith('RssAnon:')][0]\n"
         "convert_checkpoint(sys.argv[1], sys.argv[2])\n"
         "print(base)\n")
+    # Started outside the checkout, whose source tree (no compiled extensions) would shadow the installed package.
     child = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "ckpt"), str(tmp_path / "one.ckpt")],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     peak = 0
     while child.poll() is None:
         try:
