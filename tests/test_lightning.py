@@ -7,6 +7,7 @@ resuming, the single-file conversion); the registered names; precisions; `config
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -274,20 +275,31 @@ def test_model_checkpoint_then_test_with_ckpt_path_in_the_same_process(tmp_path)
     assert torch.allclose(torch.cat(predictions), torch.cat(plain_predictions), atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, raises=OSError, reason=(
-    "engine: a second engine of one process cannot open a store on the nvme_path the first holds "
-    "(infinity/tiers/store.py: <nvme_path>/infinity-<pid>/rank<r> is per process, not per engine), "
-    "so test() on a new model instance while the fit model's engine lives fails"))
 def test_test_with_ckpt_path_on_a_new_model_beside_the_fitted_one(tmp_path):
-    _, trainer, saver = _fit_two_epochs_saving_each(_on_nvme(tmp_path / "nvme"), True, tmp_path / "ours")
-    trainer.test(SeedModel(), ckpt_path=saver.best_model_path, dataloaders=_data(), verbose=False)
+    """A second engine of the process on the same nvme_path ([Note: stores of one process] in
+    infinity/tiers/store.py), while the fitted model's engine still holds its files there."""
+    _, plain_trainer, plain_saver = _fit_two_epochs_saving_each("auto", False, tmp_path / "plain")
+    expected = plain_trainer.test(SeedModel(ours=False), ckpt_path=plain_saver.best_model_path, dataloaders=_data(),
+                                  verbose=False)
+    model, trainer, saver = _fit_two_epochs_saving_each(_on_nvme(tmp_path / "nvme"), True, tmp_path / "ours")
+    fitted = trainer.strategy.engine
+    before = fitted.consolidated_state_dict()
+    result = trainer.test(SeedModel(), ckpt_path=saver.best_model_path, dataloaders=_data(), verbose=False)
+    assert trainer.strategy.engine is not fitted and trainer.strategy.engine.inference
+    assert result[0]["test_loss"] == pytest.approx(expected[0]["test_loss"], abs=1e-5)
+    params = [os.path.basename(d) for d in glob.glob(str(tmp_path / "nvme" / "infinity-*-param" / "rank0*"))
+              if os.path.isdir(d)]
+    assert sorted(params) == ["rank0", "rank0.1"]  # each engine's parameters in its own directory
+    after = fitted.consolidated_state_dict()  # the fitted engine's bytes are intact beside the second
+    assert all(torch.equal(v, after[k]) for k, v in before.items())
+    assert len(model.losses) == 16
 
 
 def test_test_with_ckpt_path_on_a_new_model_builds_an_engine_without_optimizer(tmp_path):
     model, trainer = _fit(_on_nvme(tmp_path / "nvme1"), ours=True)
     trainer.save_checkpoint(tmp_path / "run.ckpt")
     expected = trainer.test(model, dataloaders=_data(), verbose=False)
-    tester = _trainer(_on_nvme(tmp_path / "nvme2"))  # another nvme_path: see the xfail above
+    tester = _trainer(_on_nvme(tmp_path / "nvme2"))
     result = tester.test(SeedModel(), ckpt_path=str(tmp_path / "run.ckpt"), dataloaders=_data(), verbose=False)
     assert tester.strategy.engine.inference
     assert result[0]["test_loss"] == expected[0]["test_loss"]

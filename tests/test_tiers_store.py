@@ -110,13 +110,63 @@ def test_too_little_free_space_is_an_error_before_anything_is_written(root):
 
 def test_two_stores_never_share_a_directory(root):
     with NvmeStore(root, LAYOUT, job_id="j") as first:
-        with pytest.raises(OSError, match=re.escape(first.directory) + " is in use by process") as info:
-            NvmeStore(root, LAYOUT, job_id="j")
-        assert info.value.errno == errno.EBUSY
+        with NvmeStore(root, LAYOUT, job_id="j") as second:  # this process's: one beside it
+            assert second.directory == first.directory + ".1"
         with NvmeStore(root, LAYOUT, job_id="j", rank=1), NvmeStore(root, {"master": {0: 1}}, job_id="k"):
             pass  # other ranks and jobs, and several stores in one process, are fine
         assert os.path.isdir(first.directory)
     assert os.listdir(root) == []
+
+
+OPEN_TWO_AND_SLEEP = """
+    import sys, time
+    from infinity.tiers.store import NvmeStore
+    stores = [NvmeStore(sys.argv[1], {"param": {0: 4096}}, job_id=sys.argv[2]) for _ in range(2)]
+    print(*(s.directory for s in stores), flush=True)
+    time.sleep(120)
+"""
+
+
+def test_stores_of_one_process_on_one_path_each_keep_their_own_bytes(root):
+    """[Note: stores of one process]: a second store of the same job and rank opens beside a live
+    one (a second engine), and opening or closing one never touches the other's bytes."""
+    first = NvmeStore(root, LAYOUT, job_id="j")
+    second = NvmeStore(root, LAYOUT, job_id="j")
+    assert second.directory == first.directory + ".1"
+    for store, fill in ((first, b"\x11"), (second, b"\x22")):
+        with open(store.file_path("param"), "r+b") as f:
+            f.write(fill * 5000)
+    third = NvmeStore(root, LAYOUT, job_id="j")
+    assert third.directory == first.directory + ".2"
+    second.close()
+    assert not os.path.exists(second.directory)
+    with open(first.file_path("param"), "rb") as f:
+        assert f.read(5000) == b"\x11" * 5000  # the earlier store's bytes survive the later ones
+    again = NvmeStore(root, LAYOUT, job_id="j")
+    assert again.directory == second.directory  # the free name is taken again, fresh
+    with open(again.file_path("param"), "rb") as f:
+        assert f.read(5000) != b"\x22" * 5000
+    first.close()
+    assert not os.path.exists(first.directory) and os.path.isdir(third.directory) and os.path.isdir(again.directory)
+    del third, again
+    gc.collect()
+    assert os.listdir(root) == []
+
+
+def test_a_dead_processs_stores_beside_each_other_are_removed_and_a_live_ones_refused(root):
+    with start_child(OPEN_TWO_AND_SLEEP, root, "victim") as child:
+        try:
+            directories = child.stdout.readline().split()
+            assert directories[1] == directories[0] + ".1" and all(map(os.path.isdir, directories))
+            with pytest.raises(OSError, match=re.escape(directories[0]) + f" is in use by process {child.pid}.*"
+                               "another job uses it") as info:
+                NvmeStore(root, LAYOUT, job_id="victim")  # not stepped around: another process's
+            assert info.value.errno == errno.EBUSY
+        finally:
+            stop(child)
+    assert all(map(os.path.isdir, directories))  # SIGKILL: nothing ran in the child
+    with NvmeStore(root, LAYOUT, job_id="next") as store:
+        assert os.listdir(root) == [os.path.basename(os.path.dirname(store.directory))]
 
 
 def test_a_directory_of_a_live_process_is_an_error_and_of_a_dead_one_is_removed(root):

@@ -4,6 +4,8 @@
     <nvme_path>/infinity-<job id>/rank<r>.lock   the claim ([Note: directory lock] in lock.py)
     <nvme_path>/infinity-<job id>/rank<r>/       mode 0700
         <kind>.bin                               one file per kind: param, master, exp_avg, ...
+    <nvme_path>/infinity-<job id>/rank<r>.<n>/   the same, for a store opened beside a live one
+                                                 of the same process ([Note: stores of one process])
 A file holds the shards of its kind back to back, in the order the layout lists them (the
 engine lists them in order of use, so a sweep reads the file front to back). Each shard owns a
 fixed extent, allocated once when the store opens and overwritten in place for the rest of the
@@ -31,6 +33,17 @@ same nvme_path finds it (its lock is free) and removes it, and `infinity clean N
 and removes such leftovers by hand. `keep=True` keeps the directory, with a message, and drops
 the lock; a kept directory is never removed automatically and cannot be opened again as a new
 store.
+
+[Note: stores of one process]
+A process may hold several stores of one job and rank on one nvme_path at once: a second engine
+(Lightning's `trainer.test(model, ckpt_path=...)` on a new model while the fitted model's engine
+lives, a model evaluated beside the one in training) opens its own. The first takes `rank<r>`;
+one opened while a store of this same process holds that name takes `rank<r>.1`, the next free
+`rank<r>.<n>` after it, each with its own lock, claimed and cleaned by the rules of [Note:
+directory lock] like any other: a scan judges a directory by its flock alone, and a live store of
+this process holds its flock as one of another process does, so no store ever removes a sibling
+(each goes when it is closed or collected). Another process's `rank<r>` is still refused, not
+stepped around: two processes of one job and rank are a launch mistake.
 """
 
 from __future__ import annotations
@@ -119,24 +132,14 @@ class NvmeStore:
             raise ValueError(f"rank: expected a non-negative int, got {rank!r}")
         if not isinstance(keep, bool):
             raise TypeError(f"keep: expected a bool, got {keep!r}")
-        self._directory = os.path.join(root, f"infinity-{job_id}", f"rank{int(rank)}")
-        self._files, self._extents = _plan(self._directory, layout)
+        _plan("", layout)  # the layout's errors before anything is created
         self._handle = handle if handle is not None else AsyncIOHandle()
 
         for directory in remove_stale(root, "infinity-*/rank*"):
             logger.warning("removed %s, left by a process that no longer runs", directory)
-        try:
-            self._lock = DirectoryLock.take(self._directory)
-        except OSError as e:
-            key = config_key(name, "nvme_path")
-            if e.errno != errno.EBUSY:
-                hint = f"cannot create the store's directory under {root}: nvme_path must be a writable directory"
-            elif owner(self._directory + ".lock").get("pid") == os.getpid():
-                hint = ("an earlier engine of this process holds it (infinity.initialize on the same nvme_path): "
-                        "call that engine's close() first, or give this one another nvme_path")
-            else:
-                hint = "another job uses it: give this one another nvme_path, or stop that job"
-            raise OSError(e.errno, f"{key}: {e.strerror}; {hint}", e.filename) from None
+        self._lock = _claim(os.path.join(root, f"infinity-{job_id}", f"rank{int(rank)}"), name)
+        self._directory = self._lock.directory
+        self._files, self._extents = _plan(self._directory, layout)
         try:
             self._create_files()
         except BaseException:
@@ -265,6 +268,26 @@ def _check_nvme_path(key: str, nvme_path: Any) -> str:
     if not os.access(root, os.W_OK | os.X_OK):
         raise PermissionError(errno.EACCES, f"{key}: cannot create files in {root}", root)
     return root
+
+
+def _claim(directory: str, name: str) -> DirectoryLock:
+    """The lock of `directory`, or of the first `<directory>.<n>` free when a store of this
+    process holds it ([Note: stores of one process])."""
+    candidate = directory
+    for n in range(1, 1 << 16):
+        try:
+            return DirectoryLock.take(candidate)
+        except OSError as e:
+            if e.errno == errno.EBUSY and owner(candidate + ".lock").get("pid") == os.getpid():
+                candidate = f"{directory}.{n}"
+                continue
+            if e.errno == errno.EBUSY:
+                hint = "another job uses it: give this one another nvme_path, or stop that job"
+            else:
+                hint = f"cannot create the store's directory under {os.path.dirname(os.path.dirname(directory))}: " \
+                       "nvme_path must be a writable directory"
+            raise OSError(e.errno, f"{config_key(name, 'nvme_path')}: {e.strerror}; {hint}", e.filename) from None
+    raise AssertionError("unreachable: 65535 stores of one process under one job and rank")
 
 
 def _plan(
