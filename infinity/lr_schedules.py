@@ -38,21 +38,30 @@ cycle_max_mom there, as `get_mom()` says). An optimizer whose param groups have 
 is lr_range_test_min_lr * (1 + lr_range_test_step_rate * n / lr_range_test_step_size), with
 n / lr_range_test_step_size floored when lr_range_test_staircase.
 
-Deliberate differences from DeepSpeed: an unknown warmup_type is an error (DeepSpeed warns and
-uses "log"), and `get_last_lr()` returns Python floats even where the optimizer keeps its lr
-in a tensor (which is updated in place). OneCycle's step sizes, stair counts and
-decay_step_size are integers (DeepSpeed also takes floats for the step sizes), a negative stair
-count is an error (DeepSpeed treats it as 0), its lr and beta1 are computed from the integer
-position in the cycle, so they agree with DeepSpeed's to float rounding and the peak is exactly
-cycle_max_lr, and `get_last_lr()` answers right after it is built (DeepSpeed's only after the
-first step).
+[Note: arguments as DeepSpeed takes them]
+Built from Python, the schedules take what DeepSpeed's take, and say so where DeepSpeed does:
+an unknown warmup_type warms up along "log" with a logged warning (not a Python warning, which
+code run under `-W error` would turn into an exception), as does a total_num_steps below
+warmup_num_steps; OneCycle's step sizes and decay_step_size may be floats (DeepSpeed converts
+them with float()), a stair count at or below 0 means no stairs (DeepSpeed's command line
+defaults it to -1), and an optimizer without betas turns cycle_momentum off with a logged
+warning. What DeepSpeed would divide by zero on (a warmup, range-test or first cycle step size
+of 0) or zip short (a per-group list of the wrong length) is a ValueError naming the argument.
+The JSON `scheduler` section stays stricter (infinity.config): a config names its values
+once, so a typo there is an error rather than a fallback.
+
+Remaining differences from DeepSpeed: `get_last_lr()` returns Python floats even where the
+optimizer keeps its lr in a tensor (which is updated in place); OneCycle's lr and beta1 are
+computed from the position in the cycle, so they agree with DeepSpeed's to float rounding and
+the peak is exactly cycle_max_lr, and `get_last_lr()` answers right after it is built
+(DeepSpeed's only after the first step).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
-import warnings
 from dataclasses import fields
 from typing import Any
 
@@ -66,6 +75,8 @@ __all__ = ["LRRangeTest", "OneCycle", "WarmupCosineLR", "WarmupDecayLR", "Warmup
 # The beta2 OneCycle writes next to its beta1 (see [Note: OneCycle's cycle and momentum]).
 _ONE_CYCLE_BETA2 = 0.99
 
+log = logging.getLogger("infinity")
+
 
 def _positive_int(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
@@ -73,10 +84,39 @@ def _positive_int(value: Any, name: str) -> int:
     return int(value)
 
 
-def _non_negative_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ValueError(f"{name}: expected a non-negative integer, got {value!r}")
-    return int(value)
+def _real(value: Any, name: str) -> numbers.Real:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name}: expected a number, got {value!r}")
+    return value
+
+
+def _positive_number(value: Any, name: str) -> numbers.Real:
+    """An int stays an int (exact cycle arithmetic); a float is taken as DeepSpeed takes it."""
+    if _real(value, name) <= 0:
+        raise ValueError(f"{name}: expected a positive number, got {value!r}")
+    return value
+
+
+def _non_negative_number(value: Any, name: str) -> numbers.Real:
+    if _real(value, name) < 0:
+        raise ValueError(f"{name}: expected a non-negative number, got {value!r}")
+    return value
+
+
+def _warmup_type(warmup_type: Any) -> str:
+    """warmup_type, or "log" with a logged warning for one DeepSpeed does not know (as it does;
+    see [Note: arguments as DeepSpeed takes them])."""
+    if warmup_type in WARMUP_TYPES:
+        return warmup_type
+    log.warning("warmup_type: unknown %r (expected one of %s); warming up along 'log', as "
+                "DeepSpeed does", warmup_type, ", ".join(map(repr, WARMUP_TYPES)))
+    return "log"
+
+
+def _warn_if_total_below_warmup(total_num_steps: int, warmup_num_steps: int) -> None:
+    if total_num_steps < warmup_num_steps:
+        log.warning("total_num_steps %d is less than warmup_num_steps %d: the schedule never "
+                    "decays from its warmup", total_num_steps, warmup_num_steps)
 
 
 def _param_groups(optimizer: Any) -> list[dict[str, Any]]:
@@ -157,12 +197,9 @@ class _WarmupSchedule(_Schedule):
     def __init__(self, optimizer: Any, *, warmup_num_steps: int, warmup_type: str,
                  last_batch_iteration: int) -> None:
         warmup_num_steps = _positive_int(warmup_num_steps, "warmup_num_steps")
-        if warmup_type not in WARMUP_TYPES:
-            raise ValueError(f"warmup_type: expected one of {', '.join(map(repr, WARMUP_TYPES))}, "
-                             f"got {warmup_type!r}")
         super().__init__(optimizer, last_batch_iteration)
         self.warmup_num_steps = max(2, warmup_num_steps)  # see [Note: DeepSpeed's step counting]
-        self.warmup_type = warmup_type
+        self.warmup_type = _warmup_type(warmup_type)
         self._inverse_log_warmup = 1.0 / math.log(self.warmup_num_steps)
 
     def _warmup_progress(self, iteration: int) -> float:
@@ -218,6 +255,7 @@ class WarmupDecayLR(WarmupLR):
         self.total_num_steps = _positive_int(total_num_steps, "total_num_steps")
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
                          last_batch_iteration)
+        _warn_if_total_below_warmup(self.total_num_steps, self.warmup_num_steps)
 
     def _gamma(self, iteration: int) -> float:
         if iteration < self.warmup_num_steps:
@@ -237,6 +275,7 @@ class WarmupCosineLR(_WarmupSchedule):
         super().__init__(optimizer, warmup_num_steps=warmup_num_steps, warmup_type=warmup_type,
                          last_batch_iteration=last_batch_iteration)
         self.total_num_steps = _positive_int(total_num_steps, "total_num_steps")
+        _warn_if_total_below_warmup(self.total_num_steps, self.warmup_num_steps)
         self.warmup_min_ratio = float(warmup_min_ratio)
         self.cos_min_ratio = float(cos_min_ratio)
         self.org_lrs = [float(group["lr"]) for group in self._groups]
@@ -273,7 +312,8 @@ class OneCycle(_Schedule):
 
     cycle_min_lr, cycle_max_lr, cycle_min_mom and cycle_max_mom take one number, or a list with
     one per param group. The second half lasts cycle_first_step_size steps and has
-    cycle_first_stair_count stairs unless given its own.
+    cycle_first_stair_count stairs unless given its own; a stair count at or below 0 means no
+    stairs. Step sizes may be floats, as DeepSpeed's ([Note: arguments as DeepSpeed takes them]).
     """
 
     def __init__(self, optimizer: Any, cycle_min_lr: float | list[float],
@@ -286,15 +326,14 @@ class OneCycle(_Schedule):
                  last_batch_iteration: int = -1) -> None:
         super().__init__(optimizer, last_batch_iteration)
         num_groups = len(self._groups)
-        self.first_step_size = _positive_int(cycle_first_step_size, "cycle_first_step_size")
+        self.first_step_size = _positive_number(cycle_first_step_size, "cycle_first_step_size")
         self.second_step_size = self.first_step_size if cycle_second_step_size is None else (
-            _non_negative_int(cycle_second_step_size, "cycle_second_step_size"))
+            _non_negative_number(cycle_second_step_size, "cycle_second_step_size"))
         self.total_size = self.first_step_size + self.second_step_size
-        self.first_stair_count = _non_negative_int(cycle_first_stair_count,
-                                                   "cycle_first_stair_count")
+        self.first_stair_count = _real(cycle_first_stair_count, "cycle_first_stair_count")
         self.second_stair_count = self.first_stair_count if cycle_second_stair_count is None else (
-            _non_negative_int(cycle_second_stair_count, "cycle_second_stair_count"))
-        self.decay_step_size = _non_negative_int(decay_step_size, "decay_step_size")
+            _real(cycle_second_stair_count, "cycle_second_stair_count"))
+        self.decay_step_size = _non_negative_number(decay_step_size, "decay_step_size")
         self.min_lrs = _per_group(cycle_min_lr, "cycle_min_lr", num_groups)
         self.max_lrs = _per_group(cycle_max_lr, "cycle_max_lr", num_groups)
         self.decay_lr_rate = float(decay_lr_rate)
@@ -303,13 +342,18 @@ class OneCycle(_Schedule):
         self.decay_mom_rate = float(decay_mom_rate)
         self.cycle_momentum = bool(cycle_momentum)
         if self.cycle_momentum and not all("betas" in group for group in self._groups):
-            warnings.warn("cycle_momentum: turned off, the optimizer's param groups have no "
-                          "'betas' (OneCycle cycles only Adam's beta1)", stacklevel=2)
+            log.warning("cycle_momentum: turned off, the optimizer's param groups have no "
+                        "'betas' (OneCycle cycles only Adam's beta1)")
             self.cycle_momentum = False
         if last_batch_iteration == -1:  # everything is checked: now write
             self._write(self.get_lr())
             if self.cycle_momentum:
                 self._write_betas([(mom, _ONE_CYCLE_BETA2) for mom in self.min_moms])
+
+    @property
+    def step_ratio(self) -> float:
+        """The rising share of the cycle (DeepSpeed's attribute): 1.0 for a cycle without a fall."""
+        return self.first_step_size / self.total_size
 
     def _height(self, iteration: int) -> float:
         """Where iteration (< the cycle's end) is between the cycle's ends (0) and its top (1)."""

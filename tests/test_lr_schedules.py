@@ -261,6 +261,34 @@ def test_one_cycle_second_stair_count_defaults_to_the_first() -> None:
                {0: 0.0, 1: 0.5, 2: 0.5, 3: 1.0, 4: 0.5, 5: 0.5, 6: 0.0, 7: 0.0})
 
 
+@pytest.mark.parametrize("first_step_size", [100, 3])
+def test_one_cycle_step_ratio_is_the_rising_share_of_the_cycle(first_step_size) -> None:
+    # DeepSpeed's attribute: the rise over the whole cycle; a cycle without a fall is all rise.
+    assert OneCycle(make_adam(), 0.1, 1.0, cycle_first_step_size=first_step_size,
+                    cycle_second_step_size=0).step_ratio == 1.0
+    assert OneCycle(make_adam(), 0.1, 1.0, cycle_first_step_size=first_step_size,
+                    cycle_second_step_size=first_step_size * 3).step_ratio == 0.25
+
+
+def test_one_cycle_takes_step_sizes_as_floats() -> None:
+    # DeepSpeed converts the step sizes with float() (a JSON 4e0, an argparse float): the same
+    # cycle as the integers.
+    as_ints = OneCycle(make_adam(), 0.1, 1.0, cycle_first_step_size=4, cycle_second_step_size=2,
+                       decay_lr_rate=0.5, decay_step_size=2)
+    as_floats = OneCycle(make_adam(), 0.1, 1.0, cycle_first_step_size=4.0,
+                         cycle_second_step_size=2.0, decay_lr_rate=0.5, decay_step_size=2.0)
+    assert_lrs_and_beta1s(lrs_and_beta1s(as_floats, 12), lrs_and_beta1s(as_ints, 12))
+
+
+@pytest.mark.parametrize("stairs", [-1, 0])
+def test_one_cycle_stair_count_at_or_below_zero_is_continuous(stairs) -> None:
+    # DeepSpeed cuts stairs only for a count > 0; its command-line default is -1.
+    plain = OneCycle(make_adam(), 0.0, 0.6, cycle_first_step_size=6, cycle_second_step_size=4)
+    schedule = OneCycle(make_adam(), 0.0, 0.6, cycle_first_step_size=6, cycle_second_step_size=4,
+                        cycle_first_stair_count=stairs, cycle_second_stair_count=stairs)
+    assert lrs_and_beta1s(schedule, 11) == lrs_and_beta1s(plain, 11)
+
+
 def test_one_cycle_per_group_values() -> None:
     optimizer = make_adam(num_groups=2)
     schedule = OneCycle(optimizer, cycle_min_lr=[0.1, 0.2], cycle_max_lr=[1.0, 0.4],
@@ -287,10 +315,13 @@ def test_one_cycle_without_cycle_momentum_leaves_the_betas() -> None:
     assert schedule.get_mom() is None and schedule.get_last_lr() == [pytest.approx(0.55)]
 
 
-def test_one_cycle_turns_momentum_off_for_an_optimizer_without_betas() -> None:
+def test_one_cycle_turns_momentum_off_for_an_optimizer_without_betas(caplog) -> None:
+    # Logged, as DeepSpeed does, not a Python warning (which DeepSpeed's own tests, and code
+    # run under -W error, would turn into an exception).
     optimizer = make_optimizer()  # SGD
-    with pytest.warns(UserWarning, match="cycle_momentum: turned off"):
+    with caplog.at_level("WARNING", logger="infinity"):
         schedule = OneCycle(optimizer, 0.1, 1.0, cycle_first_step_size=2)
+    assert "cycle_momentum: turned off" in caplog.text
     schedule.step()
     assert "betas" not in optimizer.param_groups[0] and schedule.get_mom() is None
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.55)
@@ -477,19 +508,20 @@ def test_training_loop_with_a_torch_optimizer_raises_no_warnings() -> None:
 @pytest.mark.parametrize(("build", "message"), [
     (lambda o: WarmupLR(o, warmup_num_steps=0), "warmup_num_steps: expected a positive integer"),
     (lambda o: WarmupLR(o, warmup_num_steps=2.5), "warmup_num_steps: expected a positive"),
-    (lambda o: WarmupLR(o, warmup_type="cosine"), "warmup_type: expected one of 'log', 'linear'"),
     (lambda o: WarmupDecayLR(o, 0), "total_num_steps: expected a positive integer"),
     (lambda o: WarmupCosineLR(o, -5), "total_num_steps: expected a positive integer"),
     (lambda o: OneCycle(o, 0.1, 1.0, cycle_first_step_size=0),
-     "cycle_first_step_size: expected a positive integer, got 0"),
-    (lambda o: OneCycle(o, 0.1, 1.0, cycle_first_step_size=100.0),
-     "cycle_first_step_size: expected a positive integer, got 100.0"),
+     "cycle_first_step_size: expected a positive number, got 0"),
+    (lambda o: OneCycle(o, 0.1, 1.0, cycle_first_step_size=0, cycle_second_step_size=100),
+     "cycle_first_step_size: expected a positive number, got 0"),
+    (lambda o: OneCycle(o, 0.1, 1.0, cycle_first_step_size=-1),
+     "cycle_first_step_size: expected a positive number, got -1"),
     (lambda o: OneCycle(o, 0.1, 1.0, cycle_second_step_size=-1),
-     "cycle_second_step_size: expected a non-negative integer, got -1"),
-    (lambda o: OneCycle(o, 0.1, 1.0, cycle_second_stair_count=-1),
-     "cycle_second_stair_count: expected a non-negative integer"),
+     "cycle_second_step_size: expected a non-negative number, got -1"),
     (lambda o: OneCycle(o, 0.1, 1.0, decay_step_size=-2),
-     "decay_step_size: expected a non-negative integer"),
+     "decay_step_size: expected a non-negative number"),
+    (lambda o: OneCycle(o, 0.1, 1.0, cycle_first_stair_count=True),
+     "cycle_first_stair_count: expected a number"),
     (lambda o: OneCycle(o, [0.1, 0.2], 1.0), r"cycle_min_lr: expected 1 values .* got 2"),
     (lambda o: LRRangeTest(o, lr_range_test_step_size=0),
      "lr_range_test_step_size: expected a positive integer, got 0"),
@@ -497,6 +529,20 @@ def test_training_loop_with_a_torch_optimizer_raises_no_warnings() -> None:
 def test_bad_arguments(build, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build(make_optimizer())
+
+
+@pytest.mark.parametrize("build", [
+    lambda o, kind: WarmupLR(o, warmup_max_lr=1.0, warmup_num_steps=10, warmup_type=kind),
+    lambda o, kind: WarmupDecayLR(o, 20, warmup_max_lr=1.0, warmup_num_steps=10, warmup_type=kind),
+    lambda o, kind: WarmupCosineLR(o, 20, warmup_num_steps=10, warmup_type=kind),
+])
+def test_unknown_warmup_type_falls_back_to_log_and_says_so(build, caplog) -> None:
+    # DeepSpeed logs a warning and warms up along the log curve (its WarmupCosineLR too).
+    with caplog.at_level("WARNING", logger="infinity"):
+        schedule = build(make_optimizer(), "cosine")
+    assert "warmup_type: unknown 'cosine'" in caplog.text and schedule.warmup_type == "log"
+    reference = build(make_optimizer(), "log")
+    assert lrs_by_iteration(schedule, 25) == lrs_by_iteration(reference, 25)
 
 
 # --- properties
