@@ -760,3 +760,26 @@ def test_lr_range_test_from_the_config_sets_the_engines_lr() -> None:
         seen.append(engine.get_lr()[0])
     engine.close()
     assert seen == pytest.approx([1e-3, 1.25e-3, 1.5e-3, 1.75e-3, 2e-3], rel=1e-12)
+
+
+def test_deepspeeds_key_names_are_the_schedules_arguments() -> None:
+    # `from deepspeed.runtime.lr_schedules import WARMUP_MIN_LR, ...`: scripts build config
+    # sections and keyword arguments with these names, so each must be an argument we take.
+    import inspect
+
+    from infinity.config import WARMUP_TYPES
+    from infinity.deepspeed.runtime import lr_schedules as ds_names
+
+    arguments = {name for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)
+                 for name in inspect.signature(cls).parameters}
+    keys = {name: getattr(ds_names, name) for name in ds_names.__all__
+            if name.isupper() and name not in ("VALID_LR_SCHEDULES", "WARMUP_LOG_RATE",
+                                               "WARMUP_LINEAR_RATE")}
+    keys = {name: value for name, value in keys.items() if value not in ds_names.VALID_LR_SCHEDULES}
+    assert len(keys) == 22 and set(keys.values()) <= arguments
+    assert (ds_names.WARMUP_LOG_RATE, ds_names.WARMUP_LINEAR_RATE) == WARMUP_TYPES
+    assert {getattr(ds_names, name) for name in ds_names.VALID_LR_SCHEDULES} == {
+        WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest}
+    schedule = ds_names.OneCycle(make_adam(), **{ds_names.CYCLE_MIN_LR: 0.1, ds_names.CYCLE_MAX_LR: 1.0,
+                                                 ds_names.CYCLE_FIRST_STEP_SIZE: 2})
+    assert schedule.max_lrs == [1.0]
