@@ -12,8 +12,8 @@ Every key falls in exactly one class, and none is silently ignored:
   spell out at their "off" value (`"amsgrad": false`, `"use_gds": false`). Any other value is
   an error. Tables `_DEFAULT_ONLY_*`.
 - a section of such features, accepted when every key in it is at a value that describes what
-  infinity does (`"activation_checkpointing": {"partition_activations": false, ...}`,
-  `"data_types": {"grad_accum_dtype": "fp32"}`). Tables `_DEFAULTS_ONLY_SECTIONS_*`.
+  infinity does (`"activation_checkpointing": {"partition_activations": false, ...}`).
+  Tables `_DEFAULTS_ONLY_SECTIONS_*`.
 - a DeepSpeed key infinity does not implement: an error "DeepSpeed key not implemented by
   infinity", whatever its value. Tables `_NOT_IMPLEMENTED_*`.
 - anything else: an unknown key, an error naming the closest valid key.
@@ -38,6 +38,7 @@ from infinity.config.sections import (
     BF16Config,
     BatchConfig,
     CheckpointConfig,
+    DataTypesConfig,
     FP16Config,
     InfinityConfig,
     OffloadOptimizerConfig,
@@ -67,7 +68,7 @@ def _fraction(value: Any, path: str) -> float:
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _ROOT_SCALARS = ("gradient_clipping", "steps_per_print", "wall_clock_breakdown")
 _ROOT_SECTIONS = ("fp16", "bf16", "bfloat16", "optimizer", "scheduler", "zero_optimization", "aio", "trace",
-                  "checkpoint")
+                  "checkpoint", "data_types")
 
 _NO_EFFECT_ROOT: dict[str, _Check] = {
     "zero_allow_untested_optimizer": _bool,
@@ -102,7 +103,6 @@ _DEFAULTS_ONLY_SECTIONS_ROOT: dict[str, dict[str, tuple[Any, ...]]] = {
         "cpu_checkpointing": (False,), "number_checkpoints": (None,),
         "synchronize_checkpoint_boundary": (False,), "profile": (False,),
     },
-    "data_types": {"grad_accum_dtype": (None, "fp32")},  # gradients accumulate in fp32 here
 }
 
 _DEFAULT_ONLY_CHECKPOINT: dict[str, Any] = {"load_universal": False, "use_node_local_storage": False}
@@ -366,6 +366,7 @@ def _parse_root(raw: Any, world_size: int) -> InfinityConfig:
         trace=_parse_section(keys.get("trace", {}), "trace", TraceConfig),
         checkpoint=_parse_section(keys.get("checkpoint", {}), "checkpoint", CheckpointConfig,
                                   no_effect=_NO_EFFECT_CHECKPOINT, default_only=_DEFAULT_ONLY_CHECKPOINT),
+        data_types=_parse_section(keys.get("data_types", {}), "data_types", DataTypesConfig),
         **{name: keys[name] for name in _ROOT_SCALARS if name in keys},
     )
 

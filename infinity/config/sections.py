@@ -9,8 +9,10 @@ there), so a value is checked the same whether the dataclass is built from JSON 
 from __future__ import annotations
 
 import difflib
+import functools
 from dataclasses import dataclass
 from pathlib import Path
+import logging
 from typing import Any, ClassVar
 
 import torch
@@ -32,6 +34,8 @@ from infinity.config._checks import (
     _spec,
     _validate,
 )
+
+log = logging.getLogger("infinity")
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 WARMUP_TYPES = ("log", "linear")
@@ -552,6 +556,54 @@ class CheckpointConfig:
         _validate(self)
 
 
+# DeepSpeed's spellings of each dtype (its DtypeEnum), by the name infinity keeps.
+_DTYPE_NAMES = {
+    "fp32": ("fp32", "float32", "float", "torch.float32"),
+    "fp16": ("fp16", "float16", "half", "torch.float16"),
+    "bf16": ("bf16", "bfloat16", "bfloat", "torch.bfloat16"),
+}
+
+
+def _dtype_name(value: Any, path: str) -> str:
+    for name, spellings in _DTYPE_NAMES.items():
+        if isinstance(value, str) and value in spellings:
+            return name
+    raise ValueError(f"{path}: expected one of {', '.join(map(_show, _DTYPE_NAMES))} "
+                     f"(or null for the model's dtype), got {_show(value)}")
+
+
+@functools.cache
+def _log_fp32_accumulation(grad_accum_dtype: str) -> None:
+    """Once per process and value: configs pass through load_config more than once."""
+    log.warning('data_types.grad_accum_dtype: "%s" accepted; infinity accumulates gradients in '
+                'fp32 on the host, as DeepSpeed does when the optimizer is offloaded', grad_accum_dtype)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataTypesConfig:
+    """Data types of the training state (section `data_types`).
+
+    [Note: gradient accumulation dtype]
+    DeepSpeed reads `grad_accum_dtype` to pick its wrapper: with ZeRO it matters only for
+    stage 1 without offload (bf16 model, fp32 accumulation); with the optimizer offloaded,
+    gradient partitions accumulate in fp32 on the host whatever it says. Infinity always
+    offloads, so it does the same: every value DeepSpeed takes is accepted, and "fp16" or
+    "bf16" is logged once as accumulating in fp32. A lower-precision accumulation would only
+    lose bits to save host memory that the fp32 master already costs four times over.
+    """
+
+    _PATH: ClassVar[str] = "data_types"
+
+    grad_accum_dtype: str | None = _spec(_optional(_dtype_name), default=None)
+    """"fp32", "fp16" or "bf16" (and DeepSpeed's other spellings), or None for the model's
+    dtype; gradients accumulate in fp32 whichever ([Note: gradient accumulation dtype])."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        if self.grad_accum_dtype in ("fp16", "bf16"):
+            _log_fp32_accumulation(self.grad_accum_dtype)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class InfinityConfig:
     """A whole job's configuration: one sub-config per DeepSpeed section, plus top-level keys."""
@@ -576,6 +628,8 @@ class InfinityConfig:
     """The step timeline (infinity's own section)."""
     checkpoint: CheckpointConfig = _spec(_instance, CheckpointConfig, factory=CheckpointConfig)
     """Checkpoints kept by save_checkpoint."""
+    data_types: DataTypesConfig = _spec(_instance, DataTypesConfig, factory=DataTypesConfig)
+    """Data types of the training state; gradients accumulate in fp32 whatever it says."""
     gradient_clipping: float = _spec(_float, minimum=0.0, default=1.0)
     """Clip the global gradient norm to this value; 0 disables clipping."""
     steps_per_print: int | None = _spec(_optional(_int), minimum=1, default=None)
