@@ -30,6 +30,7 @@ from infinity.zero.fetcher import Fetcher
 from infinity.zero.hooks import UnitHooks
 from infinity.zero.init import DeferredInit, is_deferred
 from infinity.zero.loss_scaler import LossScaler
+from infinity.zero.nvme_io import with_measured_aio
 from infinity.zero.optim_shards import ResidentOptimizerState
 from infinity.zero.param_shards import ResidentParams
 from infinity.zero.partitioner import UnitPolicy, plan_units
@@ -63,7 +64,7 @@ class Engine:
     def __init__(self, model: nn.Module, config: InfinityConfig, *, model_parameters: Any = None,
                  optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None,
                  units: UnitPolicy = None, accelerator: Device | None = None):
-        self.config = config
+        self.config = config = with_measured_aio(config)  # [Note: the disk tunes itself] in io/autotune.py
         self.accelerator = accelerator or make_device()  # every stream, event and copy ([Note: in-flight copies])
         self.rank, self.world_size = zdist.init_distributed(nccl=self.accelerator.name == "cuda")
         self.device = self.accelerator.compute

@@ -8,12 +8,21 @@ CUDA against plain PyTorch on the same GPU; they are skipped without one."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("INFINITY_DEVICE", "async-test")
+# An engine without an aio section measures its disk once ([Note: the disk tunes itself] in
+# infinity/io/autotune.py): here on 1 MiB transfers, cached for this run only (children inherit it).
+os.environ.setdefault("INFINITY_AIO_TUNE_BYTES", str(1 << 20))
+if "INFINITY_CACHE_DIR" not in os.environ:
+    os.environ["INFINITY_CACHE_DIR"] = tempfile.mkdtemp(prefix="infinity-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["INFINITY_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -362,7 +362,7 @@ def _parse_root(raw: Any, world_size: int) -> InfinityConfig:
         optimizer=_parse_optimizer(keys["optimizer"]) if "optimizer" in keys else None,
         scheduler=_parse_scheduler(keys["scheduler"]) if "scheduler" in keys else None,
         zero=_parse_zero(keys.get("zero_optimization", {})),
-        aio=_parse_aio(keys.get("aio", {})),
+        aio=_parse_aio(keys["aio"]) if "aio" in keys else AIOConfig(tune=True),
         trace=_parse_section(keys.get("trace", {}), "trace", TraceConfig),
         checkpoint=_parse_section(keys.get("checkpoint", {}), "checkpoint", CheckpointConfig,
                                   no_effect=_NO_EFFECT_CHECKPOINT, default_only=_DEFAULT_ONLY_CHECKPOINT),
@@ -448,7 +448,8 @@ def _parse_zero(raw: Any) -> ZeroConfig:
 
 
 def _parse_aio(raw: Any) -> AIOConfig:
-    keys = _take(raw, "aio", (*_field_names(AIOConfig), "intra_op_parallelism"),
+    json_keys = tuple(name for name in _field_names(AIOConfig) if name != "tune")  # tune: absent or given
+    keys = _take(raw, "aio", (*json_keys, "intra_op_parallelism"),
                  default_only=_DEFAULT_ONLY_AIO)
     if "intra_op_parallelism" in keys:
         threads = _int(keys.pop("intra_op_parallelism"), "aio.intra_op_parallelism", minimum=1)

@@ -515,6 +515,10 @@ class AIOConfig:
     engine: str = _spec(_choice, ("auto", "io_uring", "aio", "psync"), default="auto")
     """Kernel interface (infinity's own key, written by aio_bench_sweep): io_uring, kernel AIO,
     or a pread thread pool; auto picks the best the kernel offers."""
+    tune: bool = _spec(_bool, default=False)
+    """Not a JSON key: true when the config has no `aio` section, so an engine offloading to NVMe
+    measures the disk once and uses the setting it measured (or cached) instead of these defaults
+    ([Note: the disk tunes itself] in infinity/io/autotune.py); false honours the values given."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -622,8 +626,8 @@ class InfinityConfig:
     """The learning-rate schedule to build; None for none (or the caller's own)."""
     zero: ZeroConfig = _spec(_instance, ZeroConfig, factory=ZeroConfig)
     """ZeRO stage and offload (JSON section `zero_optimization`)."""
-    aio: AIOConfig = _spec(_instance, AIOConfig, factory=AIOConfig)
-    """NVMe I/O tuning."""
+    aio: AIOConfig = _spec(_instance, AIOConfig, factory=lambda: AIOConfig(tune=True))
+    """NVMe I/O tuning; left out, measured on the NVMe path's disk (`AIOConfig.tune`)."""
     trace: TraceConfig = _spec(_instance, TraceConfig, factory=TraceConfig)
     """The step timeline (infinity's own section)."""
     checkpoint: CheckpointConfig = _spec(_instance, CheckpointConfig, factory=CheckpointConfig)

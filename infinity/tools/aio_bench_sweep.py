@@ -8,6 +8,11 @@ and writes the best setting as a ready-to-paste `{"aio": {...}}` block for the c
 The file is written once before timing, so writes measure overwriting in place (as the
 engine's store does; on ext4 writing fresh extents runs at about half speed).
 
+The best setting is the one that reads and writes the same bytes in the least total time (a
+half-duplex disk serves them one after the other), chosen by the code the engine uses on a config
+without an `aio` section; `--quick`'s grid is the engine's, and `--remember` stores the choice
+where the engine looks for it ([Note: the disk tunes itself] in infinity/io/autotune.py).
+
 [Note: sweep values checked first]
 Every value is checked before the file is written, and a bad one is one line naming its flag
 (exit 2), not a traceback part way through the grid. The ranges of block size, queue depth and
@@ -27,14 +32,12 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
-import time
-from typing import NamedTuple
 
 import psutil
 from tqdm import tqdm
 
-from infinity.io import AsyncIOHandle, aligned_empty, available_engines
+from infinity.io import AsyncIOHandle, autotune, available_engines
+from infinity.io.autotune import Measured, Setting, best_setting
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -54,29 +57,12 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
-class Setting(NamedTuple):
-    block_size: int
-    queue_depth: int
-    thread_count: int
-    single_submit: bool
-    overlap_events: bool
-    engine: str
-
-    def handle(self) -> AsyncIOHandle:
-        return AsyncIOHandle(self.block_size, self.queue_depth, self.thread_count, self.single_submit,
-                             self.overlap_events, self.engine)
-
-    def aio_block(self) -> dict:
-        """The config's `aio` section for this setting (JSON booleans, the keys infinity reads)."""
-        return {"block_size": self.block_size, "queue_depth": self.queue_depth,
-                "thread_count": self.thread_count, "single_submit": self.single_submit,
-                "overlap_events": self.overlap_events, "engine": self.engine}
-
-
 def _grid(args: argparse.Namespace) -> list[Setting]:
-    if args.quick:
-        defaults = dict(block_sizes=[1 << 20, 8 << 20], queue_depths=[8, 32], threads=[1],
-                        single_submit=[False], overlap_events=[True], engines=[available_engines()[0]])
+    if args.quick:  # the engine's own grid, unless a flag narrows it
+        base = autotune.engine_grid()
+        defaults = dict(block_sizes=sorted({s.block_size for s in base}),
+                        queue_depths=sorted({s.queue_depth for s in base}), threads=[1], single_submit=[False],
+                        overlap_events=[True], engines=[base[0].engine])
     else:
         defaults = dict(block_sizes=[128 << 10, 1 << 20, 4 << 20, 8 << 20], queue_depths=[4, 8, 16, 32, 64],
                         threads=[1, 2], single_submit=[False, True], overlap_events=[True, False],
@@ -85,12 +71,6 @@ def _grid(args: argparse.Namespace) -> list[Setting]:
     return [Setting(*combo) for combo in itertools.product(
         pick["block_sizes"], pick["queue_depths"], pick["threads"], pick["single_submit"],
         pick["overlap_events"], pick["engines"])]
-
-
-def _timed(handle: AsyncIOHandle, write: bool, buf, path: str) -> float:
-    start = time.perf_counter()
-    handle.write(buf, path) if write else handle.read(buf, path)
-    return buf.numel() / (time.perf_counter() - start) / 1e9
 
 
 def _check_target(directory: str, io_size: int) -> None:
@@ -104,7 +84,7 @@ def _check_target(directory: str, io_size: int) -> None:
                          f"for --io-size plus 64 MiB headroom, {free / 2**30:.2f} GiB free")
 
 
-def _plot(results: list[tuple[Setting, str, float]], path: str) -> None:
+def _plot(results: list[Measured], path: str) -> None:
     try:
         import matplotlib
 
@@ -131,15 +111,6 @@ def _plot(results: list[tuple[Setting, str, float]], path: str) -> None:
         fig.colorbar(im, ax=ax)
     fig.tight_layout()
     fig.savefig(path)
-
-
-def best_setting(results: list[tuple[Setting, str, float]]) -> Setting:
-    """The setting with the best sum of read and write GB/s, each relative to its op's best."""
-    best_by_op = {op: max(g for _, o, g in results if o == op) for _, op, _ in results}
-    score: dict[Setting, float] = {}
-    for setting, op, gbps in results:
-        score[setting] = score.get(setting, 0.0) + gbps / best_by_op[op]
-    return max(score, key=score.get)
 
 
 def _positive(text: str) -> int:
@@ -241,39 +212,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overlap-events", type=_flag, nargs="+")
     p.add_argument("--engines", nargs="+", choices=["io_uring", "aio", "psync"])
     p.add_argument("--quick", action="store_true", help="a small grid on 256M: a minute, not an hour")
-    p.add_argument("--repeat", type=_positive, default=1, help="timings per setting and op (the best is kept)")
+    p.add_argument("--repeat", type=_positive, default=None,
+                   help="timings per setting and op, the best kept (default 1, 2 with --quick as the engine)")
     p.add_argument("--output", help="write the best setting here as {\"aio\": {...}}")
+    p.add_argument("--remember", action="store_true",
+                   help="store the best setting as this disk's, for engines whose config has no aio section")
     p.add_argument("--plot", help="save a block_size x queue_depth heat map (needs matplotlib)")
     args = p.parse_args(argv)
     _check_outputs(p, args)
 
-    io_size = args.io_size or ((256 << 20) if args.quick else (1 << 30))
+    io_size = args.io_size or (autotune.DEFAULT_TUNE_BYTES if args.quick else (1 << 30))
     ops = [op for op, on in (("read", args.read), ("write", args.write)) if on] or ["read", "write"]
+    if args.remember and len(ops) < 2:
+        p.error("--remember: the engine's choice needs reads and writes measured (leave out --read / --write)")
     _check_target(args.nvme_path, io_size)
     _check_sizes(p, args, io_size)
     grid = _grid(args)
 
-    work = tempfile.mkdtemp(prefix="aio_bench_sweep-", dir=args.nvme_path)
-    # SIGTERM takes the same way out as Ctrl-C, so the file is removed either way.
+    # SIGTERM takes the same way out as Ctrl-C, so the sweep's file is removed either way.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    results: list[tuple[Setting, str, float]] = []
+    repeat = args.repeat or (2 if args.quick else 1)
     try:
-        path = os.path.join(work, "sweep.bin")
-        buf = aligned_empty(io_size)
-        buf.fill_(0x5A)
-        grid[0].handle().write(buf, path)  # allocate the extents once; later writes overwrite
-        for setting, op in tqdm(list(itertools.product(grid, ops)), desc="aio sweep", unit="run"):
-            handle = setting.handle()
-            gbps = max(_timed(handle, op == "write", buf, path) for _ in range(args.repeat))
-            results.append((setting, op, gbps))
+        results = autotune.sweep(args.nvme_path, grid, io_size, ops=tuple(ops), repeat=repeat,
+                                 progress=lambda runs: tqdm(runs, desc="aio sweep", unit="run"))
     except KeyboardInterrupt:
         print("aio_bench_sweep: interrupted", file=sys.stderr)
         return 130
     except OSError as e:
         print(f"aio_bench_sweep: {e}", file=sys.stderr)
         return 1
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
     print(f"\n{'op':<6}{'GB/s':>7}  {'engine':<9}{'block':>8}{'qd':>5}{'thr':>5}  single  overlap")
     for setting, op, gbps in sorted(results, key=lambda r: -r[2]):
@@ -282,7 +249,16 @@ def main(argv: list[str] | None = None) -> int:
     best = best_setting(results)
     block = {"aio": best.aio_block()}
     figures = ", ".join(f"{op} {g:.2f} GB/s" for s, op, g in results if s == best)
-    print(f"\nbest ({figures}):\n{json.dumps(block, indent=2)}")
+    print(f"\nbest ({figures}; least read + write time):\n{json.dumps(block, indent=2)}")
+    if args.remember:
+        gbps = {r.op: r.gbps for r in results if r.setting == best}
+        try:
+            path = autotune.remember(autotune.device_of(args.nvme_path), best, gbps["read"], gbps["write"],
+                                     how="aio_bench_sweep")
+        except OSError as e:
+            print(f"aio_bench_sweep: --remember: cannot store it in {autotune.cache_dir()}: {e}", file=sys.stderr)
+            return 1
+        print(f"stored for this disk in {path}: engines whose config has no aio section use it")
     if args.output:
         with open(args.output, "w") as f:
             json.dump(block, f, indent=2)
