@@ -22,6 +22,7 @@ from torch import nn
 from infinity.config import InfinityConfig
 from infinity.device import Device, make_device
 from infinity.lr_schedules import build_scheduler
+from infinity.engine_getters import ConfigGetters
 from infinity.lifecycle import Health, Lifecycle, Phase
 from infinity.signals import SignalGate, deferred_signals
 from infinity.timeline import TIMELINE
@@ -58,7 +59,7 @@ def _param_groups(model: nn.Module, model_parameters: Any, optimizer: Any, infer
     return [{"params": items}]
 
 
-class Engine:
+class Engine(ConfigGetters):
     """Wraps a module; forward, backward and step run ZeRO stage 3 (or 1/2) with offload."""
 
     def __init__(self, model: nn.Module, config: InfinityConfig, *, model_parameters: Any = None,
@@ -488,15 +489,6 @@ class Engine:
         """Each param group's Adam betas (DeepSpeed's name)."""
         return [g["betas"] for g in self.optimizer.param_groups]
 
-    def fp16_enabled(self) -> bool:
-        return self.config.fp16.enabled
-
-    def bfloat16_enabled(self) -> bool:
-        return self.config.bf16.enabled
-
-    def steps_per_print(self) -> int | None:
-        return self.config.steps_per_print
-
     @property
     def dp_world_size(self) -> int:
         return self.world_size
@@ -512,22 +504,7 @@ class Engine:
     def training(self) -> bool:
         return self.module.training
 
-    # DeepSpeed's getters
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.batch.train_micro_batch_size_per_gpu
-
-    def train_batch_size(self) -> int:
-        return self.config.batch.train_batch_size
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.batch.gradient_accumulation_steps
-
-    def gradient_clipping(self) -> float:
-        return self.config.gradient_clipping
-
-    def zero_optimization_stage(self) -> int:
-        return self.config.zero.stage
-
+    # DeepSpeed's getters of the config are in infinity/engine_getters.py (ConfigGetters).
     def was_step_applied(self) -> bool:
         """Whether the last `step()` at an accumulation boundary updated the parameters (False
         when fp16 overflow skipped it)."""
