@@ -522,6 +522,38 @@ class Engine(ConfigGetters):
         """The global gradient norm of the last step (before clipping; None before the first)."""
         return self._grad_norm
 
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """zero_optimization.stage3_gather_16bit_weights_on_model_save: whether a framework's
+        save_model may gather the whole 16-bit state dict (accelerate asks before it calls
+        `_zero3_consolidated_16bit_state_dict`, and refuses to save weights when false)."""
+        return self.config.zero.stage3_gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+        """DeepSpeed's: the module's state dict in the compute dtype on rank 0 (an empty dict on
+        the others), parameters and persistent buffers under every name they have (tied weights
+        as one tensor). Streamed one unit at a time: the unit is gathered, its values copied to
+        the host, and its full buffer dropped before the next. All ranks call it."""
+        self._check_sound("_zero3_consolidated_16bit_state_dict")
+        values: dict[int, torch.Tensor] = {}
+        for u in self.units:
+            slots = [s for s in u.slots if not (exclude_frozen_parameters and s.group < 0)]
+            if slots:
+                full = self.full_compute_values(u)
+                values.update({id(s.param): u.param_values(full, s).clone() for s in slots if self.rank == 0})
+                del full
+        if self.rank != 0:
+            return {}
+        out: dict[str, torch.Tensor] = {}
+        for module_name, module in self.module.named_modules():
+            prefix = f"{module_name}." if module_name else ""
+            for name, p in module.named_parameters(recurse=False):
+                if id(p) in values:
+                    out[prefix + name] = values[id(p)]
+            for name, b in module.named_buffers(recurse=False):
+                if b is not None and name not in module._non_persistent_buffers_set:  # noqa: SLF001 (as state_dict)
+                    out[prefix + name] = b.detach().cpu().clone()
+        return out
+
     # ---- full values of partitioned parameters --------------------------------------------
 
     def _local_fp32(self, unit: Unit) -> torch.Tensor:

@@ -117,9 +117,12 @@ print(json.dumps({
     "packages": importlib.metadata.packages_distributions().get("deepspeed"),
     "engine": deepspeed.DeepSpeedEngine is infinity.Engine
               and deepspeed.runtime.engine.DeepSpeedEngine is infinity.Engine,
-    "entry": deepspeed.initialize is infinity.initialize and deepspeed.init_distributed is infinity.init_distributed
+    # initialize: infinity's, then DeepSpeed's parameter attributes (partition_parameters.mark_partitioned)
+    "entry": deepspeed.initialize.__module__ == "infinity.deepspeed"
+             and deepspeed.init_distributed is infinity.init_distributed
              and deepspeed.add_config_arguments is infinity.add_config_arguments,
-    "zero": deepspeed.zero.Init is infinity.Init and pp.ZeroParamStatus is deepspeed.zero.ZeroParamStatus,
+    # Init: infinity's, creating the process group first as DeepSpeed's does
+    "zero": issubclass(deepspeed.zero.Init, infinity.Init) and pp.ZeroParamStatus is deepspeed.zero.ZeroParamStatus,
     "ops": DeepSpeedCPUAdam is infinity.optim.DeepSpeedCPUAdam and issubclass(FusedAdam, torch.optim.Adam),
     "lr": WarmupLR is infinity.lr_schedules.WarmupLR and "WarmupLR" in VALID_LR_SCHEDULES,
     "comm": dist.get_rank is torch.distributed.get_rank and dist.all_reduce is torch.distributed.all_reduce

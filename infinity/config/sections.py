@@ -8,8 +8,10 @@ there), so a value is checked the same whether the dataclass is built from JSON 
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 import logging
@@ -608,6 +610,19 @@ class DataTypesConfig:
             _log_fp32_accumulation(self.grad_accum_dtype)
 
 
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_JSON_SECTIONS = {"zero_optimization": "zero"}  # JSON name -> field, where they differ
+
+
+def _steps_per_print(value: Any, path: str) -> int | None:
+    """A whole number >= 1 (1e5 as JSON writes it too), or None / infinity for never."""
+    if value is None or (isinstance(value, float) and value == math.inf):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return _int(value, path, minimum=1)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class InfinityConfig:
     """A whole job's configuration: one sub-config per DeepSpeed section, plus top-level keys."""
@@ -636,8 +651,9 @@ class InfinityConfig:
     """Data types of the training state; gradients accumulate in fp32 whatever it says."""
     gradient_clipping: float = _spec(_float, minimum=0.0, default=1.0)
     """Clip the global gradient norm to this value; 0 disables clipping."""
-    steps_per_print: int | None = _spec(_optional(_int), minimum=1, default=None)
-    """Report progress every this many optimizer steps; None never does."""
+    steps_per_print: int | None = _spec(_steps_per_print, default=None)
+    """Report progress every this many optimizer steps; None never does (also spelled as
+    infinity, `float("inf")`, which accelerate sets)."""
     wall_clock_breakdown: bool = _spec(_bool, default=False)
     """Time forward, backward and step separately and report them."""
 
@@ -645,6 +661,23 @@ class InfinityConfig:
         _validate(self)
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("fp16.enabled, bf16.enabled: both are true; enable at most one")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """[Note: the config as a dict]
+        DeepSpeed's `engine.config` is the JSON config as a dict, and the frameworks read it so
+        (Hugging Face's Trainer: `engine.config.get("zero_optimization", {}).get("stage")`).
+        This answers the same lookups from the values in force: a section as a dict of its
+        fields (nested sections as dicts), a top-level setting as its value, `default` for a key
+        this config has no value for (an absent optimizer or scheduler section too)."""
+        if key in _BATCH_KEYS:
+            return getattr(self.batch, key)
+        name = _JSON_SECTIONS.get(key, key)
+        if name == "batch" or name not in type(self).__dataclass_fields__:
+            return default
+        value = getattr(self, name)
+        if value is None:
+            return default
+        return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -25,7 +25,17 @@ version = DEEPSPEED_VERSION
 __version_major__, __version_minor__, __version_patch__ = (int(part) for part in DEEPSPEED_VERSION.split("."))
 
 DeepSpeedEngine = infinity.Engine
-initialize = infinity.initialize
+
+
+def initialize(*args, **kwargs):
+    """infinity.initialize, whose partitioned parameters then answer DeepSpeed's attributes
+    (`ds_status`, `ds_numel`, ...: [Note: DeepSpeed's parameter attributes] in
+    deepspeed.runtime.zero.partition_parameters)."""
+    engine, optimizer, loader, scheduler = infinity.initialize(*args, **kwargs)
+    zero.partition_parameters.mark_partitioned(engine.module)
+    return engine, optimizer, loader, scheduler
+
+
 init_distributed = infinity.init_distributed
 add_config_arguments = infinity.add_config_arguments
 

@@ -26,12 +26,18 @@ if dist.is_available():
 
 
 def init_distributed(nccl: bool) -> tuple[int, int]:
-    """(rank, world size). Initialises the process group when a launcher's environment is
-    there (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR) and no group exists yet: NCCL when
-    `nccl` (the device layer has put this process on its GPU already), else gloo."""
-    if dist.is_available() and not dist.is_initialized() and "WORLD_SIZE" in os.environ:
-        if int(os.environ["WORLD_SIZE"]) > 1:
-            dist.init_process_group("nccl" if nccl else "gloo")
+    """(rank, world size). Initialises the default process group when none exists yet, as
+    DeepSpeed's initialize does, one process included (frameworks on DeepSpeed call
+    torch.distributed.get_rank() and broadcast without asking whether a group exists): NCCL
+    when `nccl` (the device layer has put this process on its GPU already), else gloo. Under a
+    launcher (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR) from its environment; a process
+    started without one is rank 0 of 1 over an in-process store, so it takes no port."""
+    if dist.is_available() and not dist.is_initialized():
+        backend = "nccl" if nccl else "gloo"
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 or "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1

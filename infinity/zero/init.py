@@ -12,14 +12,34 @@ memory is about one unit plus the tiers' pools. A parameter that nothing initial
 NaN, and that is an error naming it, never a silent garbage weight. Buffers of modules that hold
 no parameters (rotary tables) are built the same way at the end. Parameters keep their identity
 (`torch.utils.swap_tensors`), so tied weights stay tied and the units' references stay valid.
+
+[Note: values written before initialize]
+Hugging Face's ZeRO-3 `from_pretrained` builds the model under `deepspeed.zero.Init` and then,
+module by module, gathers the parameters with `GatheredParameters(params, modifier_rank=0)`,
+writes the checkpoint's values into them on rank 0, and expects the exit to keep them
+(`from_config` runs the model's init the same way). Before `initialize` there is no unit to
+gather, so `GatheredParameters` on meta parameters (`written_before_initialize`) gives each one
+host memory for the body of the `with` (the values an earlier such block wrote, else NaN),
+and at the exit broadcasts the modifier's values, keeps a host copy of what was written (a
+parameter still all NaN was not written) and puts the parameter back on meta. Memory at a time
+is the block's parameters, plus the copies kept; `initialize` builds each unit from the copies
+(the model's init runs only for parameters nobody wrote) and drops them as it goes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from infinity.zero import dist as zdist
+
+# [Note: values written before initialize]: meta parameter -> its values (host), until its unit is built
+_written: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 class Init:
@@ -91,17 +111,26 @@ class DeferredInit:
 
     def _build(self, module: nn.Module) -> None:
         fresh: list[tuple[str, torch.Tensor]] = []
+        written: list[tuple[nn.Parameter, torch.Tensor]] = []
         for name, p in list(module.named_parameters(recurse=False)):
             if p.is_meta:
-                new = nn.Parameter(_nan_empty(p), requires_grad=p.requires_grad)
-                torch.utils.swap_tensors(p, new)  # the same object: units and ties still point at it
-                fresh.append((name, p))
+                value = _written.pop(p, None)  # [Note: values written before initialize]
+                _give_memory(p, _nan_empty(p))
+                if value is None:
+                    fresh.append((name, p))
+                else:
+                    written.append((p, value))
         for name, b in list(module.named_buffers(recurse=False)):
             if b is not None and b.is_meta:
                 module._buffers[name] = _nan_empty(b)  # noqa: SLF001 (what Module.to_empty does)
                 fresh.append((name, module._buffers[name]))  # noqa: SLF001
-        if not fresh:
-            return
+        if fresh:
+            self._initialise(module, fresh)
+        with torch.no_grad():  # after the model's init, which runs on the whole module: what was written wins
+            for p, value in written:
+                p.copy_(value)
+
+    def _initialise(self, module: nn.Module, fresh: list[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
             if self._init is not None:
                 self._init(module)
@@ -117,6 +146,40 @@ class DeferredInit:
                 raise ValueError(f"{where}.{name}: built under infinity.Init, but nothing initialised it ({how}); "
                                  "give the module a reset_parameters() method or the model an "
                                  "_init_weights(module) method, or build the model without Init")
+
+
+def _give_memory(param: nn.Parameter, data: torch.Tensor) -> None:
+    """`param` (the same object: units, ties and a framework's references still point at it)
+    now holds `data`; its attributes (transformers marks `_is_hf_initialized`) and class stay."""
+    new = nn.Parameter(data, requires_grad=param.requires_grad)
+    new.__dict__.update(param.__dict__)
+    new.__class__ = type(param)
+    kept = _written.pop(param, None)  # swap_tensors refuses a tensor that a weak reference points at
+    torch.utils.swap_tensors(param, new)  # swaps __dict__ and __class__ too: hence the copies above
+    if kept is not None:
+        _written[param] = kept
+
+
+@contextmanager
+def written_before_initialize(params: list[nn.Parameter], modifier_rank: int | None) -> Iterator[None]:
+    """`GatheredParameters` on parameters built under Init and not built yet ([Note: values
+    written before initialize]): host memory for the body; with `modifier_rank`, what that
+    rank wrote is kept for `initialize`."""
+    params = list({id(p): p for p in params}.values())
+    for p in params:
+        before = _written.get(p)
+        _give_memory(p, before.clone() if before is not None else _nan_empty(p))
+    try:
+        yield
+    finally:
+        for p in params:
+            value = p.detach()
+            if modifier_rank is not None:
+                if zdist.world_size() > 1:
+                    torch.distributed.broadcast(value, modifier_rank)
+                if not (value.is_floating_point() and torch.isnan(value).all()):
+                    _written[p] = value.clone()
+            _give_memory(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
 
 
 def _lora_layers(model: nn.Module) -> dict[int, tuple[nn.Module, dict[str, Any]]]:

@@ -15,6 +15,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from infinity.zero import dist as zdist
+from infinity.zero.init import written_before_initialize
 from infinity.zero.unit import ParamSlot, Unit, UnitState
 
 
@@ -61,13 +62,11 @@ def GatheredParameters(params: torch.nn.Parameter | Iterable[torch.nn.Parameter]
     if isinstance(params, torch.Tensor):
         params = [params]
     params = list(params)
-    for i, p in enumerate(params):
-        if enabled and isinstance(p, torch.Tensor) and p.is_meta:
-            raise ValueError(
-                f"params: parameter {i} (shape {list(p.shape)}) is on the meta device: built under infinity.Init, its "
-                "values exist only once infinity.initialize() has built its unit (running the model's own init), "
-                "so a change made now would be lost; gather and change it after initialize(), or set it in the "
-                "model's _init_weights / reset_parameters")
+    meta = [p for p in params if enabled and isinstance(p, torch.Tensor) and p.is_meta]
+    if meta:  # built under infinity.Init, before initialize ([Note: values written before initialize])
+        with written_before_initialize(meta, modifier_rank):
+            yield
+        return
     owners: dict[int, tuple[UnitOwner, Unit]] = {}
     for p in params:
         if p in _owners:

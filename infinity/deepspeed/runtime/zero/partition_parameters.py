@@ -1,7 +1,15 @@
 """`deepspeed.runtime.zero.partition_parameters`: `Init`, `GatheredParameters`, and
 `ZeroParamStatus` with `param_status`, which reads a parameter's state from the unit infinity
-keeps it in (TRL asks `param.ds_status`; infinity puts no attributes on parameters, so the
-engine side answers it through `param_status`).
+keeps it in.
+
+[Note: DeepSpeed's parameter attributes]
+Frameworks read DeepSpeed's attributes on a partitioned parameter: TRL `param.ds_status` (gather
+it unless AVAILABLE), transformers and peft `ds_numel` / `ds_shape` (a released parameter has 0
+elements). infinity sets no attributes on parameters: `deepspeed.initialize` gives each
+parameter the engine partitions the class `PartitionedParameter`, an nn.Parameter whose
+`ds_status`, `ds_id`, `ds_numel` and `ds_shape` are properties read from the unit that holds it,
+so they cannot go stale. Only in processes where `deepspeed` means infinity; `infinity.initialize`
+leaves the class alone.
 
 [Note: constructor wrappers]
 DeepSpeed's `zero.Init` replaces torch's tensor constructors by wrappers that make floating
@@ -21,13 +29,24 @@ import torch
 
 import infinity
 from infinity.deepspeed.accelerator import get_accelerator
+from infinity.zero import dist as zdist
 from infinity.zero.registry import owner_of
 from infinity.zero.unit import UnitState
 
-__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "get_accelerator", "param_status",
-           "zero_wrapper_for_fp_tensor_constructor"]
+__all__ = ["GatheredParameters", "Init", "PartitionedParameter", "ZeroParamStatus", "get_accelerator",
+           "mark_partitioned", "param_status", "zero_wrapper_for_fp_tensor_constructor"]
 
-Init = infinity.Init
+
+
+class Init(infinity.Init):
+    """infinity.Init ([Note: deferred initialisation] in infinity/zero/init.py) that first
+    creates the process group, as DeepSpeed's does: transformers' ZeRO-3 loading, which builds
+    the model under it, calls torch.distributed.get_rank() next."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if self.enabled:
+            zdist.init_distributed(nccl=get_accelerator().communication_backend_name() == "nccl")
 
 
 class ZeroParamStatus(enum.Enum):
@@ -47,6 +66,49 @@ def param_status(param: torch.Tensor) -> ZeroParamStatus | None:
         return ZeroParamStatus.NOT_AVAILABLE if isinstance(param, torch.Tensor) and param.is_meta else None
     _, unit, _ = owner
     return ZeroParamStatus.AVAILABLE if unit.state is UnitState.GATHERED else ZeroParamStatus.NOT_AVAILABLE
+
+
+class PartitionedParameter(torch.nn.Parameter):
+    """A parameter an engine partitions, with DeepSpeed's attributes read from its unit
+    ([Note: DeepSpeed's parameter attributes])."""
+
+    @property
+    def ds_status(self) -> ZeroParamStatus | None:
+        return param_status(self)
+
+    @property
+    def ds_numel(self) -> int:
+        return self._slot().numel
+
+    @property
+    def ds_shape(self) -> torch.Size:
+        return self._slot().shape
+
+    @property
+    def ds_id(self) -> int:
+        """The parameter's place among its engine's, in unit order (stable for the engine's life)."""
+        _, unit, slot = self._owner()
+        return unit.index * _IDS_PER_UNIT + next(i for i, s in enumerate(unit.slots) if s is slot)
+
+    def _owner(self):
+        owner = owner_of(self)
+        if owner is None:
+            raise AttributeError("this parameter is not partitioned by a live infinity engine")
+        return owner
+
+    def _slot(self):
+        return self._owner()[2]
+
+
+_IDS_PER_UNIT = 1 << 20
+
+
+def mark_partitioned(model: torch.nn.Module) -> None:
+    """Gives the parameters an engine partitions DeepSpeed's attributes ([Note: DeepSpeed's
+    parameter attributes]); the others keep their class."""
+    for p in model.parameters():
+        if owner_of(p) is not None and type(p) is torch.nn.Parameter:
+            p.__class__ = PartitionedParameter
 
 
 def GatheredParameters(params: torch.nn.Parameter | Iterable[torch.nn.Parameter],  # noqa: N802 (DeepSpeed's name)
