@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from infinity.checkpoint.protocol import TrainingState
 from infinity.config import InfinityConfig
 from infinity.device import Device, make_device
 from infinity.lr_schedules import build_scheduler
@@ -394,7 +395,8 @@ class Engine(ConfigGetters):
         the model's own (Hugging Face's Trainer asks for this with PEFT models)."""
         from infinity.checkpoint.save import save_checkpoint
         with self._held_signals():
-            save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+            self.last_checkpoint = save_checkpoint(self, save_dir, tag, client_state, save_latest,
+                                                   exclude_frozen_parameters)
         return True
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
@@ -465,6 +467,63 @@ class Engine(ConfigGetters):
         self.policy.reset_accumulation()
         self._grad_norm = None
         self._values_cache = None
+
+    # ---- the checkpoint protocol ([Note: the checkpoint protocol] in infinity/checkpoint/protocol.py) ----
+    # Beside check_step_boundary, mark_broken, after_load and the full_* values: all checkpoint/ sees.
+
+    def training_state(self) -> TrainingState:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        return TrainingState(self.global_steps, self.skipped_steps, self.global_samples, self.micro_steps,
+                             optimizer={"step_count": self.optimizer.step_count, "param_groups": groups},
+                             lr_scheduler=getattr(self.lr_scheduler, "state_dict", lambda: None)(),
+                             loss_scaler=self.scaler.state_dict() if self.scaler is not None else None,
+                             device_rng=self.accelerator.rng_state())
+
+    def load_training_state(self, state: TrainingState) -> None:
+        self.global_steps, self.skipped_steps = state.global_steps, state.skipped_steps
+        self.global_samples, self.micro_steps = state.global_samples, state.micro_steps
+        if state.optimizer is not None:
+            self.optimizer.step_count = state.optimizer["step_count"]
+            for group, saved in zip(self.optimizer.param_groups, state.optimizer["param_groups"]):
+                group.update(saved)
+        if state.lr_scheduler is not None and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state.lr_scheduler)
+        if state.loss_scaler is not None and self.scaler is not None:
+            self.scaler.load_state_dict(state.loss_scaler)
+        if state.device_rng is not None:
+            self.accelerator.set_rng_state(state.device_rng)
+
+    def flush_shards(self) -> None:
+        self.optim_state.flush()
+        self.params.flush()
+
+    def read_optimizer_shard(self, unit: Unit, kind: str) -> torch.Tensor:
+        return self.optim_state.read(unit, kind)
+
+    def read_param_shard(self, unit: Unit) -> torch.Tensor:
+        return self.params.host_copy(unit)
+
+    def write_optimizer_shards(self, unit: Unit, values: dict[str, torch.Tensor]) -> None:
+        self.optim_state.load_state(unit, values)
+
+    def write_param_shard(self, unit: Unit, shard: torch.Tensor) -> None:
+        self.params.replace(unit, shard)
+
+    @contextlib.contextmanager
+    def replacing_shards(self):
+        gathered = [u for u in self.units if u.state is UnitState.GATHERED]  # persistent ones, stages 1/2
+        for u in gathered:
+            u.to_released()
+        try:
+            yield
+        finally:
+            for u in gathered:
+                u.to_gathered(self.params.fetch(u))
+                self.params.done(u)
+
+    def peak_gathered_bytes(self) -> int:
+        """The most bytes of gathered units this rank's device has held at once (for reports)."""
+        return self.fetcher.peak_live_numel * self.dtype.itemsize
 
     # ---- DeepSpeed's engine surface -------------------------------------------------------
 

@@ -376,8 +376,7 @@ def _export_merged(engine, directory: str, lora: set[str]) -> None:
 
 def _table(engine, steps_s: list[float], moved: list[int]) -> str:
     from infinity.tiers._messages import human_bytes
-    elsize = torch.empty((), dtype=engine.dtype).element_size()
-    device = engine.fetcher.peak_live_numel * elsize
+    device = engine.peak_gathered_bytes()
     host = sum(p.buffer_count * p.buffer_size for p in (getattr(engine.params, "pool", None),
                                                         getattr(engine.optim_state, "pool", None)) if p is not None)
     nvme = 0

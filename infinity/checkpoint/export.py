@@ -26,14 +26,15 @@ import math
 import os
 import re
 import tempfile
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 from tqdm import tqdm
 
-from infinity.checkpoint.layout import BUFFERS, HF_CONFIG, MANIFEST, Manifest
-from infinity.checkpoint.load import ExtentCache, _read_small, param_run, resolve
+from infinity.checkpoint.layout import BUFFERS, HF_CONFIG, Manifest
 from infinity.checkpoint.files import write_atomic
+from infinity.checkpoint.load import ExtentCache, checked_path, param_run, tag_directory
+from infinity.checkpoint.protocol import Checkpointable
 from infinity.checkpoint.safetensors_io import (
     ShardedWriter,
     check_filename,
@@ -43,9 +44,7 @@ from infinity.checkpoint.safetensors_io import (
 )
 from infinity.checkpoint.save import PROGRESS_BYTES, agree, persistent_buffers
 from infinity.io import AsyncIOHandle
-
-if TYPE_CHECKING:
-    from infinity.engine import Engine
+from infinity.zero.unit import Unit
 
 DEFAULT_SHARD_BYTES = 5 * 10 ** 9  # Hugging Face's save_pretrained default
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -79,20 +78,15 @@ def consolidate(checkpoint: str, out_dir: str, *, dtype: torch.dtype = torch.flo
     """Writes the checkpoint's weights to `out_dir`; returns the files written. `checkpoint` is a
     tag directory, or a save directory whose `latest` (or `tag`) names one. LoRA adapters are
     merged into their weights with `lora_scale` ([Note: LoRA adapters in a checkpoint])."""
-    path = os.fspath(checkpoint)
+    path = tag_directory(checkpoint, tag, "checkpoint")
     out_dir = os.fspath(out_dir)
-    if not os.path.isfile(os.path.join(path, MANIFEST)):
-        path = resolve(path, tag)
-        if path is None:
-            raise FileNotFoundError(f"{checkpoint}: neither a checkpoint (no {MANIFEST}) nor a directory with a "
-                                    "'latest' file; give the tag's directory")
     check_out_dir(out_dir, "out_dir")
     for inside in (os.fspath(checkpoint), path):
         if os.path.commonpath([os.path.realpath(inside), os.path.realpath(out_dir)]) == os.path.realpath(inside):
             raise ValueError(f"out_dir {out_dir}: inside the checkpoint directory {inside}; give a directory "
                              "outside it")
     manifest = Manifest.read(path)
-    buffers_path = _read_small(manifest, BUFFERS) if BUFFERS in manifest.files else None
+    buffers_path = checked_path(manifest, BUFFERS) if BUFFERS in manifest.files else None
     buffer_header = read_header(buffers_path)[0] if buffers_path else {}
     buffers = load_file(buffers_path) if buffer_header else {}
     saved_scales = {n.removesuffix(".lora_scale"): float(b) for n, b in buffers.items() if n.endswith(".lora_scale")}
@@ -103,7 +97,7 @@ def consolidate(checkpoint: str, out_dir: str, *, dtype: torch.dtype = torch.flo
     entries += [(n, b.dtype, list(b.shape)) for n, b in buffers.items()]
     config = None
     if HF_CONFIG in manifest.files:
-        with open(_read_small(manifest, HF_CONFIG), "rb") as f:
+        with open(checked_path(manifest, HF_CONFIG), "rb") as f:
             config = f.read()
     writer = ShardedWriter(out_dir, filename, entries, parse_size(max_shard_size), what="out_dir")
     bar = tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="consolidate", leave=False,
@@ -194,7 +188,29 @@ def write_model_config(module, directory: str) -> None:
         write_atomic(os.path.join(directory, HF_CONFIG), config)
 
 
-def save_16bit_model(engine: "Engine", save_dir: str, save_filename: str = "model.safetensors",
+def write_units(engine: Checkpointable, wanted: set[int], full_values: Callable[[Unit], torch.Tensor],
+                add: Callable[[str, torch.Tensor], None] | None) -> Exception | None:
+    """Hands each parameter whose slot is `wanted` (ids of slots) to `add` (rank 0's writer; None
+    on the others) as `full_values` gives its unit, one unit in memory at a time. Every rank takes
+    part in every unit's gather, even after `add` failed: returns that failure, which stops the
+    writing but not the gathers."""
+    error = None
+    for u in engine.units:
+        if not any(id(s) in wanted for s in u.slots):
+            continue
+        full = full_values(u)
+        if add is None or error is not None:
+            continue
+        try:
+            for s in u.slots:
+                if id(s) in wanted:
+                    add(s.name, u.param_values(full, s))
+        except Exception as e:  # noqa: BLE001 (the caller's agree() raises it on every rank)
+            error = e
+    return error
+
+
+def save_16bit_model(engine: Checkpointable, save_dir: str, save_filename: str = "model.safetensors",
                      exclude_frozen_parameters: bool = False,
                      max_shard_size: str | int = DEFAULT_SHARD_BYTES) -> bool:
     """The model's weights in its compute dtype, from every rank's shards; all ranks call it,
@@ -214,6 +230,11 @@ def save_16bit_model(engine: "Engine", save_dir: str, save_filename: str = "mode
     entries += [(n, b.dtype, list(b.shape)) for n, b in buffers.items()]
     wanted = {id(s) for _, s in slots}
     writer = bar = None
+
+    def add(name: str, values: torch.Tensor) -> None:
+        writer.add(name, values)
+        bar.update(values.numel() * values.element_size())
+
     try:
         if engine.rank == 0:
             writer = ShardedWriter(save_dir, save_filename, entries, max_bytes, what="save_dir")
@@ -225,18 +246,9 @@ def save_16bit_model(engine: "Engine", save_dir: str, save_filename: str = "mode
     except Exception as e:  # noqa: BLE001
         error = e
     try:
-        for u in engine.units:  # every rank takes part in every gather, even after rank 0 failed to write
-            if not any(id(s) in wanted for s in u.slots):
-                continue
-            full = engine.full_compute_values(u)
-            if writer is not None and error is None:
-                try:
-                    for s in u.slots:
-                        if id(s) in wanted:
-                            writer.add(s.name, u.param_values(full, s))
-                            bar.update(s.numel * u.dtype.itemsize)
-                except Exception as e:  # noqa: BLE001
-                    error = e
+        failed = write_units(engine, wanted, engine.full_compute_values,
+                             add if writer is not None and error is None else None)
+        error = error or failed
         if writer is not None and error is None:
             try:
                 for n, b in buffers.items():

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import random
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ from infinity.checkpoint.layout import (
     BUFFERS,
     FROZEN,
     LATEST,
+    MANIFEST,
     OPTIM_KINDS,
     CheckpointError,
     Manifest,
@@ -34,6 +35,7 @@ from infinity.checkpoint.layout import (
     round_up,
     state_file,
 )
+from infinity.checkpoint.protocol import Checkpointable, TrainingState
 from infinity.checkpoint.safetensors_io import load_file
 from infinity.checkpoint.save import (
     PROGRESS_BYTES,
@@ -44,10 +46,6 @@ from infinity.checkpoint.save import (
 )
 from infinity.io import AsyncIOHandle
 from infinity.zero.nvme_io import make_handle
-from infinity.zero.unit import UnitState
-
-if TYPE_CHECKING:
-    from infinity.engine import Engine
 
 log = logging.getLogger("infinity")
 
@@ -76,6 +74,19 @@ def resolve(load_dir: str, tag: Any = None) -> str | None:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"load_checkpoint: no checkpoint {path} (tag {tag!r})")
     return path
+
+
+def tag_directory(path: str | os.PathLike, tag: Any, what: str) -> str:
+    """`path` if it is a checkpoint (holds a manifest), else the tag directory of `path` that
+    `tag` (or `latest`) names; `what` names the argument in the error."""
+    path = os.fspath(path)
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        return path
+    found = resolve(path, tag)
+    if found is None:
+        raise FileNotFoundError(f"{what} {path}: neither an infinity checkpoint (no {MANIFEST}) nor a directory with "
+                                f"a {LATEST!r} file (what save_checkpoint writes); give a tag's directory")
+    return found
 
 
 class ExtentCache:
@@ -151,7 +162,8 @@ def listing(names: list[str]) -> str:
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
-def check_model(manifest: Manifest, engine: "Engine", *, strict: bool, optimizer_states: bool) -> None:
+def check_model(manifest: Manifest, engine: Checkpointable, *, strict: bool, optimizer_states: bool,
+                num_groups: int) -> None:
     """The checkpoint holds this model's parameters, with their shapes; errors name them."""
     ours = {s.name: s for u in engine.units for s in u.slots}
     theirs = manifest.places
@@ -174,36 +186,36 @@ def check_model(manifest: Manifest, engine: "Engine", *, strict: bool, optimizer
             problems.append(f"trainable here but frozen in the checkpoint, which has no optimizer state for them: "
                             f"{listing(newly)} (load with load_optimizer_states=False to start their moments at 0)")
         groups = manifest.data.get("param_groups")
-        if groups is not None and groups != len(engine.optimizer.param_groups):
+        if groups is not None and groups != num_groups:
             problems.append(f"optimizer.param_groups: the checkpoint has {groups}, this optimizer "
-                            f"{len(engine.optimizer.param_groups)} (load with load_optimizer_states=False)")
+                            f"{num_groups} (load with load_optimizer_states=False)")
     if problems:
         raise CheckpointError(f"load_checkpoint: {where} does not fit this model: " + "; ".join(problems))
 
 
-def _read_small(manifest: Manifest, name: str) -> str:
+def checked_path(manifest: Manifest, name: str) -> str:
     """The path of a small file of the checkpoint, once its size and CRC match the manifest."""
     entry = manifest.files.get(name)
     path = manifest.path(name)
     if entry is None:
-        raise CheckpointError(f"{manifest.path('manifest.json')}: lists no file {name}")
+        raise CheckpointError(f"{manifest.path(MANIFEST)}: lists no file {name}")
     try:
         size, crc = files.crc_of_file(path)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing; the checkpoint is incomplete") from None
     if (size, crc) != (entry["bytes"], entry["crc32"]):
-        raise CheckpointError(f"{path}: checksum mismatch (the file is damaged); nothing was loaded from it")
+        raise CheckpointError(f"{path}: checksum mismatch (the file is damaged); nothing was read from it")
     return path
 
 
-def set_rng_states(engine: "Engine", rng: dict) -> None:
+def set_rng_states(rng: dict) -> None:
+    """The process's RNG states (Python, NumPy, torch) as `save.rng_states` kept them."""
     version, state, gauss = rng["python"]
     random.setstate((version, tuple(state), gauss))
     n = rng["numpy"]
     np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
                          n["cached_gaussian"]))
     torch.set_rng_state(rng["torch"])
-    engine.accelerator.set_rng_state(rng["device"])
 
 
 def _check_files(manifest: Manifest) -> None:
@@ -220,7 +232,7 @@ def _check_files(manifest: Manifest) -> None:
 
 
 def _read_state(manifest: Manifest, rank: int) -> dict:
-    path = _read_small(manifest, state_file(rank))
+    path = checked_path(manifest, state_file(rank))
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 (torch raises several kinds)
@@ -228,7 +240,7 @@ def _read_state(manifest: Manifest, rank: int) -> dict:
                               f"({str(e).splitlines()[0]})") from None
 
 
-def load_checkpoint(engine: "Engine", load_dir: str, tag: Any = None, *, load_module_strict: bool = True,
+def load_checkpoint(engine: Checkpointable, load_dir: str, tag: Any = None, *, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False) -> tuple[str | None, dict | None]:
     optimizer_states = load_optimizer_states and not load_module_only
@@ -240,10 +252,11 @@ def load_checkpoint(engine: "Engine", load_dir: str, tag: Any = None, *, load_mo
         path = resolve(load_dir, tag)
         if path is not None:
             manifest = Manifest.read(path)
-            check_model(manifest, engine, strict=load_module_strict, optimizer_states=optimizer_states)
+            check_model(manifest, engine, strict=load_module_strict, optimizer_states=optimizer_states,
+                        num_groups=len(engine.training_state().optimizer["param_groups"]))
             _check_files(manifest)
             state = _read_state(manifest, engine.rank if engine.rank < manifest.world_size else 0)
-            buffers = load_file(_read_small(manifest, BUFFERS)) if BUFFERS in manifest.files else {}
+            buffers = load_file(checked_path(manifest, BUFFERS)) if BUFFERS in manifest.files else {}
             _check_buffers(engine, buffers, strict=load_module_strict, where=path)
     except Exception as e:  # noqa: BLE001 (every rank hears of it, then it is raised)
         error = e
@@ -259,24 +272,31 @@ def load_checkpoint(engine: "Engine", load_dir: str, tag: Any = None, *, load_mo
             buf.copy_(buffers[name])
     client_state: dict = state["client_state"] if state is not None else {}
     if state is not None and not load_module_only:  # DeepSpeed's load_module_only keeps the counters too
-        engine.global_steps, engine.skipped_steps = state["global_steps"], state["skipped_steps"]
-        engine.micro_steps = state["micro_steps"]
-        engine.global_samples = state.get("global_samples", engine.global_steps * engine.train_batch_size())
-        if optimizer_states:
-            engine.optimizer.step_count = state["optimizer"]["step_count"]
-            for group, saved in zip(engine.optimizer.param_groups, state["optimizer"]["param_groups"]):
-                group.update(saved)
-        if load_lr_scheduler_states and state["lr_scheduler"] is not None and engine.lr_scheduler is not None:
-            engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        if engine.scaler is not None and state["loss_scaler"] is not None:
-            engine.scaler.load_state_dict(state["loss_scaler"])
-        if engine.rank < manifest.world_size:  # another world size: the extra ranks keep their own
-            set_rng_states(engine, state["rng"])
+        rng = engine.rank < manifest.world_size  # another world size: the extra ranks keep their own
+        engine.load_training_state(training_state(state, engine.config.batch.train_batch_size, rng=rng,
+                                                  optimizer=optimizer_states, lr_scheduler=load_lr_scheduler_states))
+        if rng:
+            set_rng_states(state["rng"])
     engine.after_load()
     return path, client_state
 
 
-def _load_shards(engine: "Engine", manifest: Manifest, optimizer_states: bool) -> None:
+def training_state(saved: dict, train_batch_size: int, *, rng: bool, optimizer: bool,
+                   lr_scheduler: bool) -> TrainingState:
+    """What a state file (`save.engine_state`) gives back to the engine; None where the engine
+    keeps its own: the parts not asked for, and a scheduler or scaler the checkpoint has none of."""
+    steps = saved["global_steps"]
+    return TrainingState(
+        global_steps=steps, skipped_steps=saved["skipped_steps"],
+        global_samples=saved.get("global_samples", steps * train_batch_size),  # older checkpoints lack it
+        micro_steps=saved["micro_steps"],
+        optimizer=saved["optimizer"] if optimizer else None,
+        lr_scheduler=saved["lr_scheduler"] if lr_scheduler else None,
+        loss_scaler=saved["loss_scaler"],
+        device_rng=saved["rng"]["device"] if rng else None)
+
+
+def _load_shards(engine: Checkpointable, manifest: Manifest, optimizer_states: bool) -> None:
     """Fills every unit's shard; units gathered for the whole run (stages 1/2, persistent ones)
     are gathered again only once every rank has read its shards, so that a rank that failed
     cannot leave the others waiting in a gather."""
@@ -286,57 +306,50 @@ def _load_shards(engine: "Engine", manifest: Manifest, optimizer_states: bool) -
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="load checkpoint", leave=False,
                disable=engine.rank != 0 or total < PROGRESS_BYTES)
     cache = ExtentCache(manifest, make_handle(engine.config.aio), on_read=bar.update)
-    gathered = [u for u in engine.units if u.state is UnitState.GATHERED]
-    for u in gathered:
-        u.to_released()
-    error = None
-    try:
-        for u in engine.units:
-            _load_unit(engine, manifest, cache, u, kinds)
-        engine.params.flush()
-        engine.optim_state.flush()
-    except Exception as e:  # noqa: BLE001 (every rank hears of it, then it is raised)
-        error = e
-    finally:
-        bar.close()
-    try:
-        agree(error, "load_checkpoint")
-    except BaseException as e:
-        engine.mark_broken(f"load_checkpoint failed part way ({type(e).__name__}: {e}), leaving some values loaded "
-                           "and others not", until_load=True)
-        e.add_note("load_checkpoint failed part way: units before the failure hold the checkpoint's values, the "
-                   "others their own; no checkpoint is saved from this engine until a load succeeds")
-        raise
-    finally:
-        for u in gathered:
-            u.to_gathered(engine.params.fetch(u))
-            engine.params.done(u)
+    with engine.replacing_shards():
+        error = None
+        try:
+            for u in engine.units:
+                _load_unit(engine, manifest, cache, u, kinds)
+            engine.flush_shards()
+        except Exception as e:  # noqa: BLE001 (every rank hears of it, then it is raised)
+            error = e
+        finally:
+            bar.close()
+        try:
+            agree(error, "load_checkpoint")
+        except BaseException as e:
+            engine.mark_broken(f"load_checkpoint failed part way ({type(e).__name__}: {e}), leaving some values "
+                               "loaded and others not", until_load=True)
+            e.add_note("load_checkpoint failed part way: units before the failure hold the checkpoint's values, the "
+                       "others their own; no checkpoint is saved from this engine until a load succeeds")
+            raise
 
 
-def _load_unit(engine: "Engine", manifest: Manifest, cache: ExtentCache, u, kinds: tuple[str, ...]) -> None:
+def _load_unit(engine: Checkpointable, manifest: Manifest, cache: ExtentCache, u, kinds: tuple[str, ...]) -> None:
     partial = any(s.name not in manifest.places for s in u.slots)  # non-strict: those keep their values
     master = None
     if u.trainable:
         values = {}
         for kind in kinds:
-            out = (engine.optim_state.read(u, kind).clone() if partial
+            out = (engine.read_optimizer_shard(u, kind).clone() if partial
                    else torch.zeros(u.train_shard_numel, dtype=torch.float32))
             fill_region(cache, u, "train", kind, out)
             cache.clear()
             values[kind] = out
-        engine.optim_state.load_state(u, values)
+        engine.write_optimizer_shards(u, values)
         master = values["master"]
-    shard = engine.params.host_copy(u) if partial else torch.zeros(u.shard_numel, dtype=u.dtype)
+    shard = engine.read_param_shard(u) if partial else torch.zeros(u.shard_numel, dtype=u.dtype)
     parts = u.split(shard)
     if master is not None:
         parts.train.copy_(master)  # the compute-dtype values are the masters rounded, as an update writes
     if u.frozen_shard_numel:
         fill_region(cache, u, FROZEN, FROZEN, parts.frozen)
         cache.clear()
-    engine.params.replace(u, shard)
+    engine.write_param_shard(u, shard)
 
 
-def _check_buffers(engine: "Engine", saved: dict[str, torch.Tensor], *, strict: bool, where: str) -> None:
+def _check_buffers(engine: Checkpointable, saved: dict[str, torch.Tensor], *, strict: bool, where: str) -> None:
     ours = persistent_buffers(engine.module)
     missing = [n for n in ours if n not in saved]
     if strict and missing:

@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
 from infinity.checkpoint.layout import CheckpointError
 from infinity.checkpoint.load import listing as _listing
+from infinity.checkpoint.protocol import Checkpointable
 from infinity.checkpoint.safetensors_io import _DTYPES, INDEX_SUFFIX, read_header
 from infinity.checkpoint.save import PROGRESS_BYTES, agree, persistent_buffers
-
-if TYPE_CHECKING:
-    from infinity.engine import Engine
 
 WEIGHTS = "model.safetensors"
 
@@ -69,7 +66,7 @@ class TensorIndex:
         return out.view(dtype).reshape(info["shape"])
 
 
-def load_pretrained(engine: "Engine", path: str, *, strict: bool = True, missing_ok=None) -> None:
+def load_pretrained(engine: Checkpointable, path: str, *, strict: bool = True, missing_ok=None) -> None:
     """Loads a safetensors checkpoint (file or Hugging Face directory) into `engine`'s partitions;
     every rank calls it. A missing or unexpected tensor, or a shape that differs, is an error
     naming it (`strict=False`: missing ones keep their values, unexpected ones are ignored;
@@ -115,7 +112,7 @@ def _base_name(name: str) -> str:
     return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
-def _plan(engine: "Engine", index: TensorIndex, strict: bool, missing_ok) -> list:
+def _plan(engine: Checkpointable, index: TensorIndex, strict: bool, missing_ok) -> list:
     """For each unit, its slots and the checkpoint name each is read from; checks names and shapes."""
     names_of: dict[int, list[str]] = {}
     for name, p in engine.module.named_parameters(remove_duplicate=False):

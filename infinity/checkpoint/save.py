@@ -11,7 +11,7 @@ import logging
 import os
 import random
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,12 +35,10 @@ from infinity.checkpoint.layout import (
     state_file,
     unit_entries,
 )
+from infinity.checkpoint.protocol import Checkpointable, TrainingState
 from infinity.checkpoint.safetensors_io import StreamWriter
 from infinity.zero import dist as zdist
 from infinity.zero.nvme_io import make_handle
-
-if TYPE_CHECKING:
-    from infinity.engine import Engine
 
 log = logging.getLogger("infinity")
 PROGRESS_BYTES = 1 << 30  # a progress bar for anything larger
@@ -69,25 +67,22 @@ def _check_loadable(value: Any, what: str) -> bytes:
     return buffer.getvalue()
 
 
-def rng_states(engine: "Engine") -> dict:
+def rng_states(device_rng: torch.Tensor | None) -> dict:
+    """The process's RNG states (Python, NumPy, torch) and the device's."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"python": random.getstate(), "torch": torch.get_rng_state(), "device": engine.accelerator.rng_state(),
+    return {"python": random.getstate(), "torch": torch.get_rng_state(), "device": device_rng,
             "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
 
 
-def engine_state(engine: "Engine", client_state: dict) -> dict:
-    gas = engine.config.batch.gradient_accumulation_steps
+def engine_state(state: TrainingState, gas: int, client_state: dict) -> dict:
+    """The rank's state file's contents (loaded back by load.training_state)."""
     return {
-        "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
-        "global_samples": engine.global_samples,
-        "micro_steps": engine.micro_steps - engine.micro_steps % gas,  # a partial accumulation is not kept
-        "optimizer": {"step_count": engine.optimizer.step_count,
-                      "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                       for g in engine.optimizer.param_groups]},
-        "lr_scheduler": engine.lr_scheduler.state_dict() if hasattr(engine.lr_scheduler, "state_dict") else None,
-        "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
-        "rng": rng_states(engine),
+        "global_steps": state.global_steps, "skipped_steps": state.skipped_steps,
+        "global_samples": state.global_samples,
+        "micro_steps": state.micro_steps - state.micro_steps % gas,  # a partial accumulation is not kept
+        "optimizer": state.optimizer, "lr_scheduler": state.lr_scheduler, "loss_scaler": state.loss_scaler,
+        "rng": rng_states(state.device_rng),
         "client_state": client_state,
     }
 
@@ -104,7 +99,7 @@ def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def aliases(engine: "Engine") -> dict[str, str]:
+def aliases(engine: Checkpointable) -> dict[str, str]:
     """state_dict names of parameters held under another name (tied weights) -> that name."""
     first = {id(s.param): s.name for u in engine.units for s in u.slots}
     return {name: first[id(p)] for name, p in engine.module.named_parameters(remove_duplicate=False)
@@ -125,19 +120,21 @@ def agree(error: BaseException | None, what: str, payload: Any = None) -> list:
     return [p for _, p in gathered]
 
 
-def save_checkpoint(engine: "Engine", save_dir: str, tag: Any = None, client_state: dict | None = None,
-                    save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
-    """Writes the checkpoint on every rank (all of them call it); returns its directory.
-    exclude_frozen_parameters: leave out the values of parameters with requires_grad False (a
-    LoRA run's base weights); a load keeps the model's own values for them."""
+def save_checkpoint(engine: Checkpointable, save_dir: str, tag: Any = None, client_state: dict | None = None,
+                    save_latest: bool = True, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
+    """Writes the checkpoint on every rank (all of them call it); returns what it cost: its
+    directory (`path`), `bytes`, `seconds` and `gbps`. exclude_frozen_parameters: leave out the
+    values of parameters with requires_grad False (a LoRA run's base weights); a load keeps the
+    model's own values for them."""
     rank = engine.rank
     save_dir = os.fspath(save_dir)
     t0 = time.perf_counter()
-    error = partial = None
+    error = partial = training = None
     try:
         engine.check_step_boundary("save_checkpoint")
-        state = _state_bytes(engine, client_state)
-        tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
+        training = engine.training_state()
+        state = _state_bytes(engine, training, client_state)
+        tag = check_tag(f"global_step{training.global_steps}" if tag is None else tag)
         if rank == 0:
             partial = _start(save_dir, tag)
     except Exception as e:  # noqa: BLE001 (every rank hears of it, then it is raised)
@@ -145,9 +142,9 @@ def save_checkpoint(engine: "Engine", save_dir: str, tag: Any = None, client_sta
     partial = agree(error, "save_checkpoint", partial)[0]  # rank 0's: [Note: leftovers and their writers]
     final = os.path.join(save_dir, tag)
     gas = engine.config.batch.gradient_accumulation_steps
-    if rank == 0 and engine.micro_steps % gas:
+    if rank == 0 and training.micro_steps % gas:
         log.warning("save_checkpoint: %d of %d micro-steps of this accumulation have run; their gradients are not "
-                    "saved and a resume starts the accumulation again", engine.micro_steps % gas, gas)
+                    "saved and a resume starts the accumulation again", training.micro_steps % gas, gas)
     entries: dict[str, dict] = {}
     try:
         entries = _write_rank(engine, partial, tag, state, exclude_frozen_parameters)
@@ -162,39 +159,37 @@ def save_checkpoint(engine: "Engine", save_dir: str, tag: Any = None, client_sta
     nbytes = sum(e["bytes"] for part in everything for e in part.values())
     if rank == 0:
         try:
-            _publish(engine, save_dir, tag, partial, final, {n: e for part in everything for n, e in part.items()},
-                     save_latest, exclude_frozen_parameters)
+            _publish(engine, training, save_dir, tag, partial, final,
+                     {n: e for part in everything for n, e in part.items()}, save_latest, exclude_frozen_parameters)
         except BaseException as e:  # noqa: BLE001
             error = e
     agree(error, "save_checkpoint (publishing on rank 0)")
     if rank == 0 and engine.config.checkpoint.save_total_limit is not None:
         _keep_newest(save_dir, engine.config.checkpoint.save_total_limit, tag)
     seconds = time.perf_counter() - t0
-    engine.last_checkpoint = {"path": final, "bytes": nbytes, "seconds": seconds,
-                              "gbps": nbytes / seconds / 1e9 if seconds else 0.0}
+    saved = {"path": final, "bytes": nbytes, "seconds": seconds, "gbps": nbytes / seconds / 1e9 if seconds else 0.0}
     if rank == 0:
         log.info("infinity: saved checkpoint %s: %.3f GB in %.2f s (%.2f GB/s)", final, nbytes / 1e9, seconds,
-                 engine.last_checkpoint["gbps"])
-    return final
+                 saved["gbps"])
+    return saved
 
 
-def _state_bytes(engine: "Engine", client_state: dict | None) -> bytes:
+def _state_bytes(engine: Checkpointable, training: TrainingState, client_state: dict | None) -> bytes:
     """The rank's small state, serialized, once it is known to load back without executing code."""
     if client_state is not None and not isinstance(client_state, dict):
         raise TypeError(f"client_state: expected a dict, got {type(client_state).__name__}")
     _check_loadable(client_state, "client_state")
-    state = engine_state(engine, client_state or {})
+    state = engine_state(training, engine.config.batch.gradient_accumulation_steps, client_state or {})
     return _check_loadable(state, "the engine's state (its LR scheduler's state_dict, most likely)")
 
 
-def _write_rank(engine: "Engine", partial: str, tag: str, state: bytes, exclude_frozen: bool) -> dict[str, dict]:
+def _write_rank(engine: Checkpointable, partial: str, tag: str, state: bytes, exclude_frozen: bool) -> dict[str, dict]:
     """This rank's files in `partial`, fsynced; returns their manifest entries."""
     rank = engine.rank
-    engine.optim_state.flush()  # the last step's writes: the state read next is the step's result
-    engine.params.flush()
+    engine.flush_shards()  # the last step's writes: the state read next is the step's result
     trainable = [u for u in engine.units if u.trainable]
     frozen = [] if exclude_frozen else [u for u in engine.units if u.frozen_shard_numel]
-    elsize = torch.empty((), dtype=engine.dtype).element_size()
+    elsize = engine.config.compute_dtype.itemsize
     total = sum(round_up(u.train_shard_numel * 4) for u in trainable) * len(OPTIM_KINDS)
     total += sum(round_up(u.frozen_shard_numel * elsize) for u in frozen)
     entries: dict[str, dict] = {}
@@ -217,9 +212,9 @@ def _write_rank(engine: "Engine", partial: str, tag: str, state: bytes, exclude_
             for u in engine.units:
                 if u.trainable:
                     for kind in OPTIM_KINDS:
-                        put(kind, u.index, engine.optim_state.read(u, kind))
+                        put(kind, u.index, engine.read_optimizer_shard(u, kind))
                 if u.frozen_shard_numel and not exclude_frozen:
-                    put(FROZEN, u.index, u.split(engine.params.host_copy(u)).frozen)
+                    put(FROZEN, u.index, u.split(engine.read_param_shard(u)).frozen)
             writer.finish()
     except BaseException:
         writer.abort()
@@ -264,16 +259,16 @@ def _start(save_dir: str, tag: str) -> str:
     return partial
 
 
-def _publish(engine: "Engine", save_dir: str, tag: str, partial: str, final: str, entries: dict[str, dict],
-             save_latest: bool, exclude_frozen: bool) -> None:
+def _publish(engine: Checkpointable, training: TrainingState, save_dir: str, tag: str, partial: str, final: str,
+             entries: dict[str, dict], save_latest: bool, exclude_frozen: bool) -> None:
     """[Note: publishing a checkpoint] in files.py. A failure before the tag is published
     removes what was written; one writing `latest` keeps the tag, which is whole, and says so."""
     zero = engine.config.zero
     manifest = {
         "format": FORMAT, "version": VERSION, "tag": tag, "world_size": engine.world_size, "stage": zero.stage,
-        "compute_dtype": dtype_name(engine.dtype), "offload_param": zero.offload_param.device,
-        "offload_optimizer": zero.offload_optimizer.device, "global_steps": engine.global_steps,
-        "param_groups": len(engine.optimizer.param_groups), "saved_at": time.time(),
+        "compute_dtype": dtype_name(engine.config.compute_dtype), "offload_param": zero.offload_param.device,
+        "offload_optimizer": zero.offload_optimizer.device, "global_steps": training.global_steps,
+        "param_groups": len(training.optimizer["param_groups"]), "saved_at": time.time(),
         "units": unit_entries(engine.units, exclude_frozen), "frozen_excluded": exclude_frozen,
         "aliases": aliases(engine), "hf_config": HF_CONFIG in entries,
         "files": dict(sorted(entries.items())),
