@@ -31,8 +31,9 @@ import torch
 from torch import nn
 
 from infinity.checkpoint import files
-from infinity.checkpoint.layout import BUFFERS, MANIFEST, CheckpointError, Manifest, state_file
-from infinity.checkpoint.load import ExtentCache, param_run, resolve
+from infinity.checkpoint.export import write_units
+from infinity.checkpoint.layout import BUFFERS, Manifest, state_file
+from infinity.checkpoint.load import ExtentCache, checked_path, param_run, tag_directory
 from infinity.checkpoint.safetensors_io import load_file
 from infinity.checkpoint.save import agree, aliases, persistent_buffers
 from infinity.io import AsyncIOHandle
@@ -135,41 +136,20 @@ class CkptWriter:
         files.remove_file(self._scratch)
 
 
-def _checked(manifest: Manifest, name: str) -> str:
-    """The path of a small file of the checkpoint, once its size and CRC match the manifest."""
-    entry = manifest.files.get(name)
-    path = manifest.path(name)
-    if entry is None:
-        raise CheckpointError(f"{manifest.path(MANIFEST)}: lists no file {name}")
-    try:
-        found = files.crc_of_file(path)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete") from None
-    if found != (entry["bytes"], entry["crc32"]):
-        raise CheckpointError(f"{path}: checksum mismatch (the file is damaged); nothing was converted")
-    return path
-
-
 def convert_checkpoint(checkpoint_dir: str | os.PathLike, output_file: str | os.PathLike,
                        tag: str | None = None) -> dict[str, Any]:
     """An infinity checkpoint (`checkpoint_dir` holding `latest`, or a tag's directory) as one
     Lightning `.ckpt`: its client_state (Lightning's keys, as `InfinityStrategy` saves them) and
     `state_dict`, the fp32 masters (frozen parameters' values where there are none) and the
     buffers. Returns what was written but the state_dict."""
-    path = os.fspath(checkpoint_dir)
-    if not os.path.isfile(os.path.join(path, MANIFEST)):
-        found = resolve(path, tag)
-        if found is None:
-            raise FileNotFoundError(f"checkpoint_dir {checkpoint_dir}: neither an infinity checkpoint (no {MANIFEST}) "
-                                    "nor a directory with a 'latest' file (what InfinityStrategy saves)")
-        path = found
+    path = tag_directory(checkpoint_dir, tag, "checkpoint_dir")
     manifest = Manifest.read(path)
-    extra = dict(torch.load(_checked(manifest, state_file(0)), map_location="cpu", weights_only=True)["client_state"])
+    extra = dict(torch.load(checked_path(manifest, state_file(0)), map_location="cpu", weights_only=True)["client_state"])
     for key in ("state_dict", "optimizer_states"):
         extra.pop(key, None)
     params = [p for u in manifest.units for p in u["params"]]
     aliases = {n: t for n, t in manifest.data.get("aliases", {}).items() if n not in manifest.places}
-    buffers = load_file(_checked(manifest, BUFFERS)) if BUFFERS in manifest.files else {}
+    buffers = load_file(checked_path(manifest, BUFFERS)) if BUFFERS in manifest.files else {}
     writer = CkptWriter(output_file, [(p["name"], p["shape"]) for p in params])
     cache = ExtentCache(manifest, AsyncIOHandle(block_size=1 << 20, queue_depth=8))
     try:
@@ -198,17 +178,9 @@ def save_full_weights(engine: "Engine", filepath: str, extra: dict, exclude_froz
     except Exception as e:  # noqa: BLE001 (every rank hears of it, then it is raised)
         error = e
     try:
-        for u in engine.units:  # every rank takes part in every gather, even after rank 0 failed
-            if not any(id(s) in wanted for s in u.slots):
-                continue
-            full = engine.full_fp32_values(u)
-            if writer is not None and error is None:
-                try:
-                    for s in u.slots:
-                        if id(s) in wanted:
-                            writer.add(s.name, u.param_values(full, s))
-                except Exception as e:  # noqa: BLE001
-                    error = e
+        failed = write_units(engine, wanted, engine.full_fp32_values,
+                             writer.add if writer is not None and error is None else None)
+        error = error or failed
         if writer is not None and error is None:
             try:
                 tied = {n: t for n, t in aliases(engine).items() if t in {s.name for _, s in slots}}

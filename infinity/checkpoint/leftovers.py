@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 from infinity.checkpoint import files
 from infinity.checkpoint.layout import LATEST
+from infinity.tiers.lock import disk_bytes
 
 _ASIDE = re.compile(r"\.(?P<name>.+)\.old-(?P<writer>.+)")
 _PATTERNS = (  # (pattern, what it is, whether it is a directory)
@@ -70,7 +71,7 @@ def find(directory: str, only: str | None = None) -> list[Leftover]:
             else:
                 status = files.writer_status(writer)
             restore = target if pattern is _ASIDE and not os.path.lexists(target) else None
-            found.append(Leftover(path, what, status, writer, _disk_bytes(path), restore))
+            found.append(Leftover(path, what, status, writer, disk_bytes(path), restore))
             break
     return found
 
@@ -104,16 +105,3 @@ def remove(found: list[Leftover]) -> list[Leftover]:
 def describe_writer(writer: str) -> str:
     host, _, pid = writer.rpartition("-")
     return f"process {pid} on {host}" if host else f"process {writer}" if writer else "no process"
-
-
-def _disk_bytes(path: str) -> int:
-    if not os.path.isdir(path) or os.path.islink(path):
-        return os.lstat(path).st_blocks * 512
-    total = 0
-    for root, _, names in os.walk(path):
-        for name in names:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_blocks * 512
-            except FileNotFoundError:
-                pass
-    return total

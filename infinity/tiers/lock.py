@@ -199,21 +199,24 @@ def survey(root: str, pattern: str = "infinity-*/rank*") -> list[Leftover]:
             continue
         directory = lock_path[: -len(".lock")]
         found.append(Leftover(directory, {"held": "in use", "foreign": "another host's"}.get(status, status),
-                              describe_owner(lock_path), _disk_bytes(directory)))
+                              describe_owner(lock_path), disk_bytes(directory)))
     for path in _private_leftovers(root, pattern):
         pid = path[: -len(".tmp")].rpartition(".")[2]
-        found.append(Leftover(path, "stale", f"process {pid} on {socket.gethostname()}", _disk_bytes(path)))
+        found.append(Leftover(path, "stale", f"process {pid} on {socket.gethostname()}", disk_bytes(path)))
     return found
 
 
-def _disk_bytes(directory: str) -> int:
+def disk_bytes(path: str) -> int:
+    """The disk space `path` takes: a file's or link's own blocks, a directory's files' (what a
+    removal gives back; links are not followed); 0 for what is not there (any more)."""
+    paths = [path] if not os.path.isdir(path) or os.path.islink(path) else \
+        (os.path.join(root, name) for root, _, names in os.walk(path) for name in names)
     total = 0
-    for dirpath, _, files in os.walk(directory):
-        for name in files:
-            try:
-                total += os.stat(os.path.join(dirpath, name)).st_blocks * 512
-            except FileNotFoundError:
-                pass
+    for p in paths:
+        try:
+            total += os.lstat(p).st_blocks * 512
+        except FileNotFoundError:  # removed meanwhile (its owner cleaning up)
+            pass
     return total
 
 
