@@ -1,5 +1,6 @@
 """Checkpoints (save, crash-safe publish, exact resume, re-sharding) and export to Hugging Face's
-safetensors layout; users of the engine's API ([Note: checkpoint layout] in layout.py)."""
+safetensors layout ([Note: checkpoint layout] in layout.py). They see the engine through
+`protocol.Checkpointable` only ([Note: the checkpoint protocol] in protocol.py)."""
 
 from infinity.checkpoint.export import consolidate
 from infinity.checkpoint.layout import CheckpointError
