@@ -35,6 +35,30 @@ device is the CPU, host memory is device memory: there is nothing to move, the a
 kept as they are, and the log says so once. Tensors on another device than the compute device,
 and integer tensors (token ids), are kept as they are, as DeepSpeed keeps them.
 
+[Note: checkpointed inputs on NVMe]
+infinity's own keys `activation_checkpointing.nvme_path` and `nvme_min_bytes`: a checkpoint whose
+floating-point inputs (the activations, not parameters or token ids) take at least
+`nvme_min_bytes` writes them to a file of its own under `nvme_path` and lets them go, so that a
+long sequence's hidden states between checkpointed layers cost disk, not host (or device)
+memory. After the forward the inputs are copied into one page-locked host buffer (`to_host`, as
+for cpu_checkpointing; on the CPU a plain copy); once the copies are reported done the buffer is
+written through the aio handle (O_DIRECT) and the inputs are dropped; once the write is reported
+done, at a later checkpoint, the buffer goes back to the stash. At most `_WRITES_IN_FLIGHT`
+writes run at once: a forward faster than the disk waits for the oldest, so the host memory of
+the spill stays bounded by those buffers. In backward the read of a checkpoint's inputs is issued
+when the recompute of the checkpoint after it in forward order starts (as the copy back of
+[Note: checkpointed inputs in host memory] is), so it runs under that checkpoint's backward; the
+recompute waits for it, then copies to the device (on the CPU it computes from the buffer
+itself), and the buffer stays with the checkpoint until the checkpoint is gone. A checkpoint
+whose backward comes before its write was issued or finished keeps its buffer and reads nothing.
+`_Where` names each stage and the memory it holds. Files are allocated once, reused by size and
+overwritten in place, in a directory claimed and cleaned like a store's (`NvmeDirectory`,
+`<nvme_path>/infinity-<job>-activations/rank<r>/`: removed once the checkpointing state is reset
+and its checkpoints are gone, at exit, or on a fatal signal; found and removed by the next run
+when the process was killed outright). The bytes read back are the bytes written: the gradients
+are torch's checkpoint's bit for bit. It applies with or without cpu_checkpointing, and on the
+CPU too, where cpu_checkpointing has nothing to move.
+
 [Note: the keys without model parallelism]
 DeepSpeed's `partition_activations` splits each checkpointed input over the model-parallel
 group, every rank keeping 1/mp of it and gathering the rest before the recompute. infinity has
@@ -58,6 +82,7 @@ engine's per-step report).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import logging
 import os
@@ -68,8 +93,11 @@ from typing import Any
 
 import torch
 
+from infinity.config.json_reader import parse_activation_checkpointing
+from infinity.config.sections import ActivationCheckpointingConfig
 from infinity.device import Device, InFlight, make_device
-from infinity.io import PAGE_SIZE, aligned_empty
+from infinity.io import PAGE_SIZE, AsyncIOHandle, aligned_empty
+from infinity.tiers.store import NvmeDirectory, default_job_id
 from infinity.timeline import TIMELINE
 
 __all__ = ["CheckpointingConfig", "checkpoint", "configure", "is_configured", "non_reentrant_checkpoint",
@@ -78,62 +106,23 @@ __all__ = ["CheckpointingConfig", "checkpoint", "configure", "is_configured", "n
 log = logging.getLogger("infinity")
 
 _ALIGN = 64  # bytes between two inputs in one host buffer: any dtype's view starts aligned
+_WRITES_IN_FLIGHT = 2  # spilled checkpoints whose buffer is being written ([Note: checkpointed inputs on NVMe])
 _EMPTY = torch.empty(0)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class CheckpointingConfig:
-    """The `activation_checkpointing` section ([Note: the keys without model parallelism])."""
-
-    partition_activations: bool = False
-    """Accepted; with model-parallel size 1 a rank's partition of an input is the whole input."""
-    contiguous_memory_optimization: bool = False
-    """Host copies of `number_checkpoints` checkpoints in one arena of equal slots."""
-    cpu_checkpointing: bool = False
-    """Checkpointed inputs kept in page-locked host memory between forward and recompute."""
-    number_checkpoints: int | None = None
-    """Checkpoints alive at once (the arena's slots); needed by contiguous_memory_optimization."""
-    synchronize_checkpoint_boundary: bool = False
-    """Synchronize the CUDA device around each checkpoint's forward and recompute."""
-    profile: bool = False
-    """Log each checkpoint's forward and recompute time."""
-
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if field.name == "number_checkpoints":
-                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                    raise ValueError(f"activation_checkpointing.number_checkpoints: expected a positive int or "
-                                     f"null, got {value!r}")
-            elif not isinstance(value, bool):
-                raise TypeError(f"activation_checkpointing.{field.name}: expected true or false, got {value!r}")
-        if self.contiguous_memory_optimization and not self.partition_activations:
-            raise ValueError("activation_checkpointing.contiguous_memory_optimization: needs partition_activations "
-                             "true, as in DeepSpeed")
-        if self.contiguous_memory_optimization and self.number_checkpoints is None:
-            raise ValueError("activation_checkpointing.contiguous_memory_optimization: needs number_checkpoints (the "
-                             "checkpoints alive at once, which size its buffer), as in DeepSpeed")
-
-
-_KEYS = tuple(f.name for f in dataclasses.fields(CheckpointingConfig))
-
+CheckpointingConfig = ActivationCheckpointingConfig  # the section's settings (infinity.config.sections)
 
 def _section(deepspeed_config: Any) -> dict:
-    """The `activation_checkpointing` section of a DeepSpeed config (a dict or a JSON path)."""
+    """The `activation_checkpointing` section of a DeepSpeed config (a dict or a JSON path),
+    checked; the rest of the config is not this module's."""
     if isinstance(deepspeed_config, (str, os.PathLike)):
         with open(deepspeed_config, encoding="utf-8") as f:
             deepspeed_config = json.load(f)
     if not isinstance(deepspeed_config, dict):
         raise TypeError(f"deepspeed_config: expected a DeepSpeed config (a dict or a JSON file's path), got "
                         f"{type(deepspeed_config).__name__}")
-    section = deepspeed_config.get("activation_checkpointing") or {}
-    if not isinstance(section, dict):
-        raise TypeError(f"activation_checkpointing: expected an object, got {section!r}")
-    unknown = sorted(set(section) - set(_KEYS))
-    if unknown:
-        raise ValueError(f"activation_checkpointing.{unknown[0]}: not a key of this section (expected one of "
-                         f"{', '.join(_KEYS)})")
-    return section
+    section = deepspeed_config.get("activation_checkpointing")
+    return dataclasses.asdict(parse_activation_checkpointing(section)) if section is not None else {}
 
 
 def _model_parallel_size(mpu: Any) -> int:
@@ -235,6 +224,181 @@ class _Lease:
         self.stash.give(self.buf)
 
 
+# ---- inputs on NVMe ([Note: checkpointed inputs on NVMe]) --------------------------------------
+
+
+class _SpillFiles:
+    """One file per spilled checkpoint in a claimed directory on NVMe, reused by capacity."""
+
+    def __init__(self, nvme_path: os.PathLike, rank: int):
+        self.place = NvmeDirectory(nvme_path, job_id=f"{default_job_id()}-activations", rank=rank,
+                                   key="activation_checkpointing.nvme_path")
+        self.handle = AsyncIOHandle()
+        self._free: dict[int, list[str]] = {}  # capacity -> idle files
+        self._made = 0
+
+    def take(self, capacity: int) -> str:
+        idle = self._free.get(capacity)
+        if idle:
+            return idle.pop()
+        path = os.path.join(self.place.directory, f"inputs{self._made}.bin")
+        self._made += 1
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, capacity)  # allocated once, overwritten in place from then on
+        except OSError as e:
+            os.unlink(path)
+            raise OSError(e.errno, f"activation_checkpointing.nvme_path: cannot allocate {capacity} bytes for "
+                                   f"{path}: {e.strerror}", path) from None
+        finally:
+            os.close(fd)
+        return path
+
+    def give(self, path: str, capacity: int) -> None:
+        self._free.setdefault(capacity, []).append(path)
+
+
+class _Where(enum.Enum):
+    """Where a spilled checkpoint's inputs are, and the memory the checkpoint holds meanwhile."""
+
+    COPYING = "copies into the host buffer in flight: holds the buffer and the inputs"
+    WRITING = "the buffer's write to the file in flight: holds the buffer"
+    ON_DISK = "in the file only: holds no memory"
+    READING = "the file's read into a buffer in flight: holds the buffer"
+    BACK = "in the host buffer again, for the recompute: holds it until the checkpoint is gone"
+
+
+class _Spill:
+    """A checkpoint's inputs on their way to NVMe and back; its steps never block except `back`."""
+
+    def __init__(self, files: _SpillFiles, stash: _HostStash, device: Device, kept: list[_Kept], offsets: list[int],
+                 capacity: int):
+        self.files, self.stash, self.device = files, stash, device
+        self.kept = kept
+        self.views = [(offset, k.tensor.shape, k.tensor.stride(), k.tensor.dtype, _is_dense(k.tensor))
+                      for k, offset in zip(kept, offsets)]
+        self.capacity = capacity  # bytes moved, a multiple of PAGE_SIZE (O_DIRECT)
+        self.path = files.take(capacity)
+        self.buf: torch.Tensor | None = stash.take(capacity)  # 1-D uint8, page-locked
+        self.request: int | None = None  # the write or read in flight
+        self._show()
+        for k in kept:
+            k.copy_out = device.to_host(k.tensor, k.host)
+        self.where = _Where.COPYING
+
+    def _show(self) -> None:
+        """Each input's view of the buffer, with its shape and strides."""
+        for k, (offset, shape, stride, dtype, dense) in zip(self.kept, self.views):
+            flat = self.buf[offset:offset + _numel(shape) * dtype.itemsize].view(dtype)
+            k.host = flat.as_strided(shape, stride) if dense else flat.view(shape)
+
+    def advance(self) -> None:
+        """The write once the copies are reported done; the buffer back once the write is."""
+        if self.where is _Where.COPYING and all(self.device.done(k.copy_out) for k in self.kept):
+            for k in self.kept:
+                _drop_source(k)
+            self.request = self.files.handle.submit_write(self.buf[:self.capacity], self.path)
+            self.where = _Where.WRITING
+        if self.where is _Where.WRITING and self.files.handle.done(self.request):
+            self.finish_write()
+
+    def finish_write(self) -> None:
+        assert self.where is _Where.WRITING
+        self.files.handle.wait(self.request)
+        self.request = None
+        self._let_buffer_go()
+        self.where = _Where.ON_DISK
+
+    def fetch(self) -> None:
+        """Issues the read of the inputs, when they are on disk only."""
+        if self.where is not _Where.ON_DISK:
+            return
+        self.buf = self.stash.take(self.capacity)
+        self._show()
+        self.request = self.files.handle.submit_read(self.buf[:self.capacity], self.path)
+        self.where = _Where.READING
+
+    def back(self) -> None:
+        """Blocks until the inputs are in the host buffer (`k.host`)."""
+        if self.where is _Where.COPYING:
+            for k in self.kept:
+                self.device.wait_host(k.copy_out)
+                _drop_source(k)
+        elif self.where is _Where.WRITING:
+            self.files.handle.wait(self.request)  # the buffer still holds the inputs: nothing to read
+            self.request = None
+        self.fetch()
+        if self.where is _Where.READING:
+            with TIMELINE.span("checkpoint_inputs_read", "wait"):
+                self.files.handle.wait(self.request)
+            self.request = None
+        self.where = _Where.BACK
+
+    def _let_buffer_go(self) -> None:
+        for k in self.kept:
+            k.host = None
+        self.stash.give(self.buf)
+        self.buf = None
+
+    def close(self) -> None:
+        """The checkpoint is gone: its buffer and file go back, once nothing reads or writes them."""
+        for k in self.kept:
+            for copy in (k.copy_out, k.copy_in):
+                if copy is not None and not self.device.done(copy):
+                    self.device.wait_host(copy)
+            k.copy_out = k.copy_in = k.tensor = None
+        if self.request is not None:
+            try:
+                self.files.handle.wait(self.request)
+            except OSError:
+                pass  # nobody needs these bytes any more; the file is overwritten by its next use
+        if self.buf is not None:
+            self._let_buffer_go()
+        self.files.give(self.path, self.capacity)
+
+
+def _numel(shape: torch.Size) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
+
+
+def _packed(movable: list[_Kept]) -> tuple[list[int], int]:
+    """Each input's offset in one host buffer, and the bytes they take together."""
+    offsets, total = [], 0
+    for k in movable:
+        offsets.append(total)
+        total += -(-k.tensor.numel() * k.tensor.element_size() // _ALIGN) * _ALIGN
+    return offsets, total
+
+
+def _movable(frame: _Frame) -> list[_Kept]:
+    """The frame's inputs that are activations on the compute device (what may leave it)."""
+    device = frame.device
+    return [k for k in frame.kept if k.activation and k.tensor.device == device.compute and k.tensor.numel()]
+
+
+def _spill(frame: _Frame, state: _State) -> bool:
+    """Sends the frame's inputs to NVMe when they are large enough; whether it did."""
+    cfg = state.config
+    movable = _movable(frame)
+    offsets, total = _packed(movable)
+    if cfg.nvme_path is None or not movable or total < cfg.nvme_min_bytes:
+        return False
+    writing = [f.spill for f in (ref() for ref in state.copying_out)
+               if f is not None and f.spill is not None and f.spill.where is _Where.WRITING]
+    for spill in writing[:max(0, len(writing) - _WRITES_IN_FLIGHT + 1)]:  # the disk is behind: wait for it
+        with TIMELINE.span("checkpoint_inputs_write", "wait"):
+            spill.finish_write()
+    capacity = -(-total // PAGE_SIZE) * PAGE_SIZE
+    frame.spill = _Spill(state.files, state.stash, frame.device, movable, offsets, capacity)
+    weakref.finalize(frame, frame.spill.close)
+    frame.spill.advance()
+    state.copying_out.append(weakref.ref(frame))
+    return True
+
+
 class _Marker:
     """Where a tensor argument sits in a checkpoint's args and kwargs."""
 
@@ -248,7 +412,7 @@ class _Frame:
     """One call of `checkpoint`: what its recompute needs, and the tensors it caught."""
 
     __slots__ = ("function", "device", "args", "kwargs", "kept", "rng", "autocast", "num_saved", "recomputed",
-                 "offloaded", "__weakref__")
+                 "offloaded", "spill", "__weakref__")
 
     def __init__(self, function: Callable, args: tuple, kwargs: dict, device: Device):
         self.function = function
@@ -261,6 +425,7 @@ class _Frame:
         self.num_saved = 0  # tensors autograd saved in the forward (and dropped)
         self.recomputed: dict[int, torch.Tensor] | None = None  # caught by the recompute, until handed out
         self.offloaded = False  # the arguments went to host memory
+        self.spill: _Spill | None = None  # the arguments went to NVMe
 
     def _mark(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
@@ -296,7 +461,9 @@ class _State:
         self.config = CheckpointingConfig()
         self.configured = False
         self._device: Device | None = None
+        self.attached: Device | None = None  # the latest engine's device (`attach`), else make_device()'s
         self._stash: _HostStash | None = None
+        self._files: _SpillFiles | None = None
         self.frames: list[weakref.ref[_Frame]] = []  # forward order: who prefetches whom
         self.copying_out: list[weakref.ref[_Frame]] = []  # frames whose copies to the host may run
         self.said_nothing_to_move = False
@@ -304,7 +471,7 @@ class _State:
     @property
     def device(self) -> Device:
         if self._device is None:
-            self._device = make_device()
+            self._device = self.attached if self.attached is not None else make_device()
         return self._device
 
     @property
@@ -314,6 +481,12 @@ class _State:
             slots = cfg.number_checkpoints if cfg.contiguous_memory_optimization else None
             self._stash = _HostStash(self.device, slots)
         return self._stash
+
+    @property
+    def files(self) -> _SpillFiles:
+        if self._files is None:
+            self._files = _SpillFiles(self.config.nvme_path, _rank())
+        return self._files
 
     def moves_to_host(self) -> bool:
         """Whether checkpointed inputs go to host memory ([Note: checkpointed inputs in host memory])."""
@@ -331,6 +504,7 @@ class _State:
         if self._stash is not None:
             self._stash.clear()
         self._stash = None
+        self._files = None  # its directory goes once the checkpoints that still use it are gone
         self._device = None
         self.frames.clear()
         self.copying_out.clear()
@@ -355,13 +529,10 @@ def _is_dense(t: torch.Tensor) -> bool:
 def _offload(frame: _Frame, state: _State) -> None:
     """Issues the copies of the frame's floating-point device arguments into one host buffer."""
     device = frame.device
-    movable = [k for k in frame.kept if k.activation and k.tensor.device == device.compute and k.tensor.numel()]
+    movable = _movable(frame)
     if not movable:
         return
-    offsets, total = [], 0
-    for k in movable:
-        offsets.append(total)
-        total += -(-k.tensor.numel() * k.tensor.element_size() // _ALIGN) * _ALIGN
+    offsets, total = _packed(movable)
     buf = state.stash.take(total)
     weakref.finalize(frame, _Lease(state.stash, device, buf, movable).close)
     for k, offset in zip(movable, offsets):
@@ -380,6 +551,11 @@ def _settle(state: _State) -> None:
     for ref in state.copying_out:
         frame = ref()
         if frame is None:
+            continue
+        if frame.spill is not None:
+            frame.spill.advance()
+            if frame.spill.where in (_Where.COPYING, _Where.WRITING):
+                pending.append(ref)
             continue
         for k in frame.kept:
             if k.copy_out is not None and frame.device.done(k.copy_out):
@@ -406,7 +582,9 @@ def _prefetch(frame: _Frame, state: _State) -> None:
         return
     for earlier in reversed(live[:live.index(frame)]):
         if earlier.recomputed is None:
-            if earlier.offloaded:
+            if earlier.spill is not None:
+                earlier.spill.fetch()
+            elif earlier.offloaded:
                 _copy_in(earlier, earlier.device)
             return
 
@@ -418,12 +596,16 @@ def _copy_in(frame: _Frame, device: Device) -> None:
         if k.copy_out is not None:  # long done by now; the host must know before it reads the buffer
             device.wait_host(k.copy_out)
             _drop_source(k)
-        dst = torch.empty_strided(k.host.shape, k.host.stride(), dtype=k.host.dtype, device=device.compute)
+        # the CPU computes from the host copy itself (CpuDevice hands the source back)
+        dst = None if device.name == "cpu" else torch.empty_strided(k.host.shape, k.host.stride(), dtype=k.host.dtype,
+                                                                    device=device.compute)
         k.copy_in = device.to_device(k.host, dst)
 
 
 def _restore(frame: _Frame, device: Device) -> list[torch.Tensor]:
     """The frame's tensor arguments on the compute device, as they were at its forward."""
+    if frame.spill is not None:
+        frame.spill.back()
     _copy_in(frame, device)
     out = []
     with TIMELINE.span("checkpoint_inputs", "wait"):
@@ -437,11 +619,6 @@ def _restore(frame: _Frame, device: Device) -> list[torch.Tensor]:
                 t = k.tensor
             out.append(t.detach().requires_grad_(k.requires_grad))
     return out
-
-
-def _synchronize(device: Device) -> None:
-    if device.name == "cuda":  # the CPU, and the test device's compute, run synchronously
-        torch.accelerator.synchronize()
 
 
 # ---- forward and recompute ---------------------------------------------------------------------
@@ -459,9 +636,11 @@ def _recompute(frame: _Frame) -> None:
     device = frame.device
     cfg = state.config
     if cfg.synchronize_checkpoint_boundary or cfg.profile:
-        _synchronize(device)
+        device.synchronize()
     t0 = time.perf_counter()
     _settle(state)
+    if frame.spill is not None:  # its own read first (the last checkpoint's had nothing to run under)
+        frame.spill.fetch()
     _prefetch(frame, state)
     tensors = _restore(frame, device)
     args, kwargs = frame.fill(tensors)
@@ -490,7 +669,7 @@ def _recompute(frame: _Frame) -> None:
         if k.copy_in is not None:
             k.copy_in = InFlight(_EMPTY, None, k.copy_in.fence)
     if cfg.synchronize_checkpoint_boundary or cfg.profile:
-        _synchronize(device)
+        device.synchronize()
     if cfg.profile:
         log.info("infinity.checkpointing: %s recompute %.3f ms", _name(frame.function),
                  (time.perf_counter() - t0) * 1e3)
@@ -529,17 +708,17 @@ def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
     _settle(state)
     frame = _Frame(function, args, kwargs, device)
     if cfg.synchronize_checkpoint_boundary or cfg.profile:
-        _synchronize(device)
+        device.synchronize()
     t0 = time.perf_counter()
     with TIMELINE.span("checkpoint_forward"), torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack):
         out = function(*args, **kwargs)
     frame.check_unchanged(args, kwargs)
     if frame.num_saved:  # else backward never comes back here: nothing to keep
         state.frames.append(weakref.ref(frame))
-        if state.moves_to_host():
+        if not _spill(frame, state) and state.moves_to_host():
             _offload(frame, state)
     if cfg.synchronize_checkpoint_boundary or cfg.profile:
-        _synchronize(device)
+        device.synchronize()
     if cfg.profile:
         log.info("infinity.checkpointing: %s forward %.3f ms", _name(function), (time.perf_counter() - t0) * 1e3)
     return out
@@ -567,11 +746,32 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activati
              "number_checkpoints": num_checkpoints, "cpu_checkpointing": checkpoint_in_cpu,
              "synchronize_checkpoint_boundary": synchronize, "profile": profile}
     values.update({k: v for k, v in given.items() if v is not None})
-    config = CheckpointingConfig(**values)
+    _set(CheckpointingConfig(**values))
+
+
+def _set(config: ActivationCheckpointingConfig) -> None:
     reset()
     _STATE.config = config
     _STATE.configured = True
-    log.info("infinity.checkpointing: %s", ", ".join(f"{k}={getattr(config, k)}" for k in _KEYS))
+    log.info("infinity.checkpointing: %s", ", ".join(f"{f.name}={getattr(config, f.name)}"
+                                                     for f in dataclasses.fields(config)))
+
+
+def attach(device: Device, section: ActivationCheckpointingConfig | None = None) -> None:
+    """What `infinity.initialize` hands over: the engine's device, which checkpoints use from now
+    on, and its config's `activation_checkpointing` section, when it has one, which configures
+    this module as `configure(deepspeed_config=...)` would (None leaves the settings as they are)."""
+    if section is not None:
+        _set(section)
+    if _STATE.attached is not device:
+        reset()  # the next checkpoint takes it
+        _STATE.attached = device
+
+
+def _rank() -> int:
+    """This process's rank: each rank spills into a directory of its own."""
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def is_configured() -> bool:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 from torch import nn
 
+from infinity import checkpointing
 from infinity.compat import TrainingDataLoader
 from infinity.config import load_config
-from infinity.device import make_device
+from infinity.device import Device, make_device
 from infinity.engine import Engine
 from infinity.zero import dist as zdist
 from infinity.zero.partitioner import UnitPolicy
@@ -21,7 +23,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                training_data: Any = None, lr_scheduler: Any = None, distributed_port: int | None = None,
                mpu: Any = None, dist_init_required: bool | None = None, collate_fn: Any = None, config: Any = None,
                mesh_param: Any = None, config_params: Any = None, *,
-               units: UnitPolicy = None) -> tuple[Engine, ZeroOptimizer, Any, Any]:
+               units: UnitPolicy = None, device: torch.device | str | None = None,
+               ) -> tuple[Engine, ZeroOptimizer, Any, Any]:
     """DeepSpeed's entry point, with its arguments: returns (engine, optimizer, training
     dataloader or None, lr_scheduler).
 
@@ -31,8 +34,13 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     scheduler of that optimizer or a callable optimizer -> scheduler. `training_data` (a Dataset)
     gives a DataLoader of `train_micro_batch_size_per_gpu` (a DistributedSampler over ranks, and
     `collate_fn`). `units` (ours) overrides which modules are gathered together: a list of module
-    classes or a callable (qualified_name, module) -> bool. A model given as the first positional
-    argument is taken as `model` (infinity's earlier signature).
+    classes or a callable (qualified_name, module) -> bool. `device` (ours) is the device a
+    framework chose ("cpu", "cuda:1"; Lightning's root device): the engine computes there, and a
+    contradicting INFINITY_DEVICE or GPU of this process is an error; None: INFINITY_DEVICE, else
+    CUDA when present. A model given as the first positional argument is taken as `model`
+    (infinity's earlier signature). A config with an `activation_checkpointing` section configures
+    `infinity.checkpointing` with it (as `checkpointing.configure(deepspeed_config=config)`), and
+    the checkpoints run on the engine's device.
     """
     if isinstance(args, nn.Module) and model is None:
         args, model = None, args
@@ -51,7 +59,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     config = config if config is not None else in_args
     if config is None:
         raise ValueError("config: expected a DeepSpeed JSON config (dict or path), got None")
-    accelerator = make_device()
+    accelerator = _device(device)
     if dist_init_required is not False:
         _, world = zdist.init_distributed(nccl=accelerator.name == "cuda")  # the batch-size rule needs it
     else:
@@ -73,6 +81,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                              "pass a callable optimizer -> scheduler")
     engine = Engine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
                     lr_scheduler=lr_scheduler, units=units, accelerator=accelerator)
+    checkpointing.attach(accelerator, cfg.activation_checkpointing)
     if scheduler_factory is not None:
         engine.lr_scheduler = scheduler_factory(engine.optimizer)
     loader = None
@@ -81,6 +90,33 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                                     engine.world_size, collate_fn=collate_fn)
     engine.training_dataloader = loader
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _device(device: Any) -> Device:
+    """The engine's device: `device` as a framework chose it, checked against INFINITY_DEVICE
+    and this process's GPU; else `make_device()`'s choice."""
+    if device is None:
+        return make_device()
+    try:
+        wanted = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: expected a torch.device, 'cpu' or 'cuda[:index]', got {device!r}") from None
+    chosen = os.environ.get("INFINITY_DEVICE")
+    if wanted.type == "cpu":
+        if chosen == "cuda":
+            raise ValueError("device: the CPU was asked for, but INFINITY_DEVICE=cuda; unset INFINITY_DEVICE or set "
+                             "it to cpu")
+        return make_device("async-test" if chosen == "async-test" else "cpu")  # the test device computes on the CPU
+    if wanted.type != "cuda":
+        raise ValueError(f"device: infinity computes on CUDA or the CPU, got {wanted}")
+    if chosen in ("cpu", "async-test"):
+        raise ValueError(f"device: {wanted} was asked for, but INFINITY_DEVICE={chosen}; unset INFINITY_DEVICE or "
+                         "set it to cuda")
+    accelerator = make_device("cuda")
+    if wanted.index is not None and accelerator.compute != wanted:
+        raise ValueError(f"device: {wanted} was asked for, but this process's GPU is {accelerator.compute} "
+                         "(LOCAL_RANK, else the current CUDA device); start the process on that GPU")
+    return accelerator
 
 
 def _check_not_partitioned(model: nn.Module) -> None:

@@ -83,7 +83,6 @@ from torch import nn
 import infinity
 from infinity import checkpointing
 from infinity.checkpoint.layout import LATEST, MANIFEST
-from infinity.device import device_kind
 from infinity.engine import Engine
 from infinity.lightning_file import convert_checkpoint, load_full_weights, save_full_weights
 from infinity.zero.registry import owner_of
@@ -191,27 +190,6 @@ def _config_dtype(config: dict) -> torch.dtype:
 
 def _zero_stage(config: dict) -> int:
     return int((config.get("zero_optimization") or {}).get("stage", 0))
-
-
-def _configure_checkpointing(section: dict | None) -> None:
-    """The `activation_checkpointing` section is `infinity.checkpointing`'s (as DeepSpeed's engine
-    hands it to `deepspeed.checkpointing`), not the engine's: it configures that module."""
-    if section is not None:
-        checkpointing.configure(deepspeed_config={"activation_checkpointing": section})
-
-
-def _check_device(root: torch.device) -> None:
-    """Lightning's device and the engine's (infinity.device, from INFINITY_DEVICE or CUDA's
-    presence) must be one: `infinity.initialize` takes no device argument."""
-    kind = device_kind()
-    if root.type == "cuda" and kind != "cuda":
-        raise RuntimeError(f"Lightning runs on {root} but infinity's device is {kind!r} (INFINITY_DEVICE); unset "
-                           "INFINITY_DEVICE or set it to cuda")
-    if root.type == "cpu" and kind == "cuda":
-        raise RuntimeError("Lightning runs on the CPU (accelerator='cpu') but infinity's device is CUDA: set "
-                           "INFINITY_DEVICE=cpu so that the engine computes on the CPU too")
-    if root.type not in ("cpu", "cuda"):
-        raise RuntimeError(f"Lightning runs on {root}; infinity runs on CUDA or the CPU")
 
 
 def _engine_of(module: nn.Module) -> Engine | None:
@@ -389,15 +367,10 @@ class InfinityStrategy(DDPStrategy):
 
     # ---- set-up -------------------------------------------------------------------------------
 
-    def setup_environment(self) -> None:
-        _check_device(self.root_device)
-        super().setup_environment()
-
     def setup(self, trainer: Any) -> None:
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        config, section = self._stage_config(trainer, fitting)
-        _configure_checkpointing(section)
+        config = self._stage_config(trainer, fitting)
         held = _engine_of(self.lightning_module)
         building = held is None or held.closed  # a closed one: initialize() says what happened
         dtype = _config_dtype(config) if building else held.dtype
@@ -412,10 +385,10 @@ class InfinityStrategy(DDPStrategy):
         self.model = self._engine
         self.barrier()
 
-    def _stage_config(self, trainer: Any, fitting: bool) -> tuple[dict, dict | None]:
-        """The engine's config for this trainer, and the activation_checkpointing section."""
+    def _stage_config(self, trainer: Any, fitting: bool) -> dict:
+        """The engine's config for this trainer (its activation_checkpointing section configures
+        infinity.checkpointing when `initialize` builds the engine)."""
         config = copy.deepcopy(self.config)
-        section = config.pop("activation_checkpointing", None)
         if "gradient_accumulation_steps" in config:
             raise ValueError("gradient_accumulation_steps: set by Trainer(accumulate_grad_batches=...); leave it out "
                              "of the config")
@@ -434,12 +407,13 @@ class InfinityStrategy(DDPStrategy):
         if not fitting:
             config.pop("optimizer", None)
             config.pop("scheduler", None)
-        return config, section
+        return config
 
     def _build_engine(self, config: dict, fitting: bool) -> Engine:
         module = self.precision_plugin.convert_module(self.lightning_module)
         if not fitting:
-            engine, *_ = infinity.initialize(model=module, config=config, dist_init_required=False)
+            engine, *_ = infinity.initialize(model=module, config=config, dist_init_required=False,
+                                             device=self.root_device)
             return engine
         optimizer, schedulers = None, []
         if "optimizer" not in config:
@@ -450,7 +424,8 @@ class InfinityStrategy(DDPStrategy):
             optimizer = optimizers[0]
         params = None if optimizer is not None else [p for p in module.parameters() if p.requires_grad]
         engine, zero_optimizer, _, engine_scheduler = infinity.initialize(
-            model=module, optimizer=optimizer, model_parameters=params, config=config, dist_init_required=False)
+            model=module, optimizer=optimizer, model_parameters=params, config=config, dist_init_required=False,
+            device=self.root_device)
         if engine_scheduler is not None:  # the config's: Lightning steps it, as for DeepSpeed
             engine.lr_scheduler = None
             schedulers = [LRSchedulerConfig(engine_scheduler, interval="step")]
@@ -460,7 +435,8 @@ class InfinityStrategy(DDPStrategy):
         return engine
 
     def _take_over(self, engine: Engine, fitting: bool) -> None:
-        """The model is held by a live engine: it is the one that runs it."""
+        """The model is held by a live engine: it is the one that runs it (with its device and
+        activation checkpointing settings, as when it was built)."""
         if fitting and (engine is not self._engine or self._fit_state is None):
             raise RuntimeError("trainer.fit: the model's parameters are held by an engine this strategy did not build "
                                "for training (the one validate/test/predict built, or another Trainer's), and "
@@ -469,6 +445,7 @@ class InfinityStrategy(DDPStrategy):
         if fitting:  # on_train_start checks that a checkpoint gave the optimizer its state
             self.optimizers, self.lr_scheduler_configs = self._fit_state
             self._refit_without_state = True
+        checkpointing.attach(engine.accelerator, engine.config.activation_checkpointing)
         self._engine = engine
 
     def on_train_start(self) -> None:
@@ -655,13 +632,8 @@ class InfinityFabricStrategy(FabricDDPStrategy):
     def zero_stage_3(self) -> bool:
         return _zero_stage(self.config) == 3
 
-    def setup_environment(self) -> None:
-        _check_device(self.root_device)
-        super().setup_environment()
-
     def _engine_config(self, training: bool) -> dict:
         config = copy.deepcopy(self.config)
-        _configure_checkpointing(config.pop("activation_checkpointing", None))
         _add_precision(config, self.precision.precision, self._fp16)
         if not training:
             config.pop("optimizer", None)
@@ -673,7 +645,7 @@ class InfinityFabricStrategy(FabricDDPStrategy):
             raise ValueError(f"optimizers: infinity runs one optimizer, got {len(optimizers)}")
         engine, optimizer, _, scheduler = infinity.initialize(
             model=module, optimizer=optimizers[0], lr_scheduler=scheduler, config=self._engine_config(True),
-            dist_init_required=False)
+            dist_init_required=False, device=self.root_device)
         self._engine = engine
         return engine, [optimizer], scheduler
 
@@ -683,7 +655,7 @@ class InfinityFabricStrategy(FabricDDPStrategy):
             self._engine = held
         else:
             self._engine, *_ = infinity.initialize(model=module, config=self._engine_config(False),
-                                                   dist_init_required=False)
+                                                   dist_init_required=False, device=self.root_device)
         return self._engine
 
     def setup_optimizer(self, optimizer: Any) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -257,10 +258,12 @@ class _MPU:
     ({"contiguous_checkpointing": True, "num_checkpoints": 2}, ValueError,
      "contiguous_memory_optimization: needs partition_activations"),
     ({"contiguous_checkpointing": True, "partition_activations": True}, ValueError, "needs number_checkpoints"),
-    ({"num_checkpoints": 0}, ValueError, "number_checkpoints: expected a positive int"),
+    ({"num_checkpoints": 0}, ValueError, "number_checkpoints: expected an integer >= 1, got 0"),
     ({"checkpoint_in_cpu": "yes"}, TypeError, "cpu_checkpointing: expected true or false"),
     ({"deepspeed_config": {"activation_checkpointing": {"cpu_checkpoint": True}}}, ValueError,
-     "activation_checkpointing.cpu_checkpoint: not a key"),
+     "activation_checkpointing.cpu_checkpoint: unknown key; did you mean activation_checkpointing.cpu_checkpointing"),
+    ({"deepspeed_config": {"activation_checkpointing": {"nvme_path": "/no/such/dir"}}}, ValueError,
+     "activation_checkpointing.nvme_path: directory does not exist: /no/such/dir"),
     ({"mpu_": _MPU(2)}, ValueError, "mpu_: model-parallel world size 2"),
 ])
 def test_configure_errors_name_the_key(kwargs, error, said):
@@ -339,3 +342,158 @@ def test_deepspeed_checkpointing_is_this_module_under_the_alias():
                           cwd=tempfile.gettempdir())  # not the checkout, which would shadow the installed package
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [True, True, True, True]
+
+
+# ---- inputs on NVMe ([Note: checkpointed inputs on NVMe]) ------------------------------------------
+
+
+def _spill_to(path, min_bytes: int = 0, **settings) -> None:
+    """configure(), then infinity's own keys, as a config's section gives them."""
+    section = {"nvme_path": str(path), "nvme_min_bytes": min_bytes, **settings}
+    checkpointing.configure(deepspeed_config={"activation_checkpointing": section})
+
+
+def _written_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("write_bytes:"))
+
+
+def _drain() -> None:
+    """Every spilled checkpoint's write done and reaped: its inputs are on disk only."""
+    time.sleep(0.05)  # the test device lands and reports its copies within 4 ms
+    for frame in (ref() for ref in checkpointing._STATE.frames):
+        if frame is not None and frame.spill is not None:
+            frame.spill.advance()
+            if frame.spill.where is checkpointing._Where.WRITING:
+                frame.spill.finish_write()
+            assert frame.spill.where is checkpointing._Where.ON_DISK
+
+
+def _spill_files(root) -> list[str]:
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.startswith("inputs"))
+
+
+@pytest.mark.parametrize("device", ["async-test", "cpu"])
+@pytest.mark.parametrize("on_host", [False, True])
+@pytest.mark.parametrize("input_grad", [False, True])
+def test_inputs_spilled_to_nvme_give_torchs_gradients_bit_for_bit(tmp_path, monkeypatch, device, on_host, input_grad):
+    monkeypatch.setenv("INFINITY_DEVICE", device)
+    _spill_to(tmp_path, cpu_checkpointing=on_host)
+    ours = _grads("ours", input_grad)
+    assert len(_spill_files(tmp_path)) == 3  # one file per checkpoint alive at once
+    assert all(torch.equal(a, b) for a, b in zip(ours, _grads("torch", input_grad)))
+    ours = _grads("ours", input_grad, seed=1)  # the files again, overwritten in place
+    assert len(_spill_files(tmp_path)) == 3
+    assert all(torch.equal(a, b) for a, b in zip(ours, _grads("torch", input_grad, seed=1)))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="reads /proc/self/io")
+def test_spilled_inputs_leave_memory_for_the_disk_and_come_back(tmp_path, monkeypatch):
+    """The input's own memory goes once its write is done; the bytes reach the disk (the kernel's
+    count of this process's writes to storage, and the file's content), and come back for backward.
+    On the CPU as the device (the test device's copy thread holds its last source a while longer)."""
+    monkeypatch.setenv("INFINITY_DEVICE", "cpu")
+    _spill_to(tmp_path, min_bytes=4096)
+    block = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+    x, gone = _numpy_backed((512, 256))  # 512 KiB
+    expected = x.numpy().tobytes()
+    reference = x.clone()
+    before = _written_bytes()
+    out = checkpointing.checkpoint(block, x)
+    del x
+    _drain()
+    gc.collect()
+    assert not gone.alive  # the checkpoint let go of the input: it is on disk only
+    assert _written_bytes() - before >= len(expected)
+    (path,) = _spill_files(tmp_path)
+    with open(path, "rb") as f:
+        assert f.read(len(expected)) == expected
+    out.sum().backward()
+    grads = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad()
+    block(reference).sum().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, block.parameters()))
+
+
+def test_inputs_under_nvme_min_bytes_stay_in_memory(tmp_path):
+    _spill_to(tmp_path, min_bytes=1 << 20)
+    assert all(torch.equal(a, b) for a, b in zip(_grads("ours"), _grads("torch")))  # inputs of 5 x 32 floats
+    assert _spill_files(tmp_path) == []
+
+
+def test_the_read_of_spilled_inputs_is_issued_ahead_of_their_recompute(tmp_path):
+    _spill_to(tmp_path)
+    layers = _layers()
+    events = []
+    recording = [False]
+
+    def run(i):
+        def block(h):
+            if recording[0]:
+                events.append(("recompute", i))
+            return layers[i](h)
+        return block
+
+    h = torch.randn(5, 16)
+    for i in range(3):
+        h = checkpointing.checkpoint(run(i), h)
+    _drain()
+    handle = checkpointing._STATE.files.handle
+    submit_read = handle.submit_read
+
+    def record(buffer, path, offset=0):
+        events.append(("read", os.path.basename(path)))
+        return submit_read(buffer, path, offset)
+
+    handle.submit_read = record
+    recording[0] = True
+    h.sum().backward()
+    # inputs<i>.bin holds checkpoint i's inputs: each is read when the recompute of the one after it starts
+    assert [e for e in events if e[0] == "read"] == [("read", f"inputs{i}.bin") for i in (2, 1, 0)]
+    assert events.index(("read", "inputs1.bin")) < events.index(("recompute", 2))
+    assert events.index(("read", "inputs0.bin")) < events.index(("recompute", 1))
+
+
+def test_the_spill_directory_goes_with_the_state_and_a_killed_runs_is_removed(tmp_path):
+    _spill_to(tmp_path)
+    _grads("ours")
+    assert len(_spill_files(tmp_path)) == 3
+    checkpointing.reset()
+    gc.collect()
+    assert os.listdir(tmp_path) == []
+    script = textwrap.dedent("""
+        import os, sys, torch
+        from infinity import checkpointing
+        checkpointing.configure(deepspeed_config={"activation_checkpointing": {"nvme_path": sys.argv[1],
+                                                                               "nvme_min_bytes": 0}})
+        out = checkpointing.checkpoint(torch.nn.Linear(64, 64), torch.randn(64, 64))
+        checkpointing._STATE.files.handle.wait()
+        sys.stdout.flush()
+        os.kill(os.getpid(), 9)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          cwd=tempfile.gettempdir())  # not the checkout, which would shadow the installed package
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    assert len(_spill_files(tmp_path)) == 1  # killed outright: left behind
+    _spill_to(tmp_path)
+    _grads("ours")
+    assert len(_spill_files(tmp_path)) == 3  # the leftover was removed when this run claimed its directory
+
+
+def test_initialize_configures_checkpointing_from_its_config_section_and_hands_over_its_device(tmp_path):
+    base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 3}}
+    checkpointing.configure(checkpoint_in_cpu=True, profile=True)
+    engine, *_ = infinity.initialize(model=nn.Linear(4, 4), config=base)
+    assert checkpointing._STATE.config.profile  # no section: the settings stay as configure() left them
+    assert checkpointing._STATE.device is engine.accelerator
+    engine.close()
+    section = {"partition_activations": True, "cpu_checkpointing": True, "number_checkpoints": 4,
+               "nvme_path": str(tmp_path), "nvme_min_bytes": 4096}
+    engine, *_ = infinity.initialize(model=nn.Linear(4, 4), config={**base, "activation_checkpointing": section})
+    cfg = checkpointing._STATE.config
+    assert (cfg.partition_activations, cfg.cpu_checkpointing, cfg.number_checkpoints, cfg.profile) == (True, True, 4,
+                                                                                                       False)
+    assert str(cfg.nvme_path) == str(tmp_path) and cfg.nvme_min_bytes == 4096
+    assert checkpointing._STATE.device is engine.accelerator
+    engine.close()

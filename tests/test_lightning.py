@@ -237,8 +237,19 @@ def test_clipping_by_value_and_a_config_beside_its_arguments_are_refused():
 
 def test_a_device_mismatch_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("INFINITY_DEVICE", "cuda")
-    with pytest.raises(RuntimeError, match="set INFINITY_DEVICE=cpu"):
+    with pytest.raises(ValueError, match="device: the CPU was asked for, but INFINITY_DEVICE=cuda; unset"):
         _trainer(InfinityStrategy(stage=3)).fit(SeedModel(), _data())
+
+
+def test_the_engine_computes_on_the_device_lightning_chose(monkeypatch):
+    """accelerator="cpu" on a machine with a GPU: the engine takes Lightning's root device rather
+    than CUDA's presence (no INFINITY_DEVICE needed)."""
+    monkeypatch.delenv("INFINITY_DEVICE")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model, trainer = _fit(InfinityStrategy(stage=3), ours=True)
+    assert trainer.strategy.engine.accelerator.name == "cpu" and trainer.strategy.root_device.type == "cpu"
+    assert checkpointing._STATE.device is trainer.strategy.engine.accelerator
+    assert len(model.losses) == 8
 
 
 def test_without_lightning_the_import_names_the_extra(tmp_path):

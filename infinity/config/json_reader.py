@@ -12,8 +12,7 @@ Every key falls in exactly one class, and none is silently ignored:
   spell out at their "off" value (`"amsgrad": false`, `"use_gds": false`). Any other value is
   an error. Tables `_DEFAULT_ONLY_*`.
 - a section of such features, accepted when every key in it is at a value that describes what
-  infinity does (`"activation_checkpointing": {"partition_activations": false, ...}`).
-  Tables `_DEFAULTS_ONLY_SECTIONS_*`.
+  infinity does (none at present). Tables `_DEFAULTS_ONLY_SECTIONS_*`.
 - a DeepSpeed key infinity does not implement: an error "DeepSpeed key not implemented by
   infinity", whatever its value. Tables `_NOT_IMPLEMENTED_*`.
 - anything else: an unknown key, an error naming the closest valid key.
@@ -34,6 +33,7 @@ from typing import Any
 from infinity.config._checks import _bool, _float, _int, _join, _show, _size
 from infinity.config.sections import (
     AIOConfig,
+    ActivationCheckpointingConfig,
     AdamParams,
     BF16Config,
     BatchConfig,
@@ -68,7 +68,7 @@ def _fraction(value: Any, path: str) -> float:
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _ROOT_SCALARS = ("gradient_clipping", "steps_per_print", "wall_clock_breakdown")
 _ROOT_SECTIONS = ("fp16", "bf16", "bfloat16", "optimizer", "scheduler", "zero_optimization", "aio", "trace",
-                  "checkpoint", "data_types")
+                  "checkpoint", "data_types", "activation_checkpointing")
 
 _NO_EFFECT_ROOT: dict[str, _Check] = {
     "zero_allow_untested_optimizer": _bool,
@@ -98,11 +98,6 @@ _NOT_IMPLEMENTED_ROOT: dict[str, str] = {
 
 # Each key with the values that describe what infinity does (DeepSpeed's default first).
 _DEFAULTS_ONLY_SECTIONS_ROOT: dict[str, dict[str, tuple[Any, ...]]] = {
-    "activation_checkpointing": {  # DeepSpeed's own checkpointing API, off: torch's checkpoint works
-        "partition_activations": (False,), "contiguous_memory_optimization": (False,),
-        "cpu_checkpointing": (False,), "number_checkpoints": (None,),
-        "synchronize_checkpoint_boundary": (False,), "profile": (False,),
-    },
 }
 
 _DEFAULT_ONLY_CHECKPOINT: dict[str, Any] = {"load_universal": False, "use_node_local_storage": False}
@@ -367,8 +362,17 @@ def _parse_root(raw: Any, world_size: int) -> InfinityConfig:
         checkpoint=_parse_section(keys.get("checkpoint", {}), "checkpoint", CheckpointConfig,
                                   no_effect=_NO_EFFECT_CHECKPOINT, default_only=_DEFAULT_ONLY_CHECKPOINT),
         data_types=_parse_section(keys.get("data_types", {}), "data_types", DataTypesConfig),
+        activation_checkpointing=(parse_activation_checkpointing(keys["activation_checkpointing"])
+                                  if "activation_checkpointing" in keys else None),
         **{name: keys[name] for name in _ROOT_SCALARS if name in keys},
     )
+
+
+def parse_activation_checkpointing(raw: Any) -> ActivationCheckpointingConfig:
+    """The `activation_checkpointing` section alone (`infinity.checkpointing.configure` reads
+    only it from a DeepSpeed config, as DeepSpeed's does); null is the defaults."""
+    return _parse_section({} if raw is None else raw, ActivationCheckpointingConfig._PATH,
+                          ActivationCheckpointingConfig)
 
 
 def _parse_batch(keys: Mapping[str, Any], world_size: int) -> BatchConfig:

@@ -624,6 +624,44 @@ def _steps_per_print(value: Any, path: str) -> int | None:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ActivationCheckpointingConfig:
+    """DeepSpeed's activation checkpointing settings (section `activation_checkpointing`), read by
+    `infinity.checkpointing` ([Note: the keys without model parallelism] there), plus infinity's
+    own spill of checkpointed inputs to NVMe ([Note: checkpointed inputs on NVMe] there)."""
+
+    _PATH: ClassVar[str] = "activation_checkpointing"
+
+    partition_activations: bool = _spec(_bool, default=False)
+    """Accepted; with no model parallelism a rank's partition of an input is the whole input."""
+    contiguous_memory_optimization: bool = _spec(_bool, default=False)
+    """Host copies of `number_checkpoints` checkpoints in one arena of equal slots."""
+    cpu_checkpointing: bool = _spec(_bool, default=False)
+    """Checkpointed inputs kept in page-locked host memory between forward and recompute."""
+    number_checkpoints: int | None = _spec(_optional(_int), minimum=1, default=None)
+    """Checkpoints alive at once (the arena's slots); needed by contiguous_memory_optimization."""
+    synchronize_checkpoint_boundary: bool = _spec(_bool, default=False)
+    """Synchronize the device around each checkpoint's forward and recompute."""
+    profile: bool = _spec(_bool, default=False)
+    """Log each checkpoint's forward and recompute time."""
+    nvme_path: Path | None = _spec(_optional(_directory), default=None)
+    """(infinity) An existing directory on NVMe: the inputs of each checkpoint of at least
+    `nvme_min_bytes` are written there after its forward, through the aio handle, and read back
+    ahead of its recompute, instead of staying in memory; None keeps them in memory."""
+    nvme_min_bytes: int = _spec(_size, default=1 << 20)
+    """(infinity) With nvme_path, a checkpoint whose floating-point inputs take fewer bytes keeps
+    them in memory (a spill costs a file extent and two transfers: worth it for long sequences)."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        if self.contiguous_memory_optimization and not self.partition_activations:
+            raise ValueError(f"{_join(self._PATH, 'contiguous_memory_optimization')}: needs partition_activations "
+                             "true, as in DeepSpeed")
+        if self.contiguous_memory_optimization and self.number_checkpoints is None:
+            raise ValueError(f"{_join(self._PATH, 'contiguous_memory_optimization')}: needs number_checkpoints (the "
+                             "checkpoints alive at once, which size its buffer), as in DeepSpeed")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class InfinityConfig:
     """A whole job's configuration: one sub-config per DeepSpeed section, plus top-level keys."""
 
@@ -647,6 +685,11 @@ class InfinityConfig:
     """The step timeline (infinity's own section)."""
     checkpoint: CheckpointConfig = _spec(_instance, CheckpointConfig, factory=CheckpointConfig)
     """Checkpoints kept by save_checkpoint."""
+    activation_checkpointing: ActivationCheckpointingConfig | None = _spec(
+        _optional(_instance), ActivationCheckpointingConfig, default=None)
+    """What `infinity.checkpointing` does with checkpointed inputs: `initialize` configures it
+    with this section, as `checkpointing.configure(deepspeed_config=...)` would; None (no such
+    section) leaves it as it is."""
     data_types: DataTypesConfig = _spec(_instance, DataTypesConfig, factory=DataTypesConfig)
     """Data types of the training state; gradients accumulate in fp32 whatever it says."""
     gradient_clipping: float = _spec(_float, minimum=0.0, default=1.0)

@@ -46,6 +46,10 @@ class Device:
         """Whether the copy is complete, without blocking."""
         raise NotImplementedError
 
+    def synchronize(self) -> None:
+        """Blocks until the work issued on the device, compute and copies, is complete (a CPU
+        computes synchronously: nothing to wait for)."""
+
     # ---- small, synchronous moves ---------------------------------------------------------
 
     def move(self, tree: Any) -> Any:

@@ -73,6 +73,9 @@ class CudaDevice(Device):
     def done(self, x: InFlight) -> bool:
         return x.fence.query()
 
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.compute)
+
     def host(self, t: torch.Tensor) -> torch.Tensor:
         return t.to("cpu", copy=True)  # synchronous: the host reads it next
 

@@ -137,7 +137,7 @@ class NvmeStore:
 
         for directory in remove_stale(root, "infinity-*/rank*"):
             logger.warning("removed %s, left by a process that no longer runs", directory)
-        self._lock = _claim(os.path.join(root, f"infinity-{job_id}", f"rank{int(rank)}"), name)
+        self._lock = _claim(os.path.join(root, f"infinity-{job_id}", f"rank{int(rank)}"), config_key(name, "nvme_path"))
         self._directory = self._lock.directory
         self._files, self._extents = _plan(self._directory, layout)
         try:
@@ -259,6 +259,38 @@ class NvmeStore:
             )
 
 
+class NvmeDirectory:
+    """A claimed, private directory `<nvme_path>/infinity-<job_id>/rank<rank>[.<n>]/` for files
+    whose sizes are not known up front (checkpointed activations), under the rules of a store:
+    stale ones removed first, the lock, removal on close, garbage collection, exit or a signal
+    ([Note: cleanup on exit], [Note: stores of one process]). `key` names the setting in errors."""
+
+    def __init__(self, nvme_path: str | os.PathLike, *, job_id: str, rank: int = 0, key: str) -> None:
+        root = _check_nvme_path(key, nvme_path)
+        if not _JOB_ID.fullmatch(job_id):
+            raise ValueError(f"job_id: expected letters, digits, '.', '_' or '-', got {job_id!r}")
+        for directory in remove_stale(root, "infinity-*/rank*"):
+            logger.warning("removed %s, left by a process that no longer runs", directory)
+        lock = _claim(os.path.join(root, f"infinity-{job_id}", f"rank{int(rank)}"), key)
+        try:
+            os.mkdir(lock.directory, 0o700)
+        except BaseException:
+            lock.release()
+            rmdir_if_empty(os.path.dirname(lock.directory))
+            raise
+        self.directory = lock.directory
+        self._finalizer = weakref.finalize(self, _finish, lock, False)
+        _register_signal_cleanup(self._finalizer)
+
+    def close(self) -> None:
+        """Removes the directory and what is in it (idempotent)."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+
 def _check_nvme_path(key: str, nvme_path: Any) -> str:
     if not isinstance(nvme_path, (str, os.PathLike)):
         raise TypeError(f"{key}: expected a path, got {nvme_path!r}")
@@ -270,9 +302,9 @@ def _check_nvme_path(key: str, nvme_path: Any) -> str:
     return root
 
 
-def _claim(directory: str, name: str) -> DirectoryLock:
+def _claim(directory: str, key: str) -> DirectoryLock:
     """The lock of `directory`, or of the first `<directory>.<n>` free when a store of this
-    process holds it ([Note: stores of one process])."""
+    process holds it ([Note: stores of one process]); `key` names the setting in errors."""
     candidate = directory
     for n in range(1, 1 << 16):
         try:
@@ -286,7 +318,7 @@ def _claim(directory: str, name: str) -> DirectoryLock:
             else:
                 hint = f"cannot create the store's directory under {os.path.dirname(os.path.dirname(directory))}: " \
                        "nvme_path must be a writable directory"
-            raise OSError(e.errno, f"{config_key(name, 'nvme_path')}: {e.strerror}; {hint}", e.filename) from None
+            raise OSError(e.errno, f"{key}: {e.strerror}; {hint}", e.filename) from None
     raise AssertionError("unreachable: 65535 stores of one process under one job and rank")
 
 
