@@ -29,6 +29,7 @@ from infinity.signals import SignalGate, deferred_signals
 from infinity.timeline import TIMELINE
 from infinity.zero import dist as zdist
 from infinity.zero.fetcher import Fetcher
+from infinity.zero.host_budget import resolve_max_in_cpu
 from infinity.zero.hooks import UnitHooks
 from infinity.zero.init import DeferredInit, is_deferred
 from infinity.zero.loss_scaler import LossScaler
@@ -100,6 +101,7 @@ class Engine(ConfigGetters):
 
         zero = config.zero
         self.units, modules = self._build_units(model, groups, units)
+        self.config = config = resolve_max_in_cpu(config, self.units)  # [Note: host memory before the disk]
         self.params = self._param_tier()
         self.optim_state = self._optimizer_tier()
         deferred = DeferredInit(model) if is_deferred(model) else None  # [Note: deferred initialisation]
@@ -178,15 +180,18 @@ class Engine(ConfigGetters):
         offload = self.config.zero.offload_optimizer
         if offload.device == "nvme" and any(u.trainable for u in self.units):  # else no state, no files
             from infinity.zero.nvme_optim import NvmeOptimizerState
+            from infinity.zero.split_optim import split_by_budget
             # A gradient outlives its backward unless it feeds its unit's update at once.
             at_once = {u.index for u in self.units if self.update_in_backward and not u.persistent and u.trainable}
             if self.config.batch.gradient_accumulation_steps > 1:
                 at_once = set()
-            return NvmeOptimizerState(self.accelerator, offload, self.config.aio, self.config.zero.sub_group_size,
-                                      rank=self.rank,
-                                      units=[u for u in self.units if u.trainable], no_accumulator=at_once,
-                                      update_order=self._expected_update_order(),
-                                      deferred=not self.update_in_backward)
+            order = self._expected_update_order()
+            # [Note: host memory before the disk] in zero/host_budget.py: max_in_cpu elements stay in memory.
+            return split_by_budget(self.accelerator, offload.max_in_cpu, [u for u in self.units if u.trainable], order,
+                                   lambda units: NvmeOptimizerState(
+                                       self.accelerator, offload, self.config.aio, self.config.zero.sub_group_size,
+                                       rank=self.rank, units=units, no_accumulator=at_once, update_order=order,
+                                       deferred=not self.update_in_backward))
         return ResidentOptimizerState(self.accelerator, on_device=offload.device == "none",
                                       units=[u for u in self.units if u.trainable])
 

@@ -16,7 +16,8 @@ Every key falls in exactly one class, and none is silently ignored:
 - a DeepSpeed key infinity does not implement: an error "DeepSpeed key not implemented by
   infinity", whatever its value. Tables `_NOT_IMPLEMENTED_*`.
 - anything else: an unknown key, an error naming the closest valid key.
-The value "auto" (Hugging Face's convention) is an error anywhere: the caller resolves it.
+The value "auto" (Hugging Face's convention) is an error anywhere but in the two `max_in_cpu`
+keys, which infinity resolves itself from the host's free memory: the caller resolves it.
 """
 
 from __future__ import annotations
@@ -232,8 +233,12 @@ def _auto_paths(value: Any, path: str) -> list[str]:
     return []
 
 
+# "auto" that infinity resolves itself ([Note: host memory before the disk] in zero/host_budget.py).
+_OWN_AUTO = frozenset({"zero_optimization.offload_param.max_in_cpu", "zero_optimization.offload_optimizer.max_in_cpu"})
+
+
 def _reject_auto(raw: Any) -> None:
-    paths = _auto_paths(raw, "")
+    paths = [path for path in _auto_paths(raw, "") if path not in _OWN_AUTO]
     if paths:
         raise ValueError(
             f'{", ".join(paths)}: "auto" must be resolved before the config reaches infinity. '

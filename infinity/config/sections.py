@@ -378,6 +378,11 @@ class SchedulerConfig:
         _check(self, "params", _instance, _SCHEDULER_PARAMS[self.type])
 
 
+def _size_or_auto(value: Any, path: str) -> int | str:
+    """A size (`_size`), or "auto": the engine derives it from the host's free memory."""
+    return "auto" if value == "auto" else _size(value, path)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OffloadParamConfig:
     """Where parameter shards live between uses (`zero_optimization.offload_param`, stage 3)."""
@@ -392,8 +397,9 @@ class OffloadParamConfig:
     """Host buffers in the pool that parameter shards are read into from NVMe."""
     buffer_size: int = _spec(_size, default=100_000_000)
     """Elements per host buffer (raised to the largest unit shard, with a warning)."""
-    max_in_cpu: int = _spec(_size, default=1_000_000_000)
-    """Parameter elements kept cached in host memory when offloading to NVMe."""
+    max_in_cpu: int | str = _spec(_size_or_auto, default=1_000_000_000)
+    """Parameter elements kept cached in host memory when offloading to NVMe; "auto": as many as
+    the host's free memory allows ([Note: host memory before the disk] in zero/host_budget.py)."""
     pin_memory: bool = _spec(_bool, default=True)
     """Page-lock the host buffers (pinned with a GPU, mlocked without): asynchronous device copies
     and faster O_DIRECT. false leaves them pageable."""
@@ -424,6 +430,10 @@ class OffloadOptimizerConfig:
     """Write the previous sub-group's state to NVMe while the current one is updated."""
     fast_init: bool = _spec(_bool, default=False)
     """Skip the initial write-out of optimizer state when creating it on NVMe."""
+    max_in_cpu: int | str = _spec(_size_or_auto, default=0)
+    """(infinity) Optimizer-state elements (fp32 master, exp_avg, exp_avg_sq) kept in host memory
+    with device "nvme", whole units at a time; the others' state lives on NVMe. "auto": as many as
+    the host's free memory allows ([Note: host memory before the disk] in zero/host_budget.py)."""
     max_grad_in_cpu: int = _spec(_size, default=1_000_000_000)
     """(infinity) fp32 gradient elements kept in host memory with device "nvme" while they
     accumulate for the step; the gradients of the units beyond it spill to the NVMe store. Not

@@ -1,0 +1,154 @@
+"""`offload_optimizer.max_in_cpu` and "auto" ([Note: host memory before the disk] in
+infinity/zero/host_budget.py): the state of the units kept in host memory never touches the disk,
+the numbers are those of everything on NVMe to the bit, and "auto" budgets from free memory."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+
+import pytest
+import torch
+
+import infinity
+from gpt import TinyGPT, batches, config, engine_run
+from infinity.config import load_config
+from infinity.zero.host_budget import resolve_max_in_cpu, units_in_memory
+from infinity.zero.optim_shards import ResidentOptimizerState
+
+STEPS = 4
+
+
+def _config(nvme, budget, *, clip: float = 1.0, param: str = "cpu") -> dict:
+    cfg = config(3, param, "nvme", clip=clip)
+    z = cfg["zero_optimization"]
+    z["offload_optimizer"].update(nvme_path=str(nvme), buffer_count=9, max_in_cpu=budget)
+    if param == "nvme":
+        z["offload_param"].update(nvme_path=str(nvme), buffer_count=4, max_in_cpu=0)
+    z.update(sub_group_size=4096, stage3_max_reuse_distance=0)
+    cfg["aio"] = {"engine": "psync"}  # pread/pwrite from this process: /proc/self/io counts them
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return TinyGPT()
+
+
+def _trainable(engine):
+    return [u for u in engine.units if u.trainable]
+
+
+def _half(model, tmp_path) -> int:
+    """Half the trainable elements, as a budget."""
+    (tmp_path / "probe").mkdir()
+    engine, *_ = infinity.initialize(copy.deepcopy(model), config=_config(tmp_path / "probe", 0))
+    total = sum(u.train_shard_numel for u in _trainable(engine))
+    engine.close()
+    return total // 2
+
+
+def _disk_bytes() -> int:
+    with open("/proc/self/io") as f:
+        fields = dict(line.split(": ") for line in f.read().splitlines())
+    return int(fields["read_bytes"]) + int(fields["write_bytes"])
+
+
+def _train(model, nvme, budget, clip: float = 1.0, param: str = "cpu"):
+    """(engine after STEPS steps, losses, bytes the process moved to and from the disk in them)."""
+    nvme.mkdir(exist_ok=True)
+    engine, *_ = infinity.initialize(copy.deepcopy(model), config=_config(nvme, budget, clip=clip, param=param))
+    data = batches(STEPS, 4)
+    engine_run(engine, data[:1], gas=1)  # the first step records the order
+    before = _disk_bytes()
+    losses = engine_run(engine, data[1:], gas=1)
+    engine.optim_state.flush()
+    return engine, losses, _disk_bytes() - before
+
+
+def _optimizer_file_bytes(nvme) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(nvme) for f in files
+               if "optimizer" in d)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs /proc/self/io")
+@pytest.mark.parametrize("clip", [1.0, 0.0])
+def test_half_the_budget_moves_half_the_bytes_with_the_same_numbers(tmp_path, model, clip):
+    half = _half(model, tmp_path)
+    whole, losses, moved = _train(model, tmp_path / "all", 0, clip)
+    split, split_losses, split_moved = _train(model, tmp_path / "split", half, clip)
+    kept = split.optim_state.kept
+    units = _trainable(split)
+    on_disk = sum(u.train_shard_numel for u in units if u.index not in kept)
+    total = sum(u.train_shard_numel for u in units)
+    assert 0 < len(kept) < len(units) and sum(u.train_shard_numel for u in units if u.index in kept) <= half
+    # The disk holds, and the process moves, the state of the units not kept: about half.
+    assert _optimizer_file_bytes(tmp_path / "split") / _optimizer_file_bytes(tmp_path / "all") == \
+        pytest.approx(on_disk / total, rel=0.05)
+    assert moved > 0 and split_moved / moved == pytest.approx(on_disk / total, rel=0.15)
+    assert 0.3 < on_disk / total < 0.7
+    # Bit for bit the numbers of everything on NVMe.
+    assert split_losses == losses
+    for a, b in zip(_trainable(whole), units, strict=True):
+        for kind, value in whole.optim_state.state(a).items():
+            assert torch.equal(split.optim_state.state(b)[kind], value), (a.index, kind)
+    for name, value in whole.consolidated_state_dict().items():
+        assert torch.equal(split.consolidated_state_dict()[name], value), name
+    whole.close()
+    split.close()
+
+
+def test_a_budget_that_holds_everything_writes_no_optimizer_file(tmp_path, model):
+    engine, _, moved = _train(model, tmp_path / "nvme", 10 ** 9)
+    assert isinstance(engine.optim_state, ResidentOptimizerState) and _optimizer_file_bytes(tmp_path / "nvme") == 0
+    engine.close()
+
+
+def test_the_units_kept_fill_the_budget_first_fit_in_update_order(tmp_path, model):
+    (tmp_path / "nvme").mkdir()
+    engine, *_ = infinity.initialize(copy.deepcopy(model), config=_config(tmp_path / "nvme", 0))
+    units = _trainable(engine)
+    order = [u.index for u in reversed(units)]
+    sizes = {u.index: u.train_shard_numel for u in units}
+    budget = sizes[order[0]] + sizes[order[2]]
+    kept = [u.index for u in units_in_memory(units, budget, order)]
+    assert kept[:2] == [order[0], order[2]] or sizes[order[1]] <= budget - sizes[order[0]]
+    assert sum(sizes[i] for i in kept) <= budget and kept[0] == order[0]
+    assert units_in_memory(units, 0, order) == []
+    engine.close()
+
+
+def test_auto_budgets_from_free_memory_and_says_so(tmp_path, model, caplog):
+    caplog.set_level(logging.INFO, logger="infinity")
+    cfg = _config(tmp_path / "nvme", "auto", param="nvme")
+    cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = "auto"
+    (tmp_path / "nvme").mkdir()
+    engine, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
+    units = _trainable(engine)
+    assert engine.config.zero.offload_optimizer.max_in_cpu == sum(u.train_shard_numel for u in units)
+    assert engine.config.zero.offload_param.max_in_cpu == sum(u.shard_numel for u in engine.units)
+    assert isinstance(engine.optim_state, ResidentOptimizerState) and _optimizer_file_bytes(tmp_path / "nvme") == 0
+    assert 'max_in_cpu "auto"' in caplog.text and "GiB of host memory available" in caplog.text
+    engine.close()
+
+    # Little memory free: the budget is what is left after the margin, and the rest goes to NVMe.
+    config_ = load_config(cfg)
+    total = sum(u.train_shard_numel for u in units)
+    margin_only = resolve_max_in_cpu(config_, engine.units, available=0, total_memory=64 << 30)
+    assert margin_only.zero.offload_optimizer.max_in_cpu == 0 and margin_only.zero.offload_param.max_in_cpu == 0
+    generous = resolve_max_in_cpu(config_, engine.units, available=256 << 30, total_memory=64 << 30)
+    assert generous.zero.offload_optimizer.max_in_cpu == total
+
+
+def test_auto_is_accepted_only_where_infinity_resolves_it():
+    minimal = {"train_micro_batch_size_per_gpu": 1}
+    cfg = load_config({**minimal, "zero_optimization": {"offload_optimizer": {"max_in_cpu": "auto"},
+                                                        "offload_param": {"max_in_cpu": "auto"}}})
+    assert cfg.zero.offload_optimizer.max_in_cpu == cfg.zero.offload_param.max_in_cpu == "auto"
+    assert load_config(minimal).zero.offload_optimizer.max_in_cpu == 0
+    with pytest.raises(ValueError, match='zero_optimization.sub_group_size: "auto" must be resolved'):
+        load_config({**minimal, "zero_optimization": {"sub_group_size": "auto"}})
+    with pytest.raises(ValueError, match="offload_optimizer.max_in_cpu: expected a whole number"):
+        load_config({**minimal, "zero_optimization": {"offload_optimizer": {"max_in_cpu": "lots"}}})
