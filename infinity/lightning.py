@@ -19,7 +19,10 @@ training step's forward is `engine(...)` (Lightning's forward redirection, as fo
 backward `engine.backward(loss)`, and every optimizer step Lightning takes, one per micro-batch
 since the engine counts the accumulation (`accumulate_grad_batches` becomes
 `gradient_accumulation_steps`, `gradient_clip_val` becomes `gradient_clipping`), is
-`engine.step()`. `configure_optimizers`' optimizer goes to `infinity.initialize` as a client
+`engine.step()`. The engine computes on Lightning's root device (`infinity.initialize(device=...)`,
+which refuses an INFINITY_DEVICE that says otherwise), and the config's `activation_checkpointing`
+section configures `infinity.checkpointing` when the engine is built.
+`configure_optimizers`' optimizer goes to `infinity.initialize` as a client
 optimizer; its scheduler stays Lightning's, which steps it at accumulation boundaries (the engine
 reads the learning rates from the optimizer's own param groups). A model's parameters live in
 the engine that partitioned them, and only there: the engine outlives `fit` (the model stays
@@ -27,7 +30,8 @@ usable, and its NVMe files stay until the model is garbage, or until `strategy.e
 after which the model is gone), and `validate` / `test` / `predict` on a model an engine holds run
 on that engine (`trainer.test(ckpt_path=...)` after `fit` loads the checkpoint into it, without the
 optimizer states, as DeepSpeed's strategy does). On a model no engine holds they build an engine
-without an optimizer. A second `fit` of the same Trainer on the same model runs on its engine too,
+without an optimizer, beside any other engine of the process, on the same nvme_path too ([Note:
+stores of one process] in infinity/tiers/store.py). A second `fit` of the same Trainer on the same model runs on its engine too,
 but Lightning starts every fit with a fresh optimizer, which an engine cannot take: it must come
 with `ckpt_path=` (the engine loads the optimizer state from it, as plain Lightning does), else
 it is an error at the start of training. A model held by an engine without an optimizer, or by

@@ -225,6 +225,24 @@ def test_a_config_file_is_the_engines_and_its_checkpointing_section_is_infinity_
     assert (config.partition_activations, config.cpu_checkpointing, config.number_checkpoints) == (True, True, 2)
 
 
+def test_checkpointed_inputs_spilled_to_nvme_train_as_plain_lightning(tmp_path):
+    """infinity's own activation_checkpointing.nvme_path: each checkpoint's input goes to a file and
+    comes back for its recompute, and the losses and weights are plain Lightning's."""
+    os.makedirs(tmp_path / "nvme")
+    config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "nvme")},
+                                    "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "nvme"),
+                                                          "buffer_count": 9}},
+              "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True,
+                                           "nvme_path": str(tmp_path / "nvme"), "nvme_min_bytes": 0}}
+    plain, _ = _fit("auto", ours=False)
+    model, trainer = _fit(InfinityStrategy(config=config), ours=True)
+    assert _close(model.losses, plain.losses), (model.losses, plain.losses)
+    spilled = glob.glob(str(tmp_path / "nvme" / "infinity-*-activations" / "rank0" / "inputs*.bin"))
+    assert spilled and all(os.path.getsize(f) >= 8 * 32 * 4 for f in spilled)  # a batch's 8 x 32 fp32 input
+    got = trainer.strategy.engine.consolidated_state_dict()
+    assert all((got[k] - v).abs().max() < 1e-4 for k, v in plain.state_dict().items())
+
+
 def test_clipping_by_value_and_a_config_beside_its_arguments_are_refused():
     model = SeedModel()
     with pytest.raises(ValueError, match="gradient_clip_algorithm='value'"):
