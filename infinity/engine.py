@@ -79,6 +79,10 @@ class Engine(ConfigGetters):
         self._grad_norm: float | None = None
         self._step_applied = False
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary's, until the step
+        # The caller sets the boundary after each forward (accelerate): forwards expect it from the
+        # count of passes instead ([Note: the boundary of a pass] in zero/step_policy.py).
+        self._boundary_after_forward = False
+        self._counted_in_accumulation = 0  # micro-steps step() counted in the accumulation under way
         self.global_samples = 0  # samples over all ranks in the steps taken (DeepSpeed's counter)
         self.training_dataloader: Any = None  # initialize(training_data=...)'s loader
         self._values_cache: dict[int, torch.Tensor] | None = None  # [Note: state dict values]
@@ -218,7 +222,7 @@ class Engine(ConfigGetters):
             if training:
                 self.hooks.reset_backward()
                 self._maybe_start_trace()
-                self.policy.begin_pass(last=self.is_gradient_accumulation_boundary())
+                self.policy.begin_pass(last=self._expected_boundary())
         args, kwargs = self.accelerator.move((args, kwargs))  # inputs go where the model computes
         try:
             with TIMELINE.span("forward", "phase"):
@@ -245,6 +249,7 @@ class Engine(ConfigGetters):
             raise RuntimeError("engine.backward: this engine has no optimizer (the config has no 'optimizer' section "
                                "and none was passed to initialize), so it is for inference; give one to train")
         self.lifecycle.begin_backward(self.config.batch.gradient_accumulation_steps)
+        self.policy.confirm_boundary(self.is_gradient_accumulation_boundary())  # [Note: the boundary of a pass]
         t0 = time.perf_counter()
         gas_scale = 1.0 / self.config.batch.gradient_accumulation_steps if scale_wrt_gas else 1.0
         scale = gas_scale
@@ -271,10 +276,11 @@ class Engine(ConfigGetters):
         for unit in self.units:  # what autograd accumulated before the failure, not handed on yet
             for slot in unit.slots:
                 slot.param.grad = None
-        if dropped := self.micro_steps % self.config.batch.gradient_accumulation_steps:
+        if dropped := self.policy.passes:
             log.warning("infinity: %s; the %d earlier micro-batches of this accumulation are discarded, and the "
                         "next micro-batch starts a new one", what, dropped)
-        self.micro_steps -= dropped
+        self.micro_steps -= self._counted_in_accumulation
+        self._counted_in_accumulation = 0
         if self.update_in_backward and self.policy.last_micro:
             self.lifecycle.step_failed("a backward that updates units as their gradients are final failed")
         self.policy.abandon()
@@ -304,17 +310,21 @@ class Engine(ConfigGetters):
             return self._boundary_override
         return (self.micro_steps + 1) % self.config.batch.gradient_accumulation_steps == 0
 
+    def _expected_boundary(self) -> bool:
+        """What a training forward expects its backward to find ([Note: the boundary of a pass])."""
+        if self._boundary_after_forward:
+            return (self.policy.passes + 1) % self.config.batch.gradient_accumulation_steps == 0
+        return self.is_gradient_accumulation_boundary()
+
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """Overrides the count (Accelerate calls it with its `sync_gradients`): whether the next
-        micro-step ends an accumulation. Decide it before that micro-batch's forward, which is
-        when the engine plans what the backward reduces and updates."""
+        """Overrides the count: whether the micro-step under way (or, between micro-steps, the
+        next one) ends an accumulation. accelerate calls it with its `sync_gradients` after each
+        forward, before the backward, which is where the boundary takes effect ([Note: the
+        boundary of a pass] in zero/step_policy.py)."""
         if not isinstance(is_boundary, bool):
             raise TypeError(f"is_boundary: expected a bool, got {is_boundary!r}")
-        if self.lifecycle.phase in (Phase.FORWARD, Phase.BACKWARD, Phase.ACCUMULATED, Phase.BOUNDARY) \
-                and is_boundary != self.policy.last_micro:
-            raise RuntimeError("set_gradient_accumulation_boundary: the forward of this micro-batch has run as "
-                               f"{'the last' if self.policy.last_micro else 'not the last'} of its accumulation; "
-                               "set the boundary before the forward")
+        if self.lifecycle.set_boundary(is_boundary, used=self.policy.last_micro):
+            self._boundary_after_forward = True
         self._boundary_override = is_boundary
 
     def step(self, lr_kwargs: dict | None = None) -> None:
@@ -329,6 +339,7 @@ class Engine(ConfigGetters):
             raise
         finally:
             self.micro_steps += 1
+            self._counted_in_accumulation = 0 if applies else self._counted_in_accumulation + 1
         if applies:
             self.lifecycle.end_step(ok=True)  # held signal handlers run now ([Note: signals at step boundaries])
 
@@ -470,6 +481,7 @@ class Engine(ConfigGetters):
         """New values were loaded: nothing of the step before them carries over."""
         self.lifecycle.loaded()
         self.policy.reset_accumulation()
+        self._counted_in_accumulation = 0
         self._grad_norm = None
         self._values_cache = None
 

@@ -16,7 +16,8 @@ A micro-step is a forward, its backward and a `step()`. The engine is in exactly
   IDLE          between micro-steps; no pass open (an accumulation may be part way: its
                 gradients are in the optimizer tier's accumulators).
   FORWARD       a training forward ran (or runs); its backward has not. Units it gathered are
-                released as it goes; the boundary may still be set (accelerate sets it here).
+                released as it goes; the boundary may still be set (accelerate sets it here:
+                [Note: the boundary of a pass] in zero/step_policy.py).
   BACKWARD      `engine.backward` runs: gradients are reduced and handed to the optimizer tier,
                 units may be updated as their gradients become final ([Note: update during
                 backward] in zero/step_policy.py).
@@ -31,7 +32,9 @@ A micro-step is a forward, its backward and a `step()`. The engine is in exactly
 
 So `backward()` may be called in FORWARD only; `step()` anywhere but BACKWARD, STEPPING,
 CHECKPOINTING and CLOSED (in IDLE or FORWARD it counts a micro-step and applies nothing, as
-DeepSpeed's does). Beside the phase, the health says whether the values are those of a step:
+DeepSpeed's does); `set_gradient_accumulation_boundary` anywhere open, but from BACKWARD to the
+end of STEPPING only with the value the backward used. Beside the phase, the health says
+whether the values are those of a step:
 
   SOUND         they are.
   STEP_FAILED   a `step()` raised part way: no checkpoint is taken until a step or a load
@@ -139,6 +142,17 @@ class Lifecycle:
         if self.phase in (Phase.FORWARD, Phase.BACKWARD):
             self.phase = Phase.IDLE
             self._let_go()
+
+    def set_boundary(self, is_boundary: bool, used: bool) -> bool:
+        """`set_gradient_accumulation_boundary(is_boundary)`; `used`: the boundary the pass
+        under way expects. True when it decides the pass under way (FORWARD: its backward has not
+        run), False when the next pass; raises once a backward has used another value."""
+        self.check_open()
+        if self.phase in (Phase.BACKWARD, Phase.BOUNDARY, Phase.STEPPING) and is_boundary != used:
+            raise RuntimeError("set_gradient_accumulation_boundary: the backward of this micro-batch has run as "
+                               f"{'the last' if used else 'not the last'} of its accumulation; set the boundary "
+                               "before the backward")
+        return self.phase is Phase.FORWARD
 
     @property
     def in_pass(self) -> bool:

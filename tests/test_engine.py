@@ -383,9 +383,15 @@ def test_deepspeed_getters(model):
     loss = engine(idx, tgt)
     assert engine.backward(loss).item() == loss.item() / 2  # scaled for accumulation, as DeepSpeed returns it
     engine.step()
-    engine(idx, tgt)  # planned by the count
-    with pytest.raises(RuntimeError, match="set_gradient_accumulation_boundary: the forward of this micro-batch"):
-        engine.set_gradient_accumulation_boundary(not engine.is_gradient_accumulation_boundary())
+    steps = engine.global_steps
+    loss = engine(idx, tgt)  # expected by the count: not a boundary
+    assert not engine.is_gradient_accumulation_boundary()
+    engine.set_gradient_accumulation_boundary(True)  # accelerate's: after the forward, before the backward
+    engine.backward(loss)
+    with pytest.raises(RuntimeError, match="set_gradient_accumulation_boundary: the backward of this micro-batch"):
+        engine.set_gradient_accumulation_boundary(False)
+    engine.step()
+    assert engine.global_steps == steps + 1 and engine.was_step_applied()
     engine.close()
 
 

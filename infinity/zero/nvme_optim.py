@@ -192,10 +192,15 @@ class NvmeOptimizerState:
 
     def begin_pass(self, last: bool) -> None:
         """A training forward starts; `last`: the accumulation boundary's, whose gradients are
-        final. State reads start now, under forward ([Note: reading ahead in the expected order])."""
+        final. State reads start now, under forward ([Note: reading ahead in the expected order]).
+        Called again when the backward finds the boundary was not what the forward expected
+        ([Note: the boundary of a pass] in step_policy.py): the reads start then, or the ones
+        issued for this step's updates go back (those of the last step's pending ones stay)."""
         self._reading_ahead = last
         if last:
             self._read_ahead()
+        else:
+            self._drop_early(keep=self._deferred)
 
     def accumulate(self, unit: Unit, grad_shard: torch.Tensor, first: bool, last: bool = False) -> InFlight:
         # [Note: gradients to the host] in optim_shards.py: consumed one unit later, or at the update.

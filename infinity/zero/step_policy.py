@@ -10,6 +10,20 @@ step (at the accumulation boundary): the global gradient norm (all ranks) gives 
   coefficient; fp16 overflow skips the step; otherwise each unit shard is updated by one Adam
   pass that also writes the new compute-dtype shard into the parameter tier.
 
+[Note: the boundary of a pass]
+Whether a pass ends its accumulation decides what its backward does: only then are gradients
+final, the units' state read for the update, and (update in backward) units updated as their
+gradients become final. The boundary counts only when the backward starts
+(`confirm_boundary`, with `engine.is_gradient_accumulation_boundary()` then): DeepSpeed's
+protocol knows it from the count before the forward, but accelerate sets it
+(`set_gradient_accumulation_boundary(sync_gradients)`) after the forward, right before
+`backward`, and calls `step()` at the boundary only. The forward plans with what it expects
+(`begin_pass`): the boundary as it stands, or, once a boundary has been set after a forward,
+whether this pass completes gradient_accumulation_steps passes. The plan only moves I/O earlier:
+the NVMe optimizer tier reads the state of the step's updates under the forward. When the
+backward finds otherwise, the plan changes before any gradient is handed on: those reads start
+then, or go back to the pool unused. The numbers are the same either way.
+
 [Note: update during backward]
 Without gradient clipping and without fp16 loss scaling nothing in a unit's update depends on
 other units: in the last micro-step's backward, the moment a unit's gradient shard is final it
@@ -95,8 +109,8 @@ class StepPolicy:
         # Units updated in the hook that finalizes their gradient (the others wait for step()).
         self.in_hook = {u.index for u in units if self.update_in_backward and not u.persistent and u.trainable}
         # Set by the pass ([Note: engine lifecycle] in infinity/lifecycle.py), read by the updates.
-        self.first_micro = True  # the pass running starts an accumulation
-        self.last_micro = True  # the pass running ends one: its gradients are final
+        self.passes = 0  # backwards handed on in the accumulation under way
+        self.last_micro = True  # the pass running ends one: its gradients are final ([Note: the boundary of a pass])
         self._hypers: list[AdamHyper] | None = None  # this step's, once its first unit was updated
         self._updated: set[int] = set()  # units updated this step
         self._updated_in_backward = 0
@@ -112,19 +126,30 @@ class StepPolicy:
 
     # ---- the pass -------------------------------------------------------------------------
 
+    @property
+    def first_micro(self) -> bool:
+        """The pass running starts an accumulation: its gradients replace the accumulators'."""
+        return self.passes == 0
+
     def begin_pass(self, last: bool) -> None:
-        """A training forward opens a pass; `last`: it ends the accumulation (its gradients are
-        final), so the optimizer tier may start reading the state its updates need."""
+        """A training forward opens a pass; `last`: it is expected to end the accumulation (its
+        gradients final), so the optimizer tier may start reading the state its updates need."""
         self.last_micro = last
         self.optim_state.begin_pass(last=last)
 
+    def confirm_boundary(self, last: bool) -> None:
+        """The pass's backward starts, and `last` is whether it ends the accumulation: if the
+        forward expected otherwise, the plan changes now ([Note: the boundary of a pass])."""
+        if last != self.last_micro:
+            self.begin_pass(last)
+
     def end_backward(self) -> None:
         """The pass's backward handed every gradient on: the next pass adds to them."""
-        self.first_micro = False
+        self.passes += 1
 
     def reset_accumulation(self) -> None:
         """New values were loaded: the next pass starts a new accumulation."""
-        self.first_micro = True
+        self.passes = 0
 
     # ---- backward -------------------------------------------------------------------------
 
@@ -156,7 +181,7 @@ class StepPolicy:
             self.optim_state.mark_damaged(self.units[index], f"a backward that updated units as their gradients became "
                                           f"final failed after updating {len(self._updated)} of them")
         self._hypers, self._updated, self._updated_in_backward = None, set(), 0
-        self.first_micro = True
+        self.passes = 0
 
     # ---- failed updates ([Note: failed updates]) -------------------------------------------
 
@@ -224,7 +249,7 @@ class StepPolicy:
             outcome = self._step(step_number)
         finally:  # also when an update failed: the step is abandoned, its buffers given back
             self._hypers, self._updated, self._updated_in_backward = None, set(), 0
-            self.first_micro = True  # the next pass starts a new accumulation
+            self.passes = 0  # the next pass starts a new accumulation
             self.optim_state.finish_step()
         self.params.flush()  # parameter writes are few (2 bytes a parameter): finish them here
         return outcome
