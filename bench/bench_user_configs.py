@@ -19,7 +19,12 @@ Configs (CASES; every one of them is written whole into --output):
   * tuned: bench/'s hand-tuned knobs (bench_clip.py): sub_group_size 2.5e7, 48 optimizer
     buffers, 8 param buffers, prefetch 5e8, max reuse distance 0, persistence 0, 8 MiB / 32;
   * tuned-no-aio: the same without its aio section;
+  * ds-style-auto: ds-style with "max_in_cpu": "auto" in both offload sections (host memory
+    before the disk: a model whose state fits moves almost nothing to NVMe);
   * cpu: the compute floor, ds-style with both offloads on device "cpu".
+Each engine's pools are allocated for the whole run: the 134m cases together take about 18 GB of
+host memory, so "auto" (which budgets from the memory free when its engine is built) is best
+run in its own invocation (`--cases ds-style-auto cpu`).
 The I/O floor is the time the disk takes to read and write the bytes a step must move (14 bytes
 a parameter each way: bf16 params, fp32 master, exp_avg, exp_avg_sq; gradients stay in memory).
 The disk is measured around the rounds, with 8 MiB / 32: a read alone, a write alone, and both at
@@ -61,7 +66,7 @@ MODELS = {
 }
 DEFAULT_CASES = {
     "134m": ["ds-style", "ds-style-no-aio", "ds-defaults", "tuned", "cpu"],
-    "7m": ["ds-defaults", "tuned-no-aio", "tuned", "cpu"],
+    "7m": ["ds-defaults", "tuned-no-aio", "tuned", "ds-style-auto", "cpu"],
     "tiny": ["ds-style", "ds-defaults", "tuned-no-aio", "cpu"],
 }
 TUNED_AIO = {"block_size": 8 << 20, "queue_depth": 32, "thread_count": 1, "single_submit": False,
@@ -94,13 +99,22 @@ def _without_aio(case):
     return lambda work: (case(work)[0], None)
 
 
+def _with_auto_budget(case):
+    def config(work: str) -> tuple[dict, dict | None]:
+        zero, aio = case(work)
+        return {**zero, "offload_param": {**zero["offload_param"], "max_in_cpu": "auto"},
+                "offload_optimizer": {**zero["offload_optimizer"], "max_in_cpu": "auto"}}, aio
+    return config
+
+
 def _in_cpu_memory(work: str) -> tuple[dict, dict | None]:
     zero, _ = _ds_style(work)
     return {**zero, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}, None
 
 
 CASES = {"ds-style": _ds_style, "ds-style-no-aio": _without_aio(_ds_style), "ds-defaults": _ds_defaults,
-         "tuned": _tuned, "tuned-no-aio": _without_aio(_tuned), "cpu": _in_cpu_memory}
+         "tuned": _tuned, "tuned-no-aio": _without_aio(_tuned), "ds-style-auto": _with_auto_budget(_ds_style),
+         "cpu": _in_cpu_memory}
 
 
 def engine_config(case: str, work: str, micro: int, clip: float) -> dict:
@@ -174,8 +188,10 @@ def run_rounds(args, gpt, model_cfg, work: str) -> tuple[dict, dict]:
             configs[case] = engine_config(case, sub, model_cfg["micro"], args.clip)
             t0 = time.perf_counter()
             engines[case], *_ = infinity.initialize(model=gpt.GPT(gpt_config(gpt, model_cfg)), config=configs[case])
-            aio = engines[case].config.aio
+            aio, zero = engines[case].config.aio, engines[case].config.zero
             runs[case]["aio"] = {k: getattr(aio, k) for k in ("block_size", "queue_depth", "thread_count", "engine")}
+            runs[case]["max_in_cpu"] = {"offload_param": zero.offload_param.max_in_cpu,
+                                        "offload_optimizer": zero.offload_optimizer.max_in_cpu}
             print(f"{case}: built in {time.perf_counter() - t0:.1f} s; aio block_size {aio.block_size >> 10} KiB, "
                   f"queue_depth {aio.queue_depth}", flush=True)
         for r in range(args.rounds + 1):  # round 0 records the order and warms up
