@@ -1,4 +1,18 @@
-"""`infinity.initialize`: DeepSpeed's entry point, from its arguments to an Engine."""
+"""`infinity.initialize`: DeepSpeed's entry point, from its arguments to an Engine.
+
+[Note: client optimizer and scheduler]
+As in DeepSpeed's initialize, `optimizer` is a torch optimizer, a callable params -> optimizer,
+or None for the config's; `lr_scheduler` is a scheduler object, a callable optimizer ->
+scheduler, or None for the config's. A client scheduler (object or callable) replaces the
+config's, which is then never built: building it would write its first lr into the very groups
+the client's scheduler reads its base lr from. The engine's optimizer shares the client
+optimizer's param-group dicts, so a scheduler object drives the update exactly when it steps
+those dicts: whether it was built on the client optimizer, or on another optimizer that the
+client one was built over (accelerate passes `DeepSpeedCPUAdam(optimizer.param_groups)` beside
+a scheduler of the original). A scheduler object without an instantiated client optimizer is
+refused (DeepSpeed asserts the same), and so is one stepping other dicts: its learning rates
+would never reach the update.
+"""
 
 from __future__ import annotations
 
@@ -31,7 +45,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     `config` (or `config_params`) is a DeepSpeed JSON config, a dict or a path;
     `args.deepspeed_config` (or `args.deepscale_config`) is read when neither is given.
     `optimizer` may be a torch Adam/AdamW or a callable params -> optimizer; `lr_scheduler` a
-    scheduler of that optimizer or a callable optimizer -> scheduler. `training_data` (a Dataset)
+    scheduler of that optimizer or a callable optimizer -> scheduler, either replacing the config's
+    ([Note: client optimizer and scheduler]). `training_data` (a Dataset)
     gives a DataLoader of `train_micro_batch_size_per_gpu` (a DistributedSampler over ranks, and
     `collate_fn`). `units` (ours) overrides which modules are gathered together: a list of module
     classes or a callable (qualified_name, module) -> bool. `device` (ours) is the device a
@@ -65,20 +80,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     else:
         world = zdist.world_size()
     cfg = load_config(config, world_size=world)
-    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = optimizer(list(model_parameters) if model_parameters is not None else
-                              [p for p in model.parameters() if p.requires_grad])
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer: the callable returned {type(optimizer).__name__}, expected a torch optimizer")
-    scheduler_factory = None
-    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-        scheduler_factory, lr_scheduler = lr_scheduler, None
-    elif lr_scheduler is not None:
-        bound = getattr(lr_scheduler, "optimizer", None)
-        if bound is not None and bound is not optimizer:
-            raise ValueError("lr_scheduler: it steps an optimizer that is not the one given to initialize(), so "
-                             "its learning rates would never reach the update; build it on that optimizer, or "
-                             "pass a callable optimizer -> scheduler")
+    lr_scheduler, scheduler_factory = _client_scheduler(lr_scheduler, optimizer)
+    optimizer = _client_optimizer(optimizer, model, model_parameters)
     engine = Engine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
                     lr_scheduler=lr_scheduler, units=units, accelerator=accelerator)
     checkpointing.attach(accelerator, cfg.activation_checkpointing)
@@ -117,6 +120,58 @@ def _device(device: Any) -> Device:
         raise ValueError(f"device: {wanted} was asked for, but this process's GPU is {accelerator.compute} "
                          "(LOCAL_RANK, else the current CUDA device); start the process on that GPU")
     return accelerator
+
+
+class _ScheduleFromCallable:
+    """Holds the engine's lr_scheduler while the engine is built, so that it builds none from the
+    config; the client's callable then builds the real one ([Note: client optimizer and scheduler])."""
+
+
+def _client_optimizer(optimizer: Any, model: nn.Module, model_parameters: Any) -> Any:
+    """The client's optimizer; a callable is called with the parameters to train."""
+    if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    built = optimizer(list(model_parameters) if model_parameters is not None else
+                      [p for p in model.parameters() if p.requires_grad])
+    if not isinstance(built, torch.optim.Optimizer):
+        raise TypeError(f"optimizer: the callable returned {type(built).__name__}, expected a torch optimizer")
+    return built
+
+
+def _client_scheduler(lr_scheduler: Any, client_optimizer: Any) -> tuple[Any, Any]:
+    """(what the Engine gets as lr_scheduler, the callable that builds it after the engine or
+    None), checked as [Note: client optimizer and scheduler] says."""
+    if lr_scheduler is None:
+        return None, None
+    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        return _ScheduleFromCallable(), lr_scheduler
+    if not isinstance(client_optimizer, torch.optim.Optimizer):
+        given = "None" if client_optimizer is None else "a callable"
+        raise ValueError(f"lr_scheduler: a scheduler object needs the optimizer it steps passed as optimizer=, "
+                         f"got {given}; pass that optimizer, or pass a callable optimizer -> scheduler")
+    groups = _stepped_groups(lr_scheduler)
+    if groups is not None and not all(any(g is h for h in client_optimizer.param_groups) for g in groups):
+        raise ValueError("lr_scheduler: it steps an optimizer that is not the one given to initialize() nor one "
+                         "sharing its param groups, so its learning rates would never reach the update; build it "
+                         "on that optimizer, or pass a callable optimizer -> scheduler")
+    bound = getattr(lr_scheduler, "optimizer", None)
+    if groups is not None and bound is not client_optimizer and hasattr(bound, "step"):
+        # torch warns at a scheduler's first step unless its optimizer's step() ran; the engine
+        # steps only the client optimizer (ZeroOptimizer.mark_stepped), and the scheduler steps
+        # only after an applied update, so by then this one has been stepped through its groups.
+        bound._opt_called = True  # noqa: SLF001 (torch's own flag)
+    return lr_scheduler, None
+
+
+def _stepped_groups(scheduler: Any) -> list[dict] | None:
+    """The param-group dicts a scheduler writes its lr into (through `.optimizer`, or a wrapper's
+    `.optimizer.optimizer`); None when it does not say."""
+    bound = getattr(scheduler, "optimizer", None)
+    for holder in (bound, getattr(bound, "optimizer", None)):
+        groups = getattr(holder, "param_groups", None)
+        if isinstance(groups, list):
+            return groups
+    return None
 
 
 def _check_not_partitioned(model: nn.Module) -> None:
