@@ -598,6 +598,15 @@ class Engine(ConfigGetters):
         """The global gradient norm of the last step (before clipping; None before the first)."""
         return self._grad_norm
 
+    @property
+    def _modules(self) -> dict[str, nn.Module]:
+        """nn.Module's table of children: DeepSpeed's engine is a Module whose one child is the
+        model (accelerate's unwrap_model reads it, looking for compiled submodules)."""
+        return {"module": self.module}
+
+    def modules(self) -> Iterable[nn.Module]:
+        return self.module.modules()
+
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """zero_optimization.stage3_gather_16bit_weights_on_model_save: whether a framework's
         save_model may gather the whole 16-bit state dict (accelerate asks before it calls

@@ -220,3 +220,12 @@ def test_init_runs_only_for_what_was_not_written():
     assert torch.isfinite(bias).all() and 0 < bias.abs().max() <= 1 / math.sqrt(8)  # nn.Linear's own init
     assert first.abs().max() <= 1 / math.sqrt(8) and first.std() > 0
     engine.close()
+
+
+def test_accelerate_unwraps_the_engine_as_deepspeeds_module():
+    other = pytest.importorskip("accelerate.utils.other")
+    model = Net()
+    engine, *_ = infinity.initialize(model=model, config=_config())
+    assert other.has_compiled_regions(engine) is False  # it reads the engine's _modules, as a Module's
+    assert engine._modules == {"module": model} and list(engine.modules()) == list(model.modules())
+    engine.close()

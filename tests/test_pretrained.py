@@ -135,19 +135,28 @@ def test_init_refuses_a_parameter_nothing_initialises():
         infinity.initialize(model, config=config(3, "cpu", "cpu"))
 
 
-def test_gathering_a_parameter_built_under_init_before_initialize_is_an_error():
+def test_gathering_a_parameter_built_under_init_before_initialize_keeps_what_the_modifier_wrote(tmp_path):
     """Under DeepSpeed's zero.Init a parameter has values from construction, so a custom init
-    with GatheredParameters(modifier_rank=0) right after it works there. Ours are on the meta
-    device until initialize(), which then ran the model's own init over the user's change: the
-    change was lost without a word. It is an error naming what to do instead."""
+    with GatheredParameters(modifier_rank=0) right after it works there (Hugging Face's ZeRO-3
+    from_pretrained loads every module so). Ours are on the meta device until initialize(),
+    which ran the model's own init over the user's change: the change was lost without a word.
+    Now initialize builds the unit from what the modifier wrote ([Note: values written before
+    initialize] in infinity/zero/init.py); a change without a modifier is not kept, as in DeepSpeed."""
     with infinity.Init():
         model = transformers.LlamaForCausalLM(llama_config())
-    for modifier in (0, None):
-        with pytest.raises(ValueError, match=r"params: parameter 0 \(shape \[64\]\) is on the meta device.*initialize"):
-            with infinity.GatheredParameters(model.model.norm.weight, modifier_rank=modifier):
-                pass
+    with infinity.GatheredParameters(model.model.norm.weight, modifier_rank=0):
+        with torch.no_grad():
+            model.model.norm.weight.fill_(3.0)
+    with infinity.GatheredParameters(model.lm_head.weight):
+        with torch.no_grad():
+            model.lm_head.weight.fill_(7.0)
     with infinity.GatheredParameters(model.model.norm.weight, enabled=False):
-        pass  # disabled: nothing is gathered, so nothing is wrong
+        pass  # disabled: nothing is gathered
+    engine, *_ = infinity.initialize(model, config=nvme_config(tmp_path))
+    with infinity.GatheredParameters([model.model.norm.weight, model.lm_head.weight]):
+        assert torch.equal(model.model.norm.weight, torch.full((64,), 3.0))
+        assert model.lm_head.weight.abs().max() < 1.0  # the model's own init
+    engine.close()
 
 
 INIT_PEAK = r"""
