@@ -39,7 +39,8 @@ from infinity.zero.param_shards import ResidentParams
 from infinity.zero.partitioner import UnitPolicy, plan_units
 from infinity.zero.registry import register_units
 from infinity.zero.report import StepReport
-from infinity.zero.step_policy import StepPolicy
+from infinity.zero.step_policy import (StepPolicy, UpdateMode, choose_update_mode, expected_update_order,
+                                       gradients_used_at_once)
 from infinity.zero.unit import Unit, UnitState
 from infinity.zero.zero_optimizer import ZeroOptimizer
 
@@ -100,8 +101,6 @@ class Engine(ConfigGetters):
         if lr_scheduler is None and config.scheduler is not None:
             self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
         self.scaler = LossScaler(config.fp16) if config.fp16.enabled else None
-        # [Note: update during backward] in step_policy.py
-        self.update_in_backward = config.gradient_clipping == 0 and self.scaler is None
 
         zero = config.zero
         self.units, modules = self._build_units(model, groups, units)
@@ -110,6 +109,8 @@ class Engine(ConfigGetters):
         self.optim_state = self._optimizer_tier()
         deferred = DeferredInit(model) if is_deferred(model) else None  # [Note: deferred initialisation]
         for u in self.units:
+        # Decided once, read by the tiers and the policy ([Note: update modes] in zero/step_policy.py).
+        self.update_mode = self._update_mode(self.optim_state.updates_can_wait)
             if deferred is not None:
                 deferred.materialize([s.param for s in u.slots])
             shard = u.initial_shard()
@@ -125,7 +126,7 @@ class Engine(ConfigGetters):
         self.frozen_numel = sum(s.numel for u in self.units for s in u.slots if s.group < 0)
         self.fetcher = Fetcher(self.units, self.params, zero)
         self.policy = StepPolicy(self.units, self.params, self.optim_state, self.fetcher, self.optimizer,
-                                 self.accelerator, clip=config.gradient_clipping, scaler=self.scaler,
+                                 self.accelerator, mode=self.update_mode, clip=config.gradient_clipping, scaler=self.scaler,
                                  skip_nonfinite=config.bf16.check_grad_overflow)
         self.optimizer.settle = self.policy.settle_all
         self.hooks = UnitHooks(self.units, modules, self.fetcher, self.policy.on_unit_grads,
@@ -185,28 +186,29 @@ class Engine(ConfigGetters):
         if offload.device == "nvme" and any(u.trainable for u in self.units):  # else no state, no files
             from infinity.zero.nvme_optim import NvmeOptimizerState
             from infinity.zero.split_optim import split_by_budget
-            # A gradient outlives its backward unless it feeds its unit's update at once.
-            at_once = {u.index for u in self.units if self.update_in_backward and not u.persistent and u.trainable}
-            if self.config.batch.gradient_accumulation_steps > 1:
-                at_once = set()
-            order = self._expected_update_order()
+            # The mode wherever some state is on NVMe: a tier whose updates can wait holds it.
+            mode = self._update_mode(NvmeOptimizerState.updates_can_wait)
+            at_once = gradients_used_at_once(self.units, mode, self.config.batch.gradient_accumulation_steps)
+            order = expected_update_order(self.units, mode)
             # [Note: host memory before the disk] in zero/host_budget.py: max_in_cpu elements stay in memory.
             return split_by_budget(self.accelerator, offload.max_in_cpu, [u for u in self.units if u.trainable], order,
                                    lambda units: NvmeOptimizerState(
                                        self.accelerator, offload, self.config.aio, self.config.zero.sub_group_size,
-                                       rank=self.rank, units=units, no_accumulator=at_once, update_order=order,
-                                       deferred=not self.update_in_backward))
+                                       rank=self.rank, units=units, mode=mode, no_accumulator=at_once,
+                                       update_order=order))
         return ResidentOptimizerState(self.accelerator, on_device=offload.device == "none",
                                       units=[u for u in self.units if u.trainable])
 
-    def _expected_update_order(self) -> list[int]:
-        """The order the step will update units in, as far as construction can tell (the first
-        step records the real one): forward uses the root first (gathered for its whole pass) and
-        the other units in module order; deferred updates run in that order ([Note: updates after
-        the norm] in step_policy.py), updates in backward in its reverse."""
-        forward = sorted(self.units, key=lambda u: (u.name != "<root>", u.index))
-        order = [u.index for u in forward]
-        return order[::-1] if self.update_in_backward else order
+    def _update_mode(self, updates_can_wait: bool) -> UpdateMode:
+        """[Note: update modes] in zero/step_policy.py, for an optimizer tier whose updates can
+        wait for the next use or not."""
+        return choose_update_mode(clip=self.config.gradient_clipping, loss_scaling=self.scaler is not None,
+                                  updates_can_wait=updates_can_wait)
+
+    @property
+    def update_in_backward(self) -> bool:
+        """Whether units are updated during backward ([Note: update modes] in zero/step_policy.py)."""
+        return self.update_mode is UpdateMode.IN_BACKWARD
 
     # ---- the training loop ----------------------------------------------------------------
 

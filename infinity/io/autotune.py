@@ -39,6 +39,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
+import psutil
+
 from infinity.io.handle import AsyncIOHandle, available_engines
 from infinity.io.memory import PAGE_SIZE, aligned_empty
 
@@ -278,8 +280,6 @@ def tune_bytes(directory: str) -> int:
             raise ValueError(f"INFINITY_AIO_TUNE_BYTES: expected a positive multiple of {PAGE_SIZE} bytes, "
                              f"got {text!r}")
         return size
-    import psutil
-
     room = min(psutil.virtual_memory().available, shutil.disk_usage(directory).free) // 8
     return max(_MIN_TUNE_BYTES, min(DEFAULT_TUNE_BYTES, room) // PAGE_SIZE * PAGE_SIZE)
 

@@ -87,6 +87,7 @@ from infinity.tiers.state import ShardState
 from infinity.tiers.store import default_job_id
 from infinity.zero.nvme_io import IOTally, make_handle, plan_count
 from infinity.zero.optim_shards import NORM_ROW, GradientLanding, row_norms_sq
+from infinity.zero.step_policy import UpdateMode
 from infinity.zero.unit import Unit
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -114,15 +115,14 @@ class NvmeOptimizerState:
     update_order: unit indices in the order the step is expected to update them (default:
     reverse unit order); the first ones keep their accumulators in memory ([Note: gradient spill]),
     and the first step reads ahead in it ([Note: reading ahead in the expected order]).
-    deferred: whether the updates will wait for the next forward ([Note: updates after the norm]).
+    mode: when the updates run ([Note: update modes] in step_policy.py).
     """
 
     on_device = False  # the state is updated by the CPU kernel, from host buffers
-    defers_updates = True  # [Note: updates after the norm] in step_policy.py
+    updates_can_wait = True  # their I/O then overlaps the next forward ([Note: updates after the norm] in step_policy.py)
 
     def __init__(self, device: Device, offload, aio, sub_group_size: int, *, rank: int, units: list[Unit],
-                 no_accumulator: set[int] = frozenset(), update_order: list[int] | None = None,
-                 deferred: bool = False):
+                 mode: UpdateMode, no_accumulator: set[int] = frozenset(), update_order: list[int] | None = None):
         self.device = device
         self._landing = GradientLanding(device, units, "offload_optimizer")
         self._pieces: dict[int, list[tuple[int, int]]] = {
@@ -170,7 +170,7 @@ class NvmeOptimizerState:
         self._reading_ahead = False
         self._deferred: list[int] = []  # units whose update waits for their next use, in that order
         # The last deferred order: the next step's, too ([Note: reading ahead in the expected order]).
-        self._defer_order = list(self._expected) if deferred else []
+        self._defer_order = list(self._expected) if mode is UpdateMode.AT_NEXT_USE else []
         self._resume: dict[int, int] = {}  # unit -> pieces of its unfinished update done ([Note: resuming an update])
         self._damaged: dict[int, str] = {}  # unit -> why its state is not of any step, until a load replaces it
         self._tally = IOTally(self.swapper)

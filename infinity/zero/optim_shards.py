@@ -129,6 +129,7 @@ class ResidentOptimizerState:
     memory (cpu). In host memory the CPU Adam kernel updates it; on an accelerator torch ops do."""
 
     KINDS = ("master", "exp_avg", "exp_avg_sq")
+    updates_can_wait = False  # nothing to overlap: every update runs in backward or in step()
 
     def __init__(self, device: Device, on_device: bool, units: list[Unit]):
         self.device = device
@@ -212,7 +213,7 @@ class ResidentOptimizerState:
         return next(iter(self._damaged.values()), None)
 
     def drop_deferred(self) -> None:
-        pass  # updates never wait for the next forward here (no `defers_updates`)
+        pass  # updates never wait for the next forward here (`updates_can_wait` is False)
 
     def flush(self) -> None:
         self._settle()

@@ -7,7 +7,7 @@ parameter tiers; `ResidentOptimizerState` (infinity.zero.optim_shards) and `Nvme
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
@@ -80,6 +80,9 @@ class OptimizerTier(Protocol):
     unit's shard."""
 
     on_device: bool  # the state lives on the compute device: `update`'s `out` must be there too
+    # Whether updates after the norm may wait for each unit's next use, which then calls
+    # `defer` and `drop_deferred` ([Note: update modes] in step_policy.py).
+    updates_can_wait: ClassVar[bool]
 
     def add(self, unit: Unit, master: torch.Tensor) -> None:
         """Takes the unit's first fp32 master values (host)."""
@@ -136,6 +139,10 @@ class OptimizerTier(Protocol):
 
     def damage(self) -> str | None:
         """Why the state is not that of any step (a damaged unit, a failed write), or None."""
+
+    def defer(self, order: list[int]) -> None:
+        """These units' updates wait for their next use and run in this order (`updates_can_wait`
+        tiers only): the tier may start reading their state now."""
 
     def drop_deferred(self) -> None:
         """Forgets the updates waiting for the next forward (they will not run), and their reads ahead."""

@@ -46,7 +46,7 @@ class SplitOptimizerState:
     """Kept units' state in `memory`, the others' in `disk` (module docstring)."""
 
     on_device = False
-    defers_updates = True  # as the NVMe tier's ([Note: updates after the norm] in step_policy.py)
+    updates_can_wait = True  # as the NVMe tier's ([Note: update modes] in step_policy.py)
 
     def __init__(self, memory: ResidentOptimizerState, disk, kept: list[Unit]):
         self.memory, self.disk = memory, disk

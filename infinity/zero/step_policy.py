@@ -24,6 +24,24 @@ the NVMe optimizer tier reads the state of the step's updates under the forward.
 backward finds otherwise, the plan changes before any gradient is handed on: those reads start
 then, or go back to the pool unused. The numbers are the same either way.
 
+[Note: update modes]
+When a unit's update runs is decided once per engine (`choose_update_mode`, from the clipping,
+the fp16 loss scaling and the optimizer tier) and read by the engine, the policy and the tiers:
+
+  IN_BACKWARD   no clipping, no loss scaling: each unit in the hook that makes its gradient final
+                in the backward of the accumulation's last pass ([Note: update during backward]);
+                `step()` updates only the persistent units.
+  IN_STEP       clipping or loss scaling, the state in memory: every unit in `step()`, after the
+                global norm.
+  AT_NEXT_USE   clipping or loss scaling, the state on NVMe (`OptimizerTier.updates_can_wait`):
+                `step()` takes the norm and updates the persistent units; every other unit's update
+                is pending until just before its next use ([Note: updates after the norm]).
+
+Persistent units are updated in `step()` in every mode: their gathered copies are in use while
+autograd runs and during the next forward. Which units' gradients skip the accumulator and in
+which order the first step is expected to update units follow from the mode too
+(`gradients_used_at_once`, `expected_update_order`).
+
 [Note: update during backward]
 Without gradient clipping and without fp16 loss scaling nothing in a unit's update depends on
 other units: in the last micro-step's backward, the moment a unit's gradient shard is final it
@@ -36,7 +54,7 @@ them (with a warning); only fp16's loss scaling skips steps.
 
 [Note: updates after the norm]
 With clipping or fp16 loss scaling every update waits for the global norm. When the optimizer
-state is on NVMe (`OptimizerTier.defers_updates`), `step()` then only computes the norm, the
+state is on NVMe (`OptimizerTier.updates_can_wait`: mode AT_NEXT_USE), `step()` then only computes the norm, the
 clip coefficient and the step's hyper-parameters, updates the persistent units, and leaves the
 others pending: each is updated just before its shard is next read, in the order the next
 forward needs them (the fetcher settles a unit when it is acquired or is next to be read, one
@@ -68,6 +86,7 @@ step or save is abandoned and may be tried again.
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 from typing import NamedTuple
@@ -87,6 +106,43 @@ from infinity.zero.zero_optimizer import ZeroOptimizer
 log = logging.getLogger("infinity")
 
 
+class UpdateMode(enum.Enum):
+    """When the units' updates run ([Note: update modes])."""
+
+    IN_BACKWARD = "in backward"
+    IN_STEP = "in step"
+    AT_NEXT_USE = "at next use"
+
+
+def choose_update_mode(*, clip: float, loss_scaling: bool, updates_can_wait: bool) -> UpdateMode:
+    """The one place the update mode is decided ([Note: update modes]); `updates_can_wait`: the
+    optimizer tier's `updates_can_wait`."""
+    if clip == 0 and not loss_scaling:  # nothing in an update depends on other units
+        return UpdateMode.IN_BACKWARD
+    return UpdateMode.AT_NEXT_USE if updates_can_wait else UpdateMode.IN_STEP
+
+
+def updated_in_backward(units: list[Unit], mode: UpdateMode) -> set[int]:
+    """The units whose update runs in the hook that makes their gradient final."""
+    return {u.index for u in units if mode is UpdateMode.IN_BACKWARD and not u.persistent and u.trainable}
+
+
+def gradients_used_at_once(units: list[Unit], mode: UpdateMode, gradient_accumulation_steps: int) -> set[int]:
+    """The units whose gradient feeds their update the moment it is final, so that it needs no
+    accumulator: those updated in backward, when an accumulation is one pass."""
+    return updated_in_backward(units, mode) if gradient_accumulation_steps == 1 else set()
+
+
+def expected_update_order(units: list[Unit], mode: UpdateMode) -> list[int]:
+    """The order the step will update units in, as far as construction can tell (the first step
+    records the real one): forward uses the root first (gathered for its whole pass) and the
+    other units in module order; updates at their next use run in that order, updates in
+    backward in its reverse (and so, as gradients become final, do those in `step()`)."""
+    forward = sorted(units, key=lambda u: (u.name != "<root>", u.index))
+    order = [u.index for u in forward]
+    return order if mode is UpdateMode.AT_NEXT_USE else order[::-1]
+
+
 class StepOutcome(NamedTuple):
     grad_norm: float  # before clipping, unscaled
     applied: bool  # False when fp16 overflow skipped the step
@@ -98,16 +154,16 @@ class StepPolicy:
     when a unit's gradients are final, and when the step is asked for."""
 
     def __init__(self, units: list[Unit], params: ParamTier, optim_state: OptimizerTier, fetcher: Fetcher,
-                 optimizer: ZeroOptimizer, accelerator: Device, *, clip: float, scaler: LossScaler | None,
-                 skip_nonfinite: bool = True):
+                 optimizer: ZeroOptimizer, accelerator: Device, *, mode: UpdateMode, clip: float,
+                 scaler: LossScaler | None, skip_nonfinite: bool = True):
         self.units, self.params, self.optim_state, self.fetcher = units, params, optim_state, fetcher
         self.optimizer, self.accelerator = optimizer, accelerator
         self.clip = clip
         self.scaler = scaler
         self.skip_nonfinite = skip_nonfinite  # bf16.check_grad_overflow: skip a step whose norm is inf or nan
-        self.update_in_backward = clip == 0 and scaler is None  # [Note: update during backward]
+        self.mode = mode  # [Note: update modes]
         # Units updated in the hook that finalizes their gradient (the others wait for step()).
-        self.in_hook = {u.index for u in units if self.update_in_backward and not u.persistent and u.trainable}
+        self.in_hook = updated_in_backward(units, mode)
         # Set by the pass ([Note: engine lifecycle] in infinity/lifecycle.py), read by the updates.
         self.passes = 0  # backwards handed on in the accumulation under way
         self.last_micro = True  # the pass running ends one: its gradients are final ([Note: the boundary of a pass])
@@ -116,7 +172,6 @@ class StepPolicy:
         self._updated_in_backward = 0
         # [Note: updates after the norm]: units whose update waits for their next use, in that
         # order, and the (hypers, step count, grad scale) of the step they belong to.
-        self.defer = not self.update_in_backward and getattr(optim_state, "defers_updates", False)
         self._pending: dict[int, Unit] = {}
         self._pending_args: tuple[list[AdamHyper], int, float] | None = None
         fetcher.pending = lambda unit: unit.index in self._pending
@@ -294,8 +349,9 @@ class StepPolicy:
                 log.info("step %d: gradient overflow, skipped; loss scale now %g", step_number, self.scaler.scale)
         else:
             left = [u for u in units if u.index not in self._updated]
-            later = [u for u in left if not u.persistent] if self.defer else []
-            now = [u for u in left if u.persistent] if self.defer else left
+            at_next_use = self.mode is UpdateMode.AT_NEXT_USE
+            later = [u for u in left if not u.persistent] if at_next_use else []
+            now = [u for u in left if u.persistent] if at_next_use else left
             for u in self.optim_state.step_order(now):
                 self._update(u, grad_scale, "step")
             if later:  # [Note: updates after the norm]
