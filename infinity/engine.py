@@ -107,10 +107,10 @@ class Engine(ConfigGetters):
         self.config = config = resolve_max_in_cpu(config, self.units)  # [Note: host memory before the disk]
         self.params = self._param_tier()
         self.optim_state = self._optimizer_tier()
-        deferred = DeferredInit(model) if is_deferred(model) else None  # [Note: deferred initialisation]
-        for u in self.units:
         # Decided once, read by the tiers and the policy ([Note: update modes] in zero/step_policy.py).
         self.update_mode = self._update_mode(self.optim_state.updates_can_wait)
+        deferred = DeferredInit(model) if is_deferred(model) else None  # [Note: deferred initialisation]
+        for u in self.units:
             if deferred is not None:
                 deferred.materialize([s.param for s in u.slots])
             shard = u.initial_shard()
