@@ -61,7 +61,9 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(distributed_port))
     backend = dist_backend or default_dist_backend()
-    kwargs: dict[str, Any] = {"init_method": init_method} if init_method else {}
+    kwargs: dict[str, Any] = {}
+    if init_method:  # a file:// or tcp:// store reads no environment: it needs them passed
+        kwargs.update(init_method=init_method, rank=int(the_rank), world_size=int(the_world))
     if timeout is not None:
         kwargs["timeout"] = timeout
     dist.init_process_group(backend, **kwargs)
