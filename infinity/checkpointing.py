@@ -646,16 +646,17 @@ def _recompute(frame: _Frame) -> None:
     args, kwargs = frame.fill(tensors)
     caught: list[torch.Tensor] = []
 
-    def catch(t: torch.Tensor) -> int:
-        caught.append(t)
-        return len(caught) - 1
+    def catch(t: torch.Tensor) -> None:
+        # Detached, and nothing of `caught` left with the recompute's own graph (never run backward):
+        # a saved tensor's node holding the list that holds the tensor is a cycle no collector breaks.
+        caught.append(t.detach())
 
     cpu_rng, device_rng = torch.get_rng_state(), device.rng_state()
     try:
         torch.set_rng_state(frame.rng[0])
         device.set_rng_state(frame.rng[1])
         with TIMELINE.span("checkpoint_recompute"), _autocast(frame.autocast), torch.enable_grad(), \
-                torch.autograd.graph.saved_tensors_hooks(catch, caught.__getitem__):
+                torch.autograd.graph.saved_tensors_hooks(catch, _never_unpacked):
             frame.function(*args, **kwargs)
     finally:
         torch.set_rng_state(cpu_rng)
@@ -673,6 +674,10 @@ def _recompute(frame: _Frame) -> None:
     if cfg.profile:
         log.info("infinity.checkpointing: %s recompute %.3f ms", _name(frame.function),
                  (time.perf_counter() - t0) * 1e3)
+
+
+def _never_unpacked(_: None) -> torch.Tensor:
+    raise RuntimeError("checkpoint: backward through a recompute's own graph (it only serves the forward's)")
 
 
 class _autocast:

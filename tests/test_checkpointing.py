@@ -497,3 +497,22 @@ def test_initialize_configures_checkpointing_from_its_config_section_and_hands_o
     assert str(cfg.nvme_path) == str(tmp_path) and cfg.nvme_min_bytes == 4096
     assert checkpointing._STATE.device is engine.accelerator
     engine.close()
+
+
+def test_nothing_of_a_checkpoint_outlives_its_backward():
+    """After backward the tensors a recompute made are gone, as with torch's checkpoint: the
+    recompute's own graph must not keep them (a tensor it saved, whose node's unpack hook held the
+    list of all of them, was a cycle the collector could not break)."""
+    block = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    made = []
+
+    def f(h):
+        mid = block[0](h)  # saved by the GELU: caught by the recompute
+        made.append(weakref.ref(mid))
+        return block[2](block[1](mid))
+
+    out = checkpointing.checkpoint(f, torch.randn(32, 64))
+    out.sum().backward()
+    del out
+    gc.collect()
+    assert len(made) == 2 and all(ref() is None for ref in made)  # the forward's and the recompute's
