@@ -41,6 +41,7 @@ from infinity.zero.registry import register_units
 from infinity.zero.report import StepReport
 from infinity.zero.step_policy import (StepPolicy, UpdateMode, choose_update_mode, expected_update_order,
                                        gradients_used_at_once)
+from infinity.zero.tiling import tile_model
 from infinity.zero.unit import Unit, UnitState
 from infinity.zero.zero_optimizer import ZeroOptimizer
 
@@ -96,6 +97,8 @@ class Engine(ConfigGetters):
         # DeepSpeed's: every parameter is frozen and backward is an error.
         self.inference = optimizer is None and config.optimizer is None
         groups = _param_groups(model, model_parameters, optimizer, self.inference)
+        if config.zero.stage == 3:  # before the groups are read: the tiles train in the weight's place
+            tile_model(model, config.zero.tile_size, groups)
         self.optimizer = ZeroOptimizer(groups, config.optimizer, optimizer)
         self.lr_scheduler = lr_scheduler
         if lr_scheduler is None and config.scheduler is not None:

@@ -490,6 +490,11 @@ class ZeroConfig:
     """Overlap gradient reduction with backward; None (default) resolves to stage == 3."""
     contiguous_gradients: bool = _spec(_bool, default=True)
     """Copy gradients into one contiguous buffer as they are produced."""
+    tile_size: int = _spec(_size, default=1 << 25)
+    """Elements of a tile (infinity's own key): with stage 3, an nn.Linear / nn.Embedding weight
+    larger than this is stored, moved and computed as row tiles of at most this size, each its
+    own unit, so buffers are sized by the tile, not by a large vocabulary ([Note: memory-centric
+    tiling] in infinity/zero/tiling.py); 0 tiles nothing."""
 
     def __post_init__(self) -> None:
         if self.overlap_comm is None:  # DeepSpeed's dynamic default

@@ -16,6 +16,10 @@ holds one of its parameters directly, so calling any submodule on its own
 parameter shared by modules of two units (tied embeddings) goes to the root unit too, because it
 is used at two different times. Parameters of at most `persistence_threshold` elements form one
 persistent unit that is never released (as DeepSpeed's stage3_param_persistence_threshold).
+
+Each tile of a tiled weight ([Note: memory-centric tiling] in tiling.py) is a unit of its own,
+gathered by the tile's forward, also where the tiled module sits inside a block (the block's
+unit is then the rest of the block); a list of tiles is never taken for the list of blocks.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple, Union
 
 from torch import nn
+
+from infinity.zero.tiling import is_tile
 
 UnitPolicy = Union[Sequence[type], Callable[[str, nn.Module], bool], None]
 
@@ -58,8 +64,8 @@ def _auto_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if not isinstance(m, (nn.ModuleList, nn.Sequential)) or len(m) == 0:
             continue
         kids = list(m.named_children())
-        if len({type(k) for _, k in kids}) != 1 or isinstance(kids[0][1], _CONTAINERS):
-            continue  # mixed, or containers that are never called themselves
+        if len({type(k) for _, k in kids}) != 1 or isinstance(kids[0][1], _CONTAINERS) or is_tile(kids[0][1]):
+            continue  # mixed, containers that are never called themselves, or tiles (units already)
         key = (sum(p.numel() for p in m.parameters()), len(kids))  # a tie: the list with more blocks
         if key > best_key and key[0] > 0:
             best = [(f"{name}.{k}" if name else k, child) for k, child in kids]
@@ -101,15 +107,21 @@ def plan_units(model: nn.Module, policy: UnitPolicy = None, persistence_threshol
         list[UnitPlan], list[tuple[str, nn.Parameter]]]:
     """(units in module order, the last one the root; persistent parameters)."""
     blocks = _select(model, policy)
+    tiles = [(name, m) for name, m in model.named_modules() if is_tile(m)]
+    tiled = {id(m.weight) for _, m in tiles}
+    blocks = [(name, m) for name, m in blocks if not is_tile(m)]
     owner: dict[int, int] = {}  # id(param) -> block index, or -1 when shared between blocks
     for i, (_, block) in enumerate(blocks):
         for p in block.parameters():
-            owner[id(p)] = i if owner.get(id(p), i) == i else -1
+            if id(p) not in tiled:
+                owner[id(p)] = i if owner.get(id(p), i) == i else -1
 
     per_block: list[list[tuple[str, nn.Parameter]]] = [[] for _ in blocks]
     root: list[tuple[str, nn.Parameter]] = []
     persistent: list[tuple[str, nn.Parameter]] = []
     for name, p in model.named_parameters():  # deduplicated: a tied parameter appears once
+        if id(p) in tiled:
+            continue
         if 0 < p.numel() <= persistence_threshold:
             persistent.append((name, p))
         elif owner.get(id(p), -1) >= 0:
@@ -117,6 +129,7 @@ def plan_units(model: nn.Module, policy: UnitPolicy = None, persistence_threshol
         else:
             root.append((name, p))
     plans = [UnitPlan(n, [m], ps) for (n, m), ps in zip(blocks, per_block) if ps]
+    plans += [UnitPlan(name, [m], [(f"{name}.weight", m.weight)]) for name, m in tiles]
     in_root = {id(p) for _, p in root}
     owners = [m for m in model.modules() if m is model or any(id(p) in in_root for p in m.parameters(recurse=False))]
     plans.append(UnitPlan("<root>", owners, root))
