@@ -164,6 +164,9 @@ def test_init_distributed_and_add_config_arguments():
     assert args.deepspeed and args.deepspeed_config == "c.json" and args.deepscale_config is None
     with pytest.raises(TypeError, match="parser: expected an argparse.ArgumentParser"):
         infinity.add_config_arguments(None)
+    import torch.distributed as dist
+    if dist.is_initialized():  # the group of one an earlier test's initialize left: this asks for a new one
+        dist.destroy_process_group()
     with pytest.raises(ValueError, match="world_size: 2 processes need a launcher"):
         env = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE") if k in os.environ}
         try:
