@@ -37,6 +37,12 @@ import torch
 
 from infinity.device.base import Device, InFlight
 from infinity.device.cpu import AsyncTestDevice, CpuDevice
+from infinity.device.pinning import CudaHostRegistration
+from infinity.io.memory import use_host_registration
+
+# Host buffers are registered with the driver here, not in io/ ([Note: page-locking is the
+# device layer's] in infinity/io/memory.py).
+use_host_registration(CudaHostRegistration())
 
 __all__ = ["AsyncTestDevice", "CpuDevice", "Device", "InFlight", "device_kind", "make_device"]
 

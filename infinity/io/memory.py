@@ -1,5 +1,12 @@
-"""Exact-size, page-aligned, page-locked host memory: pinned through CUDA when a GPU is
-present, mlock'ed otherwise.
+"""Exact-size, page-aligned, page-locked host memory: registered with the device driver when
+the device layer installed a registration (CUDA's cudaHostRegister with a GPU), mlock'ed
+otherwise.
+
+[Note: page-locking is the device layer's]
+Registering memory with a driver is a device call, and every device call is in infinity.device,
+which is above this package: so io/ does not call CUDA. It holds the registration the device
+layer installs (`use_host_registration`, at the import of infinity.device) and calls it through
+the `HostRegistration` protocol; without one, or without a driver present, buffers are mlock'ed.
 
 [Note: pinned buffer lifetime]
 torch's pinned allocator rounds every request up to a power of two and caches blocks, so a
@@ -25,6 +32,8 @@ from __future__ import annotations
 import errno
 import os
 import warnings
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -34,20 +43,29 @@ PAGE_SIZE = 4096
 _warned_mlock = False
 
 
-def _cuda_host_register(buf: _aio.AlignedBuffer) -> None:
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(buf.ptr, buf.nbytes, 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {buf.nbytes} bytes failed with CUDA error {int(err)}")
-    ptr = buf.ptr
+class HostRegistration(Protocol):
+    """Page-locking through a device driver ([Note: page-locking is the device layer's])."""
 
-    def unregister() -> None:  # runs in the buffer's destructor, possibly while Python shuts down
-        try:
-            cudart.cudaHostUnregister(ptr)
-        except Exception:  # the process is ending: its memory goes with it
-            pass
+    def present(self) -> bool:
+        """Whether there is a driver to register with (a GPU)."""
 
-    buf.set_release_hook(unregister)
+    def register(self, ptr: int, nbytes: int) -> Callable[[], None]:
+        """Registers `nbytes` at `ptr`; returns the undo, which runs before the memory is freed
+        (possibly while Python shuts down). Raises RuntimeError if the driver refuses."""
+
+
+_registration: HostRegistration | None = None
+
+
+def use_host_registration(registration: HostRegistration | None) -> None:
+    """Installs the device layer's registration ([Note: page-locking is the device layer's])."""
+    global _registration
+    _registration = registration
+
+
+def host_registration() -> HostRegistration | None:
+    """The registration installed, if its driver is present: host buffers are registered with it."""
+    return _registration if _registration is not None and _registration.present() else None
 
 
 def _mlock(buf: _aio.AlignedBuffer) -> None:
@@ -64,7 +82,8 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, pin: bool | None
                   huge_pages: bool = True) -> torch.Tensor:
     """A 1-D CPU tensor of `numel` elements on page-aligned memory of exactly that size.
 
-    pin=None or True: page-locked (cudaHostRegister with CUDA, mlock without);
+    pin=None or True: page-locked (registered with the device driver where one is present:
+    cudaHostRegister with CUDA; mlock without);
     pin=False: plain pageable memory.
     huge_pages=True: 2 MiB and more are backed by transparent huge pages where the kernel allows;
     False: ordinary 4 KiB pages (the control of `bench/bench_aio.py --buffers-ab`).
@@ -75,7 +94,7 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, pin: bool | None
         raise TypeError(f"dtype: expected a torch.dtype, got {dtype!r}")
     if not isinstance(huge_pages, bool):
         raise TypeError(f"huge_pages: expected a bool, got {huge_pages!r}")
-    cuda = torch.cuda.is_available()
+    registration = host_registration() if pin is not False else None
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
@@ -84,9 +103,9 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, pin: bool | None
     except MemoryError:
         raise OSError(errno.ENOMEM, f"numel: cannot allocate {numel} elements of {dtype} ({nbytes} bytes) of "
                       "page-aligned host memory") from None
-    if pin is not False and cuda:
+    if registration is not None:
         try:
-            _cuda_host_register(buf)
+            buf.set_release_hook(registration.register(buf.ptr, buf.nbytes))
         except RuntimeError as e:  # e.g. more than the host can page-lock: the mapping itself succeeded
             raise OSError(errno.ENOMEM, f"numel: cannot allocate {numel} elements of {dtype} ({nbytes} bytes) of "
                           f"pinned host memory ({e})") from None

@@ -31,6 +31,7 @@ import psutil
 import torch
 
 from infinity.io import PAGE_SIZE, aligned_empty
+from infinity.io.memory import host_registration
 from infinity.tiers._messages import config_key, human_bytes
 
 
@@ -57,7 +58,8 @@ class BufferPool:
         buffer_size: bytes per buffer; raised to the largest of `shard_sizes` with a warning and
             rounded up to a page ([Note: pool sizing]).
         shard_sizes: the bytes of every shard that will pass through the pool.
-        pin: pin through CUDA; None pins when a GPU is present (`pin_memory` in the config).
+        pin: pin through the device driver (CUDA); None pins when a GPU is present
+            (`pin_memory` in the config).
         name: the config section, for messages (e.g. "offload_param").
         on_release: called with every buffer handed back (the asynchronous test device
             scribbles over it, so that a copy still reading it fails loudly).
@@ -85,7 +87,8 @@ class BufferPool:
         buffer_size = _check_count(config_key(name, "buffer_size"), buffer_size, 1)
         if pin is not None and not isinstance(pin, bool):
             raise TypeError(f"{config_key(name, 'pin_memory')}: expected a bool, got {pin!r}")
-        if pin and not torch.cuda.is_available():
+        driver = host_registration() is not None  # a GPU's ([Note: page-locking is the device layer's])
+        if pin and not driver:
             raise ValueError(f"{config_key(name, 'pin_memory')}: true needs a CUDA device and there is none")
         largest = max((int(s) for s in shard_sizes), default=0)
         if largest > buffer_size:
@@ -98,7 +101,7 @@ class BufferPool:
             buffer_size = largest
         self._buffer_size = round_up(buffer_size, PAGE_SIZE)
         self._buffer_count = buffer_count
-        self._pinned = bool(torch.cuda.is_available() if pin is None else pin)
+        self._pinned = bool(driver if pin is None else pin)
         self._check_ram()
         # Page-locked even without CUDA (mlock): O_DIRECT into locked pages is ~1.4x faster here
         # ([Note: page-locked even without a GPU] in infinity/io/memory.py); only an explicit
