@@ -39,8 +39,8 @@ from infinity.zero.param_shards import ResidentParams
 from infinity.zero.partitioner import UnitPolicy, plan_units
 from infinity.zero.registry import register_units
 from infinity.zero.report import StepReport
-from infinity.zero.step_policy import (StepPolicy, UpdateMode, choose_update_mode, expected_update_order,
-                                       gradients_used_at_once)
+from infinity.zero.step_policy import (PendingUpdates, StepPolicy, UpdateMode, choose_update_mode,
+                                       expected_update_order, gradients_used_at_once)
 from infinity.zero.tiling import tile_model
 from infinity.zero.unit import Unit, UnitState
 from infinity.zero.zero_optimizer import ZeroOptimizer
@@ -124,14 +124,14 @@ class Engine(ConfigGetters):
             del shard
         if deferred is not None:
             deferred.finish()
-        self.optimizer.bind(self.optim_state, self.units, self._set_trainable_values)
+        self.updates = PendingUpdates(self.params, self.optim_state)  # [Note: a unit's update] in zero/step_policy.py
+        self.optimizer.bind(self.optim_state, self.units, self._set_trainable_values, self.updates.run_all)
         self.trainable_numel = sum(s.numel for u in self.units for s in u.slots if s.group >= 0)
         self.frozen_numel = sum(s.numel for u in self.units for s in u.slots if s.group < 0)
-        self.fetcher = Fetcher(self.units, self.params, zero)
-        self.policy = StepPolicy(self.units, self.params, self.optim_state, self.fetcher, self.optimizer,
+        self.fetcher = Fetcher(self.units, self.params, zero, self.updates)
+        self.policy = StepPolicy(self.units, self.params, self.optim_state, self.fetcher, self.updates, self.optimizer,
                                  self.accelerator, mode=self.update_mode, clip=config.gradient_clipping, scaler=self.scaler,
                                  skip_nonfinite=config.bf16.check_grad_overflow)
-        self.optimizer.settle = self.policy.settle_all
         self.hooks = UnitHooks(self.units, modules, self.fetcher, self.policy.on_unit_grads,
                                outside_backward=self._backward_outside_engine)
         self.report = StepReport(wall_clock_breakdown=config.wall_clock_breakdown,
@@ -364,7 +364,7 @@ class Engine(ConfigGetters):
         finally:  # a failed step is abandoned: the next micro-step starts a new accumulation
             self._boundary_override = None
         self._step_applied = outcome.applied
-        if self.policy.pending_updates == 0:  # every shard has its new values
+        if not self.updates:  # every shard has its new values
             self.fetcher.prefetch_next_step()
         if outcome.applied:
             if self.lr_scheduler is not None:
@@ -443,7 +443,7 @@ class Engine(ConfigGetters):
         """The weights as the model computes with them (bf16/fp16, or fp32), in Hugging Face's
         safetensors layout in `save_dir`; every rank calls it, rank 0 writes."""
         from infinity.checkpoint.export import save_16bit_model
-        self.policy.settle_all()  # [Note: updates after the norm] in step_policy.py
+        self.updates.run_all()  # [Note: a unit's update] in zero/step_policy.py
         with self._held_signals():
             return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
@@ -466,7 +466,7 @@ class Engine(ConfigGetters):
         if not replaces_all:  # a failed write, or an update that cannot resume ([Note: failed updates] in step_policy.py)
             self.policy.check_intact(what)
         self.lifecycle.check_between_steps(what, replaces_all)
-        self.policy.settle_all()  # [Note: updates after the norm] in step_policy.py
+        self.updates.run_all()  # [Note: a unit's update] in zero/step_policy.py
 
     def _check_sound(self, what: str) -> None:
         """Half-updated or half-loaded values are exported as little as saved."""
@@ -649,7 +649,7 @@ class Engine(ConfigGetters):
     def _local_fp32(self, unit: Unit) -> torch.Tensor:
         """This rank's shard in fp32: the masters of the trainable part, the compute-dtype values
         of the frozen part (frozen parameters have no master)."""
-        self.policy.settle(unit)  # [Note: updates after the norm]
+        self.updates.run(unit)  # [Note: a unit's update] in zero/step_policy.py
         shard = torch.empty(unit.shard_numel, dtype=torch.float32)
         parts = unit.split(shard)
         if unit.trainable:
@@ -666,7 +666,7 @@ class Engine(ConfigGetters):
 
     def full_compute_values(self, unit: Unit) -> torch.Tensor:
         """The unit's full flat buffer in the compute dtype on the CPU; all ranks call it."""
-        self.policy.settle(unit)  # [Note: updates after the norm]
+        self.updates.run(unit)  # [Note: a unit's update] in zero/step_policy.py
         return self._gather_full(unit, self.params.host_copy(unit))
 
     def full_fp32_values(self, unit: Unit) -> torch.Tensor:
@@ -678,7 +678,7 @@ class Engine(ConfigGetters):
         optimizer state: "master", "exp_avg", "exp_avg_sq", or "grad" (the accumulated gradient,
         between the backward that ends an accumulation and `step()`). None for a unit without
         trainable parameters, or a gradient no longer kept. All ranks call it."""
-        self.policy.settle(unit)  # [Note: updates after the norm]
+        self.updates.run(unit)  # [Note: a unit's update] in zero/step_policy.py
         if not unit.trainable:
             return None
         if kind == "grad":
@@ -700,7 +700,7 @@ class Engine(ConfigGetters):
         return self._gather_full(unit, shard)
 
     def gather_for_user(self, unit: Unit) -> None:
-        self.policy.settle(unit)  # [Note: updates after the norm]
+        self.updates.run(unit)  # [Note: a unit's update] in zero/step_policy.py
         unit.to_gathered(self.params.fetch(unit), fresh=True)  # views may outlive the release
         self.params.done(unit)
 
@@ -708,7 +708,7 @@ class Engine(ConfigGetters):
         unit.to_released()
 
     def set_unit_values(self, unit: Unit, shard: torch.Tensor) -> None:
-        self.policy.settle(unit)  # [Note: updates after the norm]
+        self.updates.run(unit)  # [Note: a unit's update] in zero/step_policy.py
         shard = self.accelerator.host(shard)
         if unit.trainable:  # the values were written in the compute dtype; fp32 keeps them exactly
             self.optim_state.set_master(unit, unit.split(shard).train.to(torch.float32))
@@ -716,7 +716,7 @@ class Engine(ConfigGetters):
 
     def _set_trainable_values(self, unit: Unit, master: torch.Tensor) -> None:
         """The trainable part of the unit's shard becomes `master` (this rank's, fp32) rounded."""
-        self.policy.settle(unit)  # [Note: updates after the norm]
+        self.updates.run(unit)  # [Note: a unit's update] in zero/step_policy.py
         shard = self.params.host_copy(unit)
         unit.split(shard).train.copy_(master)
         self.policy.write_params(unit, new_shard=shard)
@@ -724,7 +724,7 @@ class Engine(ConfigGetters):
     def set_fp32_values(self, unit: Unit, full: torch.Tensor) -> None:
         """Makes `full` (the unit's full flat buffer in fp32, identical on every rank) the unit's
         values: fp32 masters of the trainable part, compute-dtype shard of both parts."""
-        self.policy.settle(unit)  # [Note: updates after the norm]
+        self.updates.run(unit)  # [Note: a unit's update] in zero/step_policy.py
         shard = unit.local_shard(full.to(torch.float32).cpu())
         if unit.trainable:
             self.optim_state.set_master(unit, unit.split(shard).train.clone())

@@ -22,6 +22,7 @@ import torch
 
 import infinity
 from gpt import TinyGPT, batches, config
+from infinity.zero.step_policy import UpdateState
 from test_tiers_faults import FaultyHandle
 
 HERE = os.path.dirname(__file__)
@@ -308,9 +309,13 @@ def test_a_deferred_update_that_fails_part_way_resumes_from_the_failed_piece(tmp
     unit = next(u for u in engine.units if u.trainable and len(engine.optim_state._pieces[u.index]) >= 3)
     k = piece % len(engine.optim_state._pieces[unit.index])
     _arm(engine, kind, (unit.index, k))
+    assert engine.updates.state(unit) is UpdateState.PENDING
+    with pytest.raises(OSError) as failed:
+        engine(*data[1])  # its update runs before its first use, and reads piece k
+    assert f"({unit.index}, {k})" in str(failed.value)
+    assert engine.updates.state(unit) is UpdateState.PARTIAL  # [Note: a unit's update]: resumed at its next use
     outcomes = _train(engine, data[1:])
-    assert outcomes[0].startswith("OSError") and f"({unit.index}, {k})" in outcomes[0], outcomes
-    assert outcomes[1:] == ["ok"] * 3, outcomes
+    assert outcomes == ["ok"] * 3, outcomes
     assert engine.optimizer.step_count == 4
     _assert_same(engine, clean_run())
     engine.close()

@@ -428,7 +428,7 @@ def test_updates_after_the_norm_are_seen_by_every_read_before_the_next_forward(t
     _, ref = reference_run(model, data, gas=1)
     engine, *_ = infinity.initialize(copy.deepcopy(model), config=nvme_config(tmp_path, "nvme", "nvme"))
     engine_run(engine, data, gas=1)
-    assert engine.policy.pending_updates > 0  # the case under test: updates still pending
+    assert len(engine.updates) > 0  # the case under test: updates still pending
     with infinity.zero.GatheredParameters([engine.module.blocks[1].fc1.weight]):
         torch.testing.assert_close(engine.module.blocks[1].fc1.weight.detach(), ref.blocks[1].fc1.weight.detach(),
                                    rtol=1e-5, atol=1e-5)

@@ -33,8 +33,7 @@ is not traced and prefetches nothing, so it cannot disturb the recorded schedule
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-
+from typing import Protocol
 
 from infinity.timeline import TIMELINE
 from infinity.config import ZeroConfig
@@ -42,10 +41,22 @@ from infinity.zero.protocols import ParamTier
 from infinity.zero.unit import Unit, UnitState
 
 
+class UpdatesBeforeUse(Protocol):
+    """Updates that wait for a unit's next use ([Note: updates after the norm] in step_policy.py):
+    the fetcher runs a unit's before it reads the unit's shard, so `acquire` (and a prefetch one
+    use ahead) may run CPU Adam over the unit's shard and its optimizer state's NVMe reads and
+    writes ([Note: a unit's update] in step_policy.py)."""
+
+    def is_pending(self, unit: Unit) -> bool: ...
+
+    def run(self, unit: Unit) -> None: ...
+
+
 class Fetcher:
-    def __init__(self, units: list[Unit], params: ParamTier, zero: ZeroConfig):
+    def __init__(self, units: list[Unit], params: ParamTier, zero: ZeroConfig, updates: UpdatesBeforeUse):
         self.units = units
         self.params = params
+        self.updates = updates  # their writes change the shards this fetcher reads: run first
         self.max_live_numel = zero.stage3_max_live_parameters
         self.max_reuse_distance = zero.stage3_max_reuse_distance
         self.prefetch_numel = zero.stage3_prefetch_bucket_size
@@ -58,10 +69,6 @@ class Fetcher:
         self.peak_live_numel = 0
         self.gather_seconds = 0.0
         self._prefetched: set[int] = set()  # schedule positions whose shard read is already issued
-        # [Note: updates after the norm] in step_policy.py: a unit whose update waits for its
-        # next use is updated (`settle`) before its shard is read, at most one use ahead.
-        self.pending: Callable[[Unit], bool] = lambda unit: False
-        self.settle: Callable[[Unit], None] = lambda unit: None
 
     # ---- per step -------------------------------------------------------------------------
 
@@ -89,7 +96,7 @@ class Fetcher:
         next step's first shards are read while the host is still between steps (the loss
         print, the next batch), instead of at the next forward's first acquire. A shard that
         changes before it is used (a checkpoint load, `GatheredParameters` with a modifier)
-        drops its read first (the parameter tier's `_settle`); an evaluation forward uses it."""
+        drops its read first (the parameter tier's `_before_write`); an evaluation forward uses it."""
         if self.schedule and not self.in_step:
             self._prefetched = set()
             self._prefetch(0)
@@ -104,7 +111,7 @@ class Fetcher:
         if self.on_schedule and (pos >= len(self.schedule) or self.schedule[pos] != unit.index):
             self.on_schedule = False
         self.in_use[unit.index] = self.in_use.get(unit.index, 0) + 1
-        self.settle(unit)
+        self.updates.run(unit)  # its new values first ([Note: a unit's update] in step_policy.py)
         if unit.state is UnitState.RELEASED:
             self._make_room(unit.padded_numel if not unit.persistent else 0)
             self._gather(unit)
@@ -195,10 +202,10 @@ class Fetcher:
             if ahead >= self.prefetch_numel:
                 break
             u = self.units[self.schedule[pos]]
-            if self.pending(u):  # its update writes the shard it would read
+            if self.updates.is_pending(u):  # its update writes the shard it would read
                 if pos != start:
-                    break
-                self.settle(u)
+                    break  # updated at most one use ahead
+                self.updates.run(u)
             ahead += u.padded_numel
             if pos in self._prefetched or u.state is UnitState.GATHERED:
                 continue

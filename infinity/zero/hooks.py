@@ -79,7 +79,7 @@ class UnitHooks:
         self.outside_backward = outside_backward  # a parameter's gradient arrives outside engine.backward
         self.in_backward = False  # engine.backward runs
         self.reduce_seconds = 0.0
-        self._pending: dict[int, int] = {}  # unit -> hooked parameters still without a gradient
+        self._awaiting_grad: dict[int, int] = {}  # unit -> hooked parameters still without a gradient
         self._open_calls: dict[int, int] = {}  # unit -> calls whose backward runs (input gradients pending)
         self._reduced: set[int] = set()
         self._calls: list[_Call] = []  # this pass's calls with an input-gradient hook
@@ -160,7 +160,7 @@ class UnitHooks:
             call.handle.remove()
         self._calls = []
         self._current = {}
-        self._pending = dict(self._hooked)
+        self._awaiting_grad = dict(self._hooked)
         self._open_calls = {u.index: 0 for u in self.units}
         self._reduced = set()
         self._backward_spans: dict[int, int | None] = {}
@@ -188,12 +188,12 @@ class UnitHooks:
                 self.outside_backward()  # raises: nothing of this pass is reduced or updated
             if not trainable:
                 param.grad = None  # requires grad but is in no param group: frozen, nothing keeps it
-            self._pending[unit.index] -= 1
+            self._awaiting_grad[unit.index] -= 1
             self._maybe_finish(unit)
         return hook
 
     def _maybe_finish(self, unit: Unit) -> None:
-        if self._pending[unit.index] <= 0 and self._open_calls[unit.index] == 0:
+        if self._awaiting_grad[unit.index] <= 0 and self._open_calls[unit.index] == 0:
             self._finish(unit)
 
     def _finish(self, unit: Unit) -> None:

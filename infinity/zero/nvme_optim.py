@@ -34,7 +34,7 @@ and its pieces are read from the start of that micro-step's forward, while the u
 compute, as far as the pool allows (`_read_ahead`). When updates wait
 for the next forward ([Note: updates after the norm] in step_policy.py) they run in that
 forward's order, not in the order gradients became final: the reads then follow the last
-deferred order instead, so the first units the next forward updates (the embedding, whose
+pending order instead, so the first units the next forward updates (the embedding, whose
 gradient is final last) are the first read; where the pool has room, a unit's pieces are
 fetched again for the next step right after its update released them, while their write is in
 flight, which costs no read at all. With the update
@@ -168,9 +168,9 @@ class NvmeOptimizerState:
         self._final: set[int] = set()  # units whose gradient is final this step
         self._updated: set[int] = set()
         self._reading_ahead = False
-        self._deferred: list[int] = []  # units whose update waits for their next use, in that order
-        # The last deferred order: the next step's, too ([Note: reading ahead in the expected order]).
-        self._defer_order = list(self._expected) if mode is UpdateMode.AT_NEXT_USE else []
+        self._pending_order: list[int] = []  # units whose update waits for their next use, in that order
+        # The last pending order: the next step's, too ([Note: reading ahead in the expected order]).
+        self._last_pending_order = list(self._expected) if mode is UpdateMode.AT_NEXT_USE else []
         self._resume: dict[int, int] = {}  # unit -> pieces of its unfinished update done ([Note: resuming an update])
         self._damaged: dict[int, str] = {}  # unit -> why its state is not of any step, until a load replaces it
         self._tally = IOTally(self.swapper)
@@ -200,7 +200,7 @@ class NvmeOptimizerState:
         if last:
             self._read_ahead()
         else:
-            self._drop_early(keep=self._deferred)
+            self._drop_early(keep=self._pending_order)
 
     def accumulate(self, unit: Unit, grad_shard: torch.Tensor, first: bool, last: bool = False) -> InFlight:
         # [Note: gradients to the host] in optim_shards.py: consumed one unit later, or at the update.
@@ -228,7 +228,7 @@ class NvmeOptimizerState:
             self._final.add(index)
             self._ready.append(index)
             self._order.append(index)
-            if not self._defer_order:  # deferred updates run in forward order: `_read_ahead` follows it
+            if not self._last_pending_order:  # pending updates run in forward order: `_read_ahead` follows it
                 for k in range(len(self._pieces[index])):
                     if not self._read_early(index, k):
                         break  # the pool is as full as the step's own pipeline allows
@@ -255,7 +255,7 @@ class NvmeOptimizerState:
 
     def grad_sq(self, unit: Unit) -> torch.Tensor:
         """Squared norm of the unit's final gradient, taken when it became final."""
-        self._landing.settle()
+        self._landing.consume_landed()
         return self._sq.get(unit.index, torch.zeros((), dtype=torch.float32))
 
     def step_order(self, units: list[Unit]) -> list[Unit]:
@@ -316,7 +316,7 @@ class NvmeOptimizerState:
         spilled gradient is read only once it is final."""
         early = self._early.setdefault((index, k), {})
         kinds = [kind for kind in self._kinds(index) if kind not in early
-                 and (kind != GRAD or index in self._final or index in self._deferred)]
+                 and (kind != GRAD or index in self._final or index in self._pending_order)]
         if not kinds:
             return True
         if not self.swapper.can_spare(3 * self._per_piece + len(kinds)):
@@ -340,7 +340,7 @@ class NvmeOptimizerState:
         """Reads the pieces of the units expected to become final next ([Note: reading ahead in
         the expected order]), as far as the pool allows; first those of pending updates, in the
         order they will run."""
-        for index in self._deferred:
+        for index in self._pending_order:
             for k in range(self._resume.get(index, 0), len(self._pieces[index])):
                 if not self._read_early(index, k):
                     return
@@ -355,7 +355,7 @@ class NvmeOptimizerState:
 
     def update(self, unit: Unit, hypers: list[AdamHyper], step: int, grad_scale: float,
                out: torch.Tensor) -> None:
-        self._landing.settle()
+        self._landing.consume_landed()
         index = unit.index
         pieces = self._pieces[index]
         grad = self._grads.get(index)
@@ -410,8 +410,8 @@ class NvmeOptimizerState:
             if fresh is not None:
                 self._landing.release(fresh)
         self._resume.pop(index, None)
-        if index in self._deferred:  # the last step's, not this one's
-            self._deferred.remove(index)
+        if index in self._pending_order:  # the last step's, not this one's
+            self._pending_order.remove(index)
             self._final.discard(index)
         else:
             if index in self._ready:
@@ -419,14 +419,14 @@ class NvmeOptimizerState:
             self._updated.add(index)
         self._read_ahead()
 
-    def defer(self, order: list[int]) -> None:
+    def set_pending(self, order: list[int]) -> None:
         """These units' updates run later, in this order ([Note: updates after the norm] in
         step_policy.py): their reads issued so far are kept for them, and more start now."""
-        self._deferred = list(order)
-        self._defer_order = list(order)
+        self._pending_order = list(order)
+        self._last_pending_order = list(order)
         self._reading_ahead = False  # the next step's reads start with its forward
         self._read_ahead()
-        for index in self._deferred:  # a shard whose last write failed fails the step now, not one later
+        for index in self._pending_order:  # a shard whose last write failed fails the step now, not one later
             for k in range(len(self._pieces[index])):
                 for kind in KINDS:
                     if self.swapper.state(kind, (index, k)) is ShardState.INVALID:
@@ -460,24 +460,24 @@ class NvmeOptimizerState:
         lost = self.swapper.lost(KINDS)
         return None if lost is None else f"a write of optimizer state failed ({lost.strerror})"
 
-    def drop_deferred(self) -> None:
-        """The deferred updates will not run (the state is damaged): their reads ahead go back."""
-        self._deferred = []
+    def drop_pending(self) -> None:
+        """The pending updates will not run (the state is damaged): their reads ahead go back."""
+        self._pending_order = []
         self._final.clear()
         self._resume.clear()
         self._drop_early()
 
     def finish_step(self) -> None:
-        self._drop_early(keep=self._deferred)  # reads for an update that did not come (a skipped step)
+        self._drop_early(keep=self._pending_order)  # reads for an update that did not come (a skipped step)
         self._ready.clear()
-        self._final = {index for index in self._final if index in self._deferred}
+        self._final = {index for index in self._final if index in self._pending_order}
         for g in self._fresh.values():  # a skipped step: never used
             self._landing.release(g)
         self._fresh.clear()
         self._sq.clear()
         self._updated.clear()
         if self._order:
-            self._expected, self._order = self._defer_order or self._order, []
+            self._expected, self._order = self._last_pending_order or self._order, []
         self._reading_ahead = False
 
     def flush(self) -> None:
@@ -486,7 +486,7 @@ class NvmeOptimizerState:
         The engine calls it at the start of the next step, so the last pieces' writes drain
         while the next forward and backward compute; a read of a shard still being written
         waits for that write (the swapper's ordering), never reading old bytes."""
-        self._landing.settle()
+        self._landing.consume_landed()
         self.swapper.flush()
 
     # ---- checkpoints and GatheredParameters -------------------------------------------------
@@ -518,7 +518,7 @@ class NvmeOptimizerState:
     def grad(self, unit: Unit) -> torch.Tensor | None:
         """A host copy of the unit's accumulated gradient, or None where none is kept (one
         that fed its update at once)."""
-        self._landing.settle()
+        self._landing.consume_landed()
         index = unit.index
         if index in self._grads:
             return self._grads[index].clone()
@@ -540,7 +540,7 @@ class NvmeOptimizerState:
         return self._tally.take()
 
     def close(self) -> None:
-        self._landing.settle()
+        self._landing.consume_landed()
         self._drop_early()
         try:
             self.swapper.close()  # raises a failed write nobody has met yet

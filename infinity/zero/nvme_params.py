@@ -150,7 +150,7 @@ class NvmeParams:
             self._returning.append((unit.index, self._held.pop(unit.index)))
             self._return(block=False)
 
-    def _settle(self, index: int) -> None:
+    def _before_write(self, index: int) -> None:
         """Before the unit's shard is written: a read of it started ahead is dropped (its bytes
         are about to be old), and its pool buffers must be back, once the device copies that
         read them have ended (on a GPU the host learns that only by asking)."""
@@ -194,7 +194,7 @@ class NvmeParams:
         self.cache.set_schedule([(kind, i) for i in order for kind, _ in _parts(self._units[i])])
 
     def update_target(self, unit: Unit, on_device: bool) -> torch.Tensor:
-        self._settle(unit.index)
+        self._before_write(unit.index)
         if unit.index in self._targets:  # an update that failed part way resumes into the same buffer
             target, was_on_device = self._targets[unit.index]  # ([Note: resuming an update] in nvme_optim.py)
             assert was_on_device == on_device, unit
@@ -223,12 +223,12 @@ class NvmeParams:
             self.pool.release(target.view(torch.uint8))
 
     def replace(self, unit: Unit, shard: torch.Tensor) -> None:
-        self._settle(unit.index)
+        self._before_write(unit.index)
         self._drop_target(unit.index)
         self._write(unit, shard)
 
     def host_copy(self, unit: Unit) -> torch.Tensor:
-        self._settle(unit.index)
+        self._before_write(unit.index)
         out = torch.empty(unit.shard_numel, dtype=unit.dtype)
         start = 0
         for kind, n in _parts(unit):

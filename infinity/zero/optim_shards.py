@@ -76,7 +76,7 @@ class GradientLanding:
     [Note: gradients to the host]
     A unit's reduced gradient shard is copied device -> host on the device's copy-out stream into
     a page-locked pool buffer (`land`), and the host consumes it (accumulation, spill, norm) one
-    unit later (`settle`, called by the next `land` and before anything reads the gradients), so
+    unit later (`consume_landed`, called by the next `land` and before anything reads the gradients), so
     the copy runs under the next unit's backward instead of stopping the compute for each unit.
     The copy reads the engine's reused gradient buffer: the engine waits for it
     (`Device.wait_compute`) before the next unit overwrites that buffer.
@@ -87,23 +87,23 @@ class GradientLanding:
         largest = max((u.train_shard_numel * u.dtype.itemsize for u in units), default=1)
         # One buffer for the copy in flight, one for the gradient a host consumer still holds.
         self.pool = BufferPool(2, largest, pin=device.pin() or None, name=name, on_release=device.scribble)
-        self._pending: list[tuple[InFlight, torch.Tensor, Callable[[torch.Tensor], bool]]] = []
+        self._in_flight: list[tuple[InFlight, torch.Tensor, Callable[[torch.Tensor], bool]]] = []
 
     def land(self, grad_shard: torch.Tensor, consume: Callable[[torch.Tensor], bool]) -> InFlight:
-        """Starts the copy of `grad_shard`; `consume(host_copy)` runs at the next `settle` and
+        """Starts the copy of `grad_shard`; `consume(host_copy)` runs at the next `consume_landed` and
         returns True when it keeps the buffer (then `release` gives it back later)."""
-        self.settle()
+        self.consume_landed()
         nbytes = grad_shard.numel() * grad_shard.element_size()
         buffer = self.pool.acquire(nbytes)
         copy = self.device.to_host(grad_shard, buffer.view(grad_shard.dtype))
-        self._pending.append((copy, buffer, consume))
+        self._in_flight.append((copy, buffer, consume))
         return copy
 
-    def settle(self) -> None:
+    def consume_landed(self) -> None:
         """Consumes every gradient in flight (waiting for its copy). If a consumer raises (a
         spilled gradient's read failed), its buffer goes back and the rest stay pending."""
-        while self._pending:
-            copy, buffer, consume = self._pending.pop(0)
+        while self._in_flight:
+            copy, buffer, consume = self._in_flight.pop(0)
             with TIMELINE.span("gradient copy to host", "wait"):
                 self.device.wait_host(copy)
             kept = False
@@ -118,7 +118,7 @@ class GradientLanding:
 
     def discard(self) -> None:
         """Drops the gradients in flight (a failed backward), once their copies have landed."""
-        pending, self._pending = self._pending, []
+        pending, self._in_flight = self._in_flight, []
         for copy, buffer, _ in pending:
             self.device.wait_host(copy)
             self.pool.release(buffer)
@@ -162,17 +162,17 @@ class ResidentOptimizerState:
             return None
         return self._landing.land(grad_shard, consume)
 
-    def _settle(self) -> None:
+    def _consume_landed(self) -> None:
         if self._landing is not None:
-            self._landing.settle()
+            self._landing.consume_landed()
 
     def grad_sq(self, unit: Unit) -> torch.Tensor:
-        self._settle()
+        self._consume_landed()
         return self.device.host(row_norms_sq(self._grads[unit.index]).sum())
 
     def update(self, unit: Unit, hypers: list[AdamHyper], step: int, grad_scale: float,
                out: torch.Tensor) -> None:
-        self._settle()
+        self._consume_landed()
         s, g = self._state[unit.index], self._grads[unit.index]
         half = None if out.dtype == torch.float32 else out  # the kernel rounds into it in its pass
         with TIMELINE.span("adam", unit=unit.index):
@@ -212,11 +212,11 @@ class ResidentOptimizerState:
     def damage(self) -> str | None:
         return next(iter(self._damaged.values()), None)
 
-    def drop_deferred(self) -> None:
+    def drop_pending(self) -> None:
         pass  # updates never wait for the next forward here (`updates_can_wait` is False)
 
     def flush(self) -> None:
-        self._settle()
+        self._consume_landed()
 
     def master(self, unit: Unit) -> torch.Tensor:
         return self.device.host(self._state[unit.index]["master"])
@@ -228,7 +228,7 @@ class ResidentOptimizerState:
         return {k: self.device.host(t) for k, t in self._state[unit.index].items()}
 
     def grad(self, unit: Unit) -> torch.Tensor | None:
-        self._settle()
+        self._consume_landed()
         return self.device.host(self._grads[unit.index])
 
     def read(self, unit: Unit, kind: str) -> torch.Tensor:
@@ -242,6 +242,6 @@ class ResidentOptimizerState:
             self._damaged.pop(unit.index, None)
 
     def close(self) -> None:
-        self._settle()
+        self._consume_landed()
         self._state.clear()
         self._grads.clear()

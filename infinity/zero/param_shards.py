@@ -48,7 +48,7 @@ class ResidentParams:
             return True  # already on the device
         if unit.index in self._inflight:
             return False
-        self._settle_reading(unit.index)
+        self._wait_reading(unit.index)
         self._inflight[unit.index] = self.device.to_device(self._shards[unit.index])
         return True
 
@@ -70,14 +70,14 @@ class ResidentParams:
     def done(self, unit: Unit) -> None:
         pass  # the device copy dies with its last reference; `_reading` guards the host shard
 
-    def _settle_reading(self, index: int) -> None:
+    def _wait_reading(self, index: int) -> None:
         if index in self._reading:
             self.device.wait_host(self._reading.pop(index))
 
     def update_target(self, unit: Unit, on_device: bool) -> torch.Tensor:
         index = unit.index
         if on_device != self.offload:  # the shard is on the optimizer's side: write it in place
-            self._settle_reading(index)
+            self._wait_reading(index)
             return unit.split(self._shards[index]).train
         if index in self._commits:  # the last commit must have read the staging buffer
             self.device.wait_host(self._commits.pop(index))
@@ -94,7 +94,7 @@ class ResidentParams:
             return  # written in place
         train = unit.split(self._shards[index]).train
         if self.offload:  # device staging -> host shard: done before the next read of the shard
-            self._settle_reading(index)
+            self._wait_reading(index)
             self.device.wait_host(self.device.to_host(staging, train))
         else:
             self._commits[index] = self.device.to_device(staging, train)
@@ -113,7 +113,7 @@ class ResidentParams:
             self._reading[index] = copy
         self._inflight.clear()
         for index in list(self._reading):
-            self._settle_reading(index)
+            self._wait_reading(index)
 
     def set_schedule(self, order: list[int]) -> None:
         pass

@@ -81,7 +81,7 @@ class OptimizerTier(Protocol):
 
     on_device: bool  # the state lives on the compute device: `update`'s `out` must be there too
     # Whether updates after the norm may wait for each unit's next use, which then calls
-    # `defer` and `drop_deferred` ([Note: update modes] in step_policy.py).
+    # `set_pending` and `drop_pending` ([Note: update modes] in step_policy.py).
     updates_can_wait: ClassVar[bool]
 
     def add(self, unit: Unit, master: torch.Tensor) -> None:
@@ -140,11 +140,11 @@ class OptimizerTier(Protocol):
     def damage(self) -> str | None:
         """Why the state is not that of any step (a damaged unit, a failed write), or None."""
 
-    def defer(self, order: list[int]) -> None:
+    def set_pending(self, order: list[int]) -> None:
         """These units' updates wait for their next use and run in this order (`updates_can_wait`
         tiers only): the tier may start reading their state now."""
 
-    def drop_deferred(self) -> None:
+    def drop_pending(self) -> None:
         """Forgets the updates waiting for the next forward (they will not run), and their reads ahead."""
 
     def io_stats(self) -> dict[str, float]:

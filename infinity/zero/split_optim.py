@@ -5,7 +5,7 @@ NVMe ([Note: host memory before the disk] in host_budget.py).
 unit to the tier that holds it: `ResidentOptimizerState` in host memory for the units kept,
 `NvmeOptimizerState` for the others. Calls about the step go to both. Updates wait for the next
 forward as with everything on NVMe ([Note: updates after the norm] in step_policy.py); a kept
-unit's deferred update reads nothing, so it costs no more than one in `step()`.
+unit's pending update reads nothing, so it costs no more than one in `step()`.
 """
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ class SplitOptimizerState:
         return (self.disk.step_order([u for u in units if u.index not in self._kept])
                 + [u for u in units if u.index in self._kept])
 
-    def defer(self, order: list[int]) -> None:
-        self.disk.defer([index for index in order if index not in self._kept])
+    def set_pending(self, order: list[int]) -> None:
+        self.disk.set_pending([index for index in order if index not in self._kept])
 
     def begin_pass(self, last: bool) -> None:
         self.memory.begin_pass(last)
@@ -118,9 +118,9 @@ class SplitOptimizerState:
         self.memory.finish_step()
         self.disk.finish_step()
 
-    def drop_deferred(self) -> None:
-        self.memory.drop_deferred()
-        self.disk.drop_deferred()
+    def drop_pending(self) -> None:
+        self.memory.drop_pending()
+        self.disk.drop_pending()
 
     def damage(self) -> str | None:
         return self.memory.damage() or self.disk.damage()

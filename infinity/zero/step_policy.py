@@ -54,26 +54,51 @@ them (with a warning); only fp16's loss scaling skips steps.
 
 [Note: updates after the norm]
 With clipping or fp16 loss scaling every update waits for the global norm. When the optimizer
-state is on NVMe (`OptimizerTier.updates_can_wait`: mode AT_NEXT_USE), `step()` then only computes the norm, the
-clip coefficient and the step's hyper-parameters, updates the persistent units, and leaves the
-others pending: each is updated just before its shard is next read, in the order the next
-forward needs them (the fetcher settles a unit when it is acquired or is next to be read, one
-use ahead). So the optimizer-state I/O and the parameter write-back run among the next
-forward's units instead of after backward, and the next forward finds each unit's new values in
+state is on NVMe (`OptimizerTier.updates_can_wait`: mode AT_NEXT_USE), `step()` then only
+computes the norm, the clip coefficient and the step's hyper-parameters, updates the persistent
+units, and leaves the others pending: each is updated just before its shard is next read, in
+the order the next forward needs them (the fetcher runs a unit's update when it is acquired or
+is next to be read, one use ahead: [Note: a unit's update]). So the optimizer-state I/O and the
+parameter write-back run on the compute thread among the next forward's units instead of after
+backward, and the next forward finds each unit's new values in
 the buffer its update wrote them to (no NVMe read). The update is the one `step()` would have
 run, with the hyper-parameters, step count and clip coefficient taken at `step()`: losses and
 weights are bit-identical. Whatever reads the values or the state before that forward (a
 checkpoint, `consolidated_state_dict`, GatheredParameters, an eval forward, the next `step()`)
-first settles what it touches, or everything (`settle_all`).
+first runs the updates of what it touches (`PendingUpdates.run`), or all of them (`run_all`).
+
+[Note: a unit's update]
+Each unit's update of the last step is in one state, held by `PendingUpdates` (the engine's
+`updates`; it alone changes it):
+
+    CURRENT ──step() leaves the update for the next use (AT_NEXT_USE)──▶ PENDING
+       ▲                                                                   │
+       └──────────── run(): the update ran whole ◀──────────────────────────┤
+       ▲                                                                   │ run() raised part way
+       └── run(): resumed from the first piece not done ◀── PARTIAL ◀──────┘
+
+  CURRENT  the unit's values and optimizer state are those of the last step taken (an update
+           in backward or in `step()` ran; or the unit has none pending).
+  PENDING  `step()` took the norm and the hyper-parameters; the update waits for the unit's
+           next use ([Note: updates after the norm]). The fetcher runs it before reading the
+           shard (`acquire`, or a prefetch one use ahead); so does anything that reads the
+           values or the state first (checkpoints, GatheredParameters, the next `step()`).
+  PARTIAL  that update raised part way: the pieces it finished are written, the others not
+           (the NVMe tier knows how far: [Note: resuming an update] in nvme_optim.py).
+
+The rule after a failure is one of PARTIAL: the next `run()` resumes the update from the first
+piece not done, with the same hyper-parameters, step count and clip coefficient, which gives the
+numbers of a run without the failure, unless the state is damaged (below); then it refuses, as
+every step and save does, until a load replaces all of the state; and `run_all` drops what waits.
 
 [Note: failed updates]
 After an I/O error reaches the user, either every update is applied exactly once, or the engine
 refuses to go on (`broken`: steps, backward's updates, saves and the forward of a unit whose
 update is pending raise, saying to restore a checkpoint) until a load replaces all of the state.
-  * A deferred update that fails on a read has written back the pieces it finished (and only
-    those: [Note: resuming an update] in nvme_optim.py); it stays pending, with the same
-    hyper-parameters, step count and clip coefficient, and the next read of the unit resumes it
-    from the failed piece, so going on gives the numbers of a run without the failure.
+  * An update at the next use that fails on a read has written back the pieces it finished
+    (and only those: [Note: resuming an update] in nvme_optim.py); it is PARTIAL ([Note: a
+    unit's update]), and the next use of the unit resumes it from the failed piece, so going on
+    gives the numbers of a run without the failure.
   * Anything else damages the state: an update that fails otherwise (a write that failed, a
     gradient whose spill was lost, an exception that is not an OSError, a commit that failed
     once all pieces were updated), or an update in backward or in `step()` that fails (the
@@ -143,6 +168,108 @@ def expected_update_order(units: list[Unit], mode: UpdateMode) -> list[int]:
     return order if mode is UpdateMode.AT_NEXT_USE else order[::-1]
 
 
+def damage_of(params: ParamTier, optim_state: OptimizerTier) -> str | None:
+    """Why the parameters and optimizer state are not those of any step, or None ([Note: failed updates])."""
+    return optim_state.damage() or params.damage()
+
+
+def check_intact(params: ParamTier, optim_state: OptimizerTier, what: str) -> None:
+    """Raises unless the state is that of a step; `what` is refused ([Note: failed updates])."""
+    why = damage_of(params, optim_state)
+    if why is not None:
+        raise RuntimeError(f"{what}: {why}, so the parameters and optimizer state are not those of any step; "
+                           "restore the run from a checkpoint (engine.load_checkpoint, with its optimizer "
+                           "states) or build a new engine")
+
+
+def write_params(params: ParamTier, optim_state: OptimizerTier, unit: Unit, fill=None,
+                 new_shard: torch.Tensor | None = None) -> None:
+    """Gives `unit` new compute-dtype values: `fill(target)` writes the trainable part into the
+    parameter tier's target buffer, which is then committed to the tier, or `new_shard` (host,
+    both parts) replaces the whole shard. A gathered unit (a persistent one, or one gathered
+    by GatheredParameters) is released first and gathered again with the new values."""
+    regather = unit.state is UnitState.GATHERED
+    if regather:
+        unit.to_released()
+    if fill is None:
+        params.replace(unit, new_shard)
+    else:
+        fill(params.update_target(unit, optim_state.on_device))
+        params.commit(unit)
+    if regather:
+        unit.to_gathered(params.fetch(unit))
+        params.done(unit)
+
+
+class UpdateState(enum.Enum):
+    """Where a unit's update of the last step stands ([Note: a unit's update])."""
+
+    CURRENT = "current"
+    PENDING = "pending"
+    PARTIAL = "partial"
+
+
+class PendingUpdates:
+    """Each unit's `UpdateState` ([Note: a unit's update]) and the updates that wait for a
+    unit's next use: `step()` leaves them (`leave`), the fetcher runs each before it reads the
+    unit's shard (`run`), and whatever reads values or state runs those it touches first."""
+
+    def __init__(self, params: ParamTier, optim_state: OptimizerTier):
+        self.params, self.optim_state = params, optim_state
+        self._waiting: dict[int, tuple[Unit, UpdateState]] = {}  # the units not CURRENT, in the order they run
+        self._step_args: tuple[list[AdamHyper], int, float] | None = None  # their step's hypers, count, grad scale
+
+    def state(self, unit: Unit) -> UpdateState:
+        return self._waiting[unit.index][1] if unit.index in self._waiting else UpdateState.CURRENT
+
+    def is_pending(self, unit: Unit) -> bool:
+        """Whether an update (PENDING or PARTIAL) waits for the unit's next use."""
+        return unit.index in self._waiting
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def leave(self, order: list[Unit], hypers: list[AdamHyper], step: int, grad_scale: float) -> None:
+        """`step()` leaves these units' updates for their next use, run in this order: CURRENT -> PENDING."""
+        assert not self._waiting, "the last step's updates run before the next step's norm"
+        self._waiting = {u.index: (u, UpdateState.PENDING) for u in order}
+        self._step_args = (hypers, step, grad_scale)
+        self.optim_state.set_pending([u.index for u in order])
+
+    def run(self, unit: Unit) -> None:
+        """Runs the unit's waiting update (PENDING), or resumes it (PARTIAL): CURRENT when it
+        ends, PARTIAL when it raises ([Note: a unit's update])."""
+        if unit.index not in self._waiting:
+            return
+        check_intact(self.params, self.optim_state, f"the update of unit {unit.index} that waits for its next use")
+        hypers, step, grad_scale = self._step_args
+        filled = False
+
+        def fill(target: torch.Tensor) -> None:
+            nonlocal filled
+            self.optim_state.update(unit, hypers, step, grad_scale, target)
+            filled = True
+
+        try:
+            write_params(self.params, self.optim_state, unit, fill)
+        except BaseException as e:
+            self._waiting[unit.index] = (unit, UpdateState.PARTIAL)
+            if filled or not isinstance(e, OSError):  # updated whole (its commit failed), or not by I/O: no resuming
+                self.optim_state.mark_damaged(unit, f"the update of unit {unit.index} failed ({type(e).__name__}: "
+                                                    f"{e}) and cannot be resumed")
+            raise  # the next run() resumes it, or refuses
+        del self._waiting[unit.index]
+
+    def run_all(self) -> None:
+        """Runs every waiting update. Once the state is damaged none can run: they are dropped
+        (what refuses is `check_intact`; a load that replaces everything may follow)."""
+        if self._waiting and damage_of(self.params, self.optim_state) is not None:
+            self._waiting.clear()
+            self.optim_state.drop_pending()
+        for unit, _ in list(self._waiting.values()):
+            self.run(unit)
+
+
 class StepOutcome(NamedTuple):
     grad_norm: float  # before clipping, unscaled
     applied: bool  # False when fp16 overflow skipped the step
@@ -154,9 +281,10 @@ class StepPolicy:
     when a unit's gradients are final, and when the step is asked for."""
 
     def __init__(self, units: list[Unit], params: ParamTier, optim_state: OptimizerTier, fetcher: Fetcher,
-                 optimizer: ZeroOptimizer, accelerator: Device, *, mode: UpdateMode, clip: float,
-                 scaler: LossScaler | None, skip_nonfinite: bool = True):
+                 updates: PendingUpdates, optimizer: ZeroOptimizer, accelerator: Device, *, mode: UpdateMode,
+                 clip: float, scaler: LossScaler | None, skip_nonfinite: bool = True):
         self.units, self.params, self.optim_state, self.fetcher = units, params, optim_state, fetcher
+        self.updates = updates  # [Note: a unit's update]
         self.optimizer, self.accelerator = optimizer, accelerator
         self.clip = clip
         self.scaler = scaler
@@ -170,12 +298,6 @@ class StepPolicy:
         self._hypers: list[AdamHyper] | None = None  # this step's, once its first unit was updated
         self._updated: set[int] = set()  # units updated this step
         self._updated_in_backward = 0
-        # [Note: updates after the norm]: units whose update waits for their next use, in that
-        # order, and the (hypers, step count, grad scale) of the step they belong to.
-        self._pending: dict[int, Unit] = {}
-        self._pending_args: tuple[list[AdamHyper], int, float] | None = None
-        fetcher.pending = lambda unit: unit.index in self._pending
-        fetcher.settle = self.settle
         # One flat gradient buffer per unit size, and the copy that still reads it.
         self._grad_buffers: dict[tuple[int, torch.dtype], tuple[torch.Tensor, InFlight | None]] = {}
 
@@ -210,7 +332,7 @@ class StepPolicy:
 
     def on_unit_grads(self, unit: Unit) -> None:
         """The unit's gradients are final for this pass: reduce, hand on, maybe update."""
-        self.settle(unit)  # its last update read the accumulator this gradient overwrites
+        self.updates.run(unit)  # its last update read the accumulator this gradient overwrites
         with TIMELINE.span("reduce_scatter", unit=unit.index):
             key = (unit.train_padded_numel, unit.dtype)
             if key not in self._grad_buffers:
@@ -243,52 +365,13 @@ class StepPolicy:
     @property
     def broken(self) -> str | None:
         """Why the parameters and optimizer state are not those of any step, or None."""
-        return self.optim_state.damage() or self.params.damage()
+        return damage_of(self.params, self.optim_state)
 
     def check_intact(self, what: str) -> None:
         """Raises unless the state is that of a step; `what` is refused."""
-        why = self.broken
-        if why is not None:
-            raise RuntimeError(f"{what}: {why}, so the parameters and optimizer state are not those of any step; "
-                               "restore the run from a checkpoint (engine.load_checkpoint, with its optimizer "
-                               "states) or build a new engine")
+        check_intact(self.params, self.optim_state, what)
 
     # ---- updates after the norm ([Note: updates after the norm]) ---------------------------
-
-    def settle(self, unit: Unit) -> None:
-        """Runs the unit's pending update, if it has one ([Note: failed updates]: or resumes it)."""
-        if unit.index not in self._pending:
-            return
-        self.check_intact(f"the update of unit {unit.index} that waits for its next use")
-        hypers, step, grad_scale = self._pending_args
-        filled = False
-
-        def fill(target: torch.Tensor) -> None:
-            nonlocal filled
-            self.optim_state.update(unit, hypers, step, grad_scale, target)
-            filled = True
-
-        try:
-            self.write_params(unit, fill)
-        except BaseException as e:
-            if filled or not isinstance(e, OSError):  # updated whole (its commit failed), or not by I/O: no resuming
-                self.optim_state.mark_damaged(unit, f"the update of unit {unit.index} failed ({type(e).__name__}: "
-                                                    f"{e}) and cannot be resumed")
-            raise  # still pending: the next read of the unit resumes it, or refuses
-        del self._pending[unit.index]
-
-    def settle_all(self) -> None:
-        """Runs every pending update. Once the state is damaged none can run: they are dropped
-        (what refuses is `check_intact`; a load that replaces everything may follow)."""
-        if self._pending and self.broken is not None:
-            self._pending.clear()
-            self.optim_state.drop_deferred()
-        for unit in list(self._pending.values()):
-            self.settle(unit)
-
-    @property
-    def pending_updates(self) -> int:
-        return len(self._pending)
 
     def _next_forward_order(self, units: list[Unit]) -> list[Unit]:
         """`units` in the order of their first use in the recorded schedule, the others after."""
@@ -314,7 +397,7 @@ class StepPolicy:
         # The previous step's optimizer-state writes drained behind this step's forward and
         # backward; a failed one is raised now if nothing met it yet (a read of its shard, such
         # as an update in backward, raises at once: its bytes are never taken for good ones).
-        self.settle_all()  # the last step's updates that no use reached (their units did not run)
+        self.updates.run_all()  # the last step's updates that no use reached (their units did not run)
         self.optim_state.flush()
         units = [u for u in self.units if u.trainable]
         sq = torch.zeros((), dtype=torch.float32)
@@ -356,10 +439,8 @@ class StepPolicy:
                 self._update(u, grad_scale, "step")
             if later:  # [Note: updates after the norm]
                 self._begin_update()
-                order = self._next_forward_order(later)
-                self._pending = {u.index: u for u in order}
-                self._pending_args = (self._hypers, self.optimizer.step_count, grad_scale)
-                self.optim_state.defer([u.index for u in order])
+                self.updates.leave(self._next_forward_order(later), self._hypers, self.optimizer.step_count,
+                                   grad_scale)
         return StepOutcome(grad_norm, not overflow, self._updated_in_backward)
 
     def _begin_update(self) -> None:
@@ -383,18 +464,5 @@ class StepPolicy:
         self._updated.add(unit.index)
 
     def write_params(self, unit: Unit, fill=None, new_shard: torch.Tensor | None = None) -> None:
-        """Gives `unit` new compute-dtype values: `fill(target)` writes the trainable part into the
-        parameter tier's target buffer, which is then committed to the tier, or `new_shard` (host,
-        both parts) replaces the whole shard. A gathered unit (a persistent one, or one gathered
-        by GatheredParameters) is released first and gathered again with the new values."""
-        regather = unit.state is UnitState.GATHERED
-        if regather:
-            unit.to_released()
-        if fill is None:
-            self.params.replace(unit, new_shard)
-        else:
-            fill(self.params.update_target(unit, self.optim_state.on_device))
-            self.params.commit(unit)
-        if regather:
-            unit.to_gathered(self.params.fetch(unit))
-            self.params.done(unit)
+        """`write_params` of this engine's tiers."""
+        write_params(self.params, self.optim_state, unit, fill, new_shard)

@@ -7,6 +7,7 @@ the engine's optimizer tier (`engine.step()`), reading its hyper-parameters from
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,18 +49,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.step_count = 0
         self._user_optimizer = user_optimizer  # its schedulers step our (shared) groups
         self._shards = None  # the engine's optimizer tier and units, for state_dict()
-        self.settle = lambda: None  # the engine's: runs updates still pending ([Note: updates after the norm])
+        self._run_pending: Callable[[], None] = lambda: None  # until bound: nothing waits
 
-    def bind(self, tier, units, set_params) -> None:
+    def bind(self, tier, units, set_params, run_pending: Callable[[], None]) -> None:
         """The optimizer tier (infinity.zero.protocols.OptimizerTier) holding the state of `units`,
-        and `set_params(unit, master)`, which makes a unit's compute-dtype values the masters'."""
+        `set_params(unit, master)`, which makes a unit's compute-dtype values the masters', and
+        `run_pending()`, which runs the updates that wait for their units' next use ([Note: a
+        unit's update] in step_policy.py): the state is read and replaced after them."""
         self._shards = (tier, [u for u in units if u.trainable], set_params)
+        self._run_pending = run_pending
 
     def state_dict(self) -> dict:
         """This rank's whole Adam state in host memory: per unit, the fp32 master, exp_avg and
         exp_avg_sq of its shard, with the param groups and the step count. For models whose state
         does not fit in memory use `engine.save_checkpoint`, which streams it to disk."""
-        self.settle()
+        self._run_pending()
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         state = {}
         if self._shards is not None:
@@ -70,7 +74,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """The inverse of `state_dict()`, for the same model, world size and rank."""
-        self.settle()
+        self._run_pending()
         groups = state_dict.get("param_groups", [])
         if len(groups) != len(self.param_groups):
             raise ValueError(f"state_dict: has {len(groups)} param groups, this optimizer {len(self.param_groups)}")
