@@ -22,6 +22,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 JOB = Path(__file__).with_name("hf_trainer_job.py")
+SFT_JOB = Path(__file__).with_name("hf_sft_job.py")
 LR = 1e-2
 WARMUP = 3
 
@@ -80,15 +81,16 @@ def _finish(proc: subprocess.Popen, what: str) -> None:
     assert proc.returncode == 0, f"{what} failed:\n{out[-6000:]}"
 
 
-def _infinity_run(tmp_path: Path, args: list[str], config: dict, num_gpus: int = 1) -> subprocess.Popen:
+def _infinity_run(tmp_path: Path, args: list[str], config: dict, num_gpus: int = 1,
+                  script: Path = JOB) -> subprocess.Popen:
     (tmp_path / "ds.json").write_text(json.dumps(config))
     return _start([sys.executable, "-m", "infinity.cli", "run", "--num_gpus", str(num_gpus), "--master_port",
-                   str(_free_port()), str(tmp_path / JOB.name), *args, "--deepspeed", str(tmp_path / "ds.json")],
+                   str(_free_port()), str(tmp_path / script.name), *args, "--deepspeed", str(tmp_path / "ds.json")],
                   tmp_path)
 
 
-def _plain(tmp_path: Path, args: list[str]) -> subprocess.Popen:
-    return _start([sys.executable, str(tmp_path / JOB.name), *args, "--warmup_lr_reference"], tmp_path)
+def _plain(tmp_path: Path, args: list[str], script: Path = JOB) -> subprocess.Popen:
+    return _start([sys.executable, str(tmp_path / script.name), *args, "--warmup_lr_reference"], tmp_path)
 
 
 @pytest.fixture
@@ -186,3 +188,21 @@ def test_two_gloo_ranks_match_one_plain_process(job):
     for proc, what in runs:
         _finish(proc, what)
     assert _compare_runs(plain, ours, steps=6)["world_size"] == 2
+
+
+def test_trl_sft_trainer_zero3_nvme_matches_pytorch(job):
+    """TRL's SFTTrainer (tests/hf_sft_job.py: HfArgumentParser over SFTConfig, a tokenizer, a
+    `datasets.Dataset`) with ZeRO-3, parameters and optimizer state on NVMe, gradient
+    accumulation 2, against the same script run plain."""
+    pytest.importorskip("trl")
+    shutil.copy(SFT_JOB, job / SFT_JOB.name)
+    nvme = job / "nvme"
+    nvme.mkdir()
+    plain, ours = job / "plain", job / "ours"
+    fp32 = ("--bf16", "False")  # SFTConfig's bf16 defaults to True (TRL's choice), the Trainer's to False
+    runs = [(_plain(job, _trainer_args(plain, micro=2, gas=2, extra=fp32), SFT_JOB), "plain SFT run"),
+            (_infinity_run(job, _trainer_args(ours, micro=2, gas=2, extra=fp32), zero3_nvme(nvme), script=SFT_JOB),
+             "infinity run of the SFT script")]
+    for proc, what in runs:
+        _finish(proc, what)
+    _compare_runs(plain, ours, steps=6)
