@@ -261,3 +261,41 @@ def test_resume_at_or_past_steps_says_there_is_nothing_to_train(job, tmp_path, c
     assert main([*job, "--steps", "2", "--resume", str(tmp_path / "ckpt")]) == 0
     out = capsys.readouterr().out
     assert "--steps 2: the checkpoint is at step 2 already; nothing to train" in out
+
+
+def test_the_built_in_config_is_sized_by_the_largest_unit_and_the_machine_not_the_vocabulary():
+    """[Note: the built-in config's host budget]: two models alike but for a 32k and a 256k
+    vocabulary get the same pools (the embedding and head are tiles no larger than a layer);
+    the gradient accumulators take what the budget leaves, and the budget follows the machine."""
+    import infinity
+    from infinity.finetune import TILE_SIZE, _default_config, largest_unit_numel
+    from infinity.models.llama import Llama
+
+    def preset(vocab: int) -> dict:
+        return {"vocab_size": vocab, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 2,
+                "num_attention_heads": 16, "num_key_value_heads": 4, "max_position_embeddings": 64,
+                "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True}
+
+    gib = 1 << 30
+    chosen = {}
+    for vocab in (32000, 256000):
+        with infinity.Init():
+            model = Llama(preset(vocab))
+        layer = sum(p.numel() for p in model.model.layers[0].parameters())
+        assert largest_unit_numel(model) == max(layer, TILE_SIZE)
+        config, said = _default_config("/nvme", "nvme", 1, 1e-4, model, total_memory=24 * gib)
+        zero = config["zero_optimization"]
+        chosen[vocab] = (zero["offload_param"], zero["offload_optimizer"], zero["sub_group_size"])
+        assert "aio" not in config  # the disk's measured setting
+        assert "host budget 4.8 GiB" in said and "largest unit" in said
+        piece = min(int(1.5 * zero["sub_group_size"]), largest_unit_numel(model, trainable=True))
+        param = zero["offload_param"]
+        assert 4 <= param["buffer_count"] <= 6 and param["buffer_size"] >= largest_unit_numel(model)
+        assert zero["stage3_max_live_parameters"] == 2 * param["buffer_size"]
+        pools = param["buffer_count"] * param["buffer_size"] * 2 + zero["offload_optimizer"]["buffer_count"] * piece * 4
+        assert pools + 4 * zero["offload_optimizer"]["max_grad_in_cpu"] <= 24 * gib // 5
+    assert chosen[32000] == chosen[256000]
+    small, _ = _default_config("/nvme", "nvme", 1, 1e-4, model, total_memory=12 * gib)
+    big, _ = _default_config("/nvme", "nvme", 1, 1e-4, model, total_memory=48 * gib)
+    grads = [c["zero_optimization"]["offload_optimizer"]["max_grad_in_cpu"] for c in (small, big)]
+    assert grads[0] < grads[1]

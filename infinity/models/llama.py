@@ -35,6 +35,12 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+def head_dim(cfg: dict) -> int:
+    """Per-head width: `head_dim` where the config gives one (Mistral Small 24B: 128 at width
+    5120 over 32 heads), else hidden_size / num_attention_heads, as LlamaConfig has it."""
+    return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
@@ -44,7 +50,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: dict):
         super().__init__()
         self.heads, self.kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-        self.head_dim = cfg["hidden_size"] // self.heads
+        self.head_dim = head_dim(cfg)
         d = cfg["hidden_size"]
         self.q_proj = nn.Linear(d, self.heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=False)
@@ -101,7 +107,7 @@ class Backbone(nn.Module):
 class Llama(nn.Module):
     """`Llama(config)`: config is a dict of Hugging Face LlamaConfig keys (vocab_size,
     hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
-    and optionally rms_norm_eps, rope_theta, tie_word_embeddings, max_position_embeddings)."""
+    and optionally rms_norm_eps, rope_theta, tie_word_embeddings, max_position_embeddings, head_dim)."""
 
     def __init__(self, config: dict):
         super().__init__()
@@ -121,9 +127,9 @@ class Llama(nn.Module):
             module.reset_parameters()
 
     def _rotary(self, t: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        head_dim = self.cfg["hidden_size"] // self.cfg["num_attention_heads"]
-        inv_freq = 1.0 / (self.cfg["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
-                                                                   device=device).float() / head_dim))
+        d = head_dim(self.cfg)
+        inv_freq = 1.0 / (self.cfg["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.int64,
+                                                                   device=device).float() / d))
         freqs = torch.arange(t, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -146,7 +152,8 @@ class Llama(nn.Module):
                 "num_key_value_heads", "rms_norm_eps", "rope_theta", "tie_word_embeddings", "max_position_embeddings",
                 "initializer_range")
         config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-                  "attention_bias": False, "mlp_bias": False, **{k: self.cfg[k] for k in keys}}
+                  "attention_bias": False, "mlp_bias": False, **{k: self.cfg[k] for k in keys},
+                  "head_dim": head_dim(self.cfg)}
         os.makedirs(directory, exist_ok=True)
         with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)

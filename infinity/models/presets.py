@@ -7,7 +7,7 @@ Each preset is a dict of Hugging Face `LlamaConfig` keys: vocab_size, hidden_siz
 intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
 max_position_embeddings, tie_word_embeddings, plus rms_norm_eps and rope_theta so that a model
 built from it computes like the one it is named after. The larger ones have the shapes of
-published models (Llama 2 7B and 13B, Llama 3.2 1B and 3B, OpenLLaMA 3B, Llama 3 70B); "llama-tiny" and
+published models (Llama 2 7B and 13B, Llama 3.2 1B and 3B, OpenLLaMA 3B, Mistral Small 24B, Llama 3 70B); "llama-tiny" and
 "llama-125m" are small ones for tests and CPU runs. No weights, and nothing here imports
 transformers: `param_count` works from the shapes alone, so it also counts a Hugging Face
 config.json read with `json`.
@@ -47,6 +47,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-13b": dict(vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
                       num_attention_heads=40, num_key_value_heads=40, max_position_embeddings=4096,
                       tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=10000.0),
+    # 23.6B, Mistral Small 24B's shapes (Mistral-Small-24B-Base-2501: Llama's blocks with a head
+    # width of 128 at hidden size 5120); the LoRA-over-a-20B-base run of bench/results/finetune_large.md.
+    "mistral-small-24b": dict(vocab_size=131072, hidden_size=5120, intermediate_size=32768, num_hidden_layers=40,
+                              num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                              max_position_embeddings=32768, tie_word_embeddings=False, rms_norm_eps=1e-5,
+                              rope_theta=100000000.0),
     # 70.6B, Llama 3 70B's shapes.
     "llama-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                       num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192,

@@ -292,27 +292,31 @@ def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
                 setattr(parent, name, new)
 
 
-def tile_model(model: nn.Module, tile_size: int, groups: list[dict] | None = None) -> dict[int, list[nn.Parameter]]:
-    """[Note: memory-centric tiling] Tiles every plain nn.Linear / nn.Embedding weight of more
-    than `tile_size` elements, in place; 0 tiles nothing. The optimizer `groups` get the tiles
-    in place of the weight. Returns id(original weight) -> its tiles."""
+def weights_to_tile(model: nn.Module, tile_size: int) -> list[tuple[nn.Parameter, list[nn.Module]]]:
+    """The weights `tile_model` tiles (each with the modules holding it): 2-D weights of more
+    than `tile_size` elements held only by plain nn.Linear / nn.Embedding modules as `.weight`."""
     if tile_size <= 0:
-        return {}
+        return []
     holders: dict[int, list[nn.Module]] = {}
     weights: dict[int, nn.Parameter] = {}
     for m in model.modules():
         for p in m.parameters(recurse=False):
             holders.setdefault(id(p), []).append(m)
             weights[id(p)] = p
+    return [(weights[pid], mods) for pid, mods in holders.items()
+            if weights[pid].dim() == 2 and weights[pid].numel() > tile_size
+            and all(_tileable(m) and m.weight is weights[pid] for m in mods)
+            and sum(isinstance(m, nn.Embedding) for m in mods) <= 1 and sum(isinstance(m, nn.Linear) for m in mods) <= 1]
+
+
+def tile_model(model: nn.Module, tile_size: int, groups: list[dict] | None = None) -> dict[int, list[nn.Parameter]]:
+    """[Note: memory-centric tiling] Tiles every plain nn.Linear / nn.Embedding weight of more
+    than `tile_size` elements, in place; 0 tiles nothing. The optimizer `groups` get the tiles
+    in place of the weight. Returns id(original weight) -> its tiles."""
     done: dict[int, list[nn.Parameter]] = {}
-    for pid, mods in holders.items():
-        w = weights[pid]
-        if w.dim() != 2 or w.numel() <= tile_size or not all(_tileable(m) and m.weight is w for m in mods):
-            continue
+    for w, mods in weights_to_tile(model, tile_size):
         embeddings = [m for m in mods if isinstance(m, nn.Embedding)]
         linears = [m for m in mods if isinstance(m, nn.Linear)]
-        if len(embeddings) > 1 or len(linears) > 1:
-            continue
         bounds = _row_bounds(w.shape[0], w.shape[1], tile_size)
         stash = _Stash(len(bounds)) if embeddings and linears else None
         if embeddings:
@@ -324,7 +328,7 @@ def tile_model(model: nn.Module, tile_size: int, groups: list[dict] | None = Non
         if linears:
             lin = linears[0]
             _replace(model, lin, TiledLinear([], lin.in_features, lin.bias, stash, tiles_module=tiles))
-        done[pid] = [t.weight for t in tiles]
+        done[id(w)] = [t.weight for t in tiles]
         log.info("infinity: tiled a %s weight of %s into %d tiles of at most %d rows",
                  "tied" if stash else type(mods[0]).__name__, tuple(w.shape), len(bounds), bounds[0][1])
     if groups:
