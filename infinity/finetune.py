@@ -156,10 +156,16 @@ def largest_unit_numel(model: nn.Module, trainable: bool = False) -> int:
         return p.requires_grad or not trainable
 
     tiled = {id(w) for w, _ in weights_to_tile(model, TILE_SIZE)}  # each tile is a unit of its own
-    blocks = [sum(p.numel() for p in block.parameters() if id(p) not in tiled and counted(p))
-              for m in model.modules() if isinstance(m, nn.ModuleList) for block in m]
+    in_blocks: set[int] = set()
+    blocks = []
+    for m in model.modules():
+        for block in (m if isinstance(m, nn.ModuleList) else ()):
+            params = [p for p in block.parameters() if id(p) not in tiled]
+            in_blocks.update(id(p) for p in params)
+            blocks.append(sum(p.numel() for p in params if counted(p)))
+    root = sum(p.numel() for p in model.parameters() if id(p) not in tiled | in_blocks and counted(p))
     tiles = [TILE_SIZE for w, _ in weights_to_tile(model, TILE_SIZE) if counted(w)]
-    return max([*tiles, *blocks], default=0)
+    return max([*tiles, *blocks, root])
 
 
 def _default_config(nvme_path: str, offload: str, batch: int, lr: float, model: nn.Module | None = None,
