@@ -69,7 +69,13 @@ class Engine(ConfigGetters):
     def __init__(self, model: nn.Module, config: InfinityConfig, *, model_parameters: Any = None,
                  optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None,
                  units: UnitPolicy = None, accelerator: Device | None = None):
+        measured = config.aio.tune
         self.config = config = with_measured_aio(config)  # [Note: the disk tunes itself] in io/autotune.py
+        # What the engine sized itself within the config's budgets, for users and the per-step report.
+        self.chosen: dict[str, Any] = {}
+        if measured and not config.aio.tune:
+            self.chosen["aio"] = {"block_size": config.aio.block_size, "queue_depth": config.aio.queue_depth,
+                                  "thread_count": config.aio.thread_count, "engine": config.aio.engine}
         self.accelerator = accelerator or make_device()  # every stream, event and copy ([Note: in-flight copies])
         self.rank, self.world_size = zdist.init_distributed(nccl=self.accelerator.name == "cuda")
         self.device = self.accelerator.compute
@@ -107,9 +113,16 @@ class Engine(ConfigGetters):
 
         zero = config.zero
         self.units, modules = self._build_units(model, groups, units)
+        auto_budgets = [section for section in ("offload_param", "offload_optimizer")
+                        if getattr(config.zero, section).max_in_cpu == "auto"]
         self.config = config = resolve_max_in_cpu(config, self.units)  # [Note: host memory before the disk]
         self.params = self._param_tier()
         self.optim_state = self._optimizer_tier()
+        pipeline = getattr(getattr(self.optim_state, "disk", self.optim_state), "chosen", None)
+        if pipeline is not None:  # [Note: the pool is a budget] in zero/nvme_optim.py
+            self.chosen["offload_optimizer"] = pipeline
+        for section in auto_budgets:  # "auto" resolved ([Note: host memory before the disk] in zero/host_budget.py)
+            self.chosen[f"{section}.max_in_cpu"] = getattr(config.zero, section).max_in_cpu
         # Decided once, read by the tiers and the policy ([Note: update modes] in zero/step_policy.py).
         self.update_mode = self._update_mode(self.optim_state.updates_can_wait)
         deferred = DeferredInit(model) if is_deferred(model) else None  # [Note: deferred initialisation]

@@ -231,6 +231,21 @@ def _default_config(nvme_path: str, offload: str, batch: int, lr: float, model: 
                     + "; aio: measured for the disk")
 
 
+def describe_choices(chosen: dict) -> str:
+    """One line of what the engine sized itself (`engine.chosen`)."""
+    parts = []
+    if "aio" in chosen:
+        a = chosen["aio"]
+        parts.append(f"aio {a['block_size'] >> 10} KiB blocks, queue depth {a['queue_depth']}, {a['thread_count']} "
+                     f"thread(s), {a['engine']} (measured for the disk)")
+    if "offload_optimizer" in chosen:
+        o = chosen["offload_optimizer"]
+        parts.append(f"optimizer pipeline {o['buffers']} buffers of {o['piece_elements'] * 4 / 1e6:.0f} MB "
+                     f"({o['pieces_in_flight']} pieces in flight)")
+    parts += [f"{key} {value / 1e6:.0f}M elements" for key, value in chosen.items() if key.endswith("max_in_cpu")]
+    return "; ".join(parts)
+
+
 def read_model(args) -> tuple[object, object, str | None]:
     """(config, tokenizer, Hugging Face directory to load weights from) of --model, read before
     anything is built: a transformers config, or a preset's dict for infinity's Llama."""
@@ -533,6 +548,8 @@ def run(args) -> int:
     if args.save_total_limit:
         config = {**config, "checkpoint": {**config.get("checkpoint", {}), "save_total_limit": args.save_total_limit}}
     engine, *_ = infinity.initialize(model=model, config=config)
+    if engine.chosen:
+        print("the engine chose: " + describe_choices(engine.chosen))
     previous = signal.getsignal(signal.SIGTERM)
     try:
         if pretrained:

@@ -78,7 +78,7 @@ from infinity.models.presets import (
 )
 from infinity.tiers._messages import human_bytes
 from infinity.zero.nvme_io import MIN_BUFFERS
-from infinity.zero.nvme_optim import KINDS, cut_pieces
+from infinity.zero.nvme_optim import KINDS, choose_pieces, cut_pieces
 
 HALF = 2  # bytes of a bf16 element, the compute dtype the recommended config enables
 FP32 = 4
@@ -360,14 +360,16 @@ def _optimizer_items(model: ModelSize, world: int, optimizer: str, nvme_path: st
             room -= n
         else:
             spilled += n
-    piece = max((n for t in trains for _, n in cut_pieces(t, zero.sub_group_size)), default=1)
-    count = max(defaults.buffer_count, 3 * (len(KINDS) + (1 if spilled else 0)))  # reading, updating, writing
+    per_piece = len(KINDS) + (1 if spilled else 0)
+    asked = max(defaults.buffer_count, 3 * per_piece)  # the knob; the engine cuts its bytes into `count` buffers
+    target, count = choose_pieces(trains, zero.sub_group_size, asked, per_piece)
+    piece = max((n for t in trains for _, n in cut_pieces(t, target)), default=1)  # [Note: the pool is a budget]
     items = [Item("nvme", "fp32 master + exp_avg + exp_avg_sq", len(KINDS) * FP32 * t),
              Item("host", "fp32 gradient accumulators", FP32 * (t - spilled)),
              Item("nvme", "spilled fp32 gradient accumulators", FP32 * spilled),
              Item("host", f"offload_optimizer pool: {count} buffers", count * _page(FP32 * piece)), landing]
     step = 2 * len(KINDS) * FP32 * t + 2 * FP32 * spilled  # state read and written; spill written and read
-    return items, step, {"device": "nvme", "nvme_path": nvme_path, "buffer_count": count}
+    return items, step, {"device": "nvme", "nvme_path": nvme_path, "buffer_count": asked}
 
 
 def _staging(model: ModelSize, world: int, param: str, optimizer: str) -> list[Item]:

@@ -73,9 +73,24 @@ store as kind "grad", cut into the same pieces as the state, so the update reads
 master, exp_avg and exp_avg_sq (4 bytes a parameter written in backward and read in the step;
 a later micro-step reads, adds and writes back). With the update in backward on one micro-step
 no accumulator is needed: the fp32 shard goes straight into the update.
+
+[Note: the pool is a budget]
+`offload_optimizer.buffer_count` buffers of a `sub_group_size` piece (DeepSpeed's meaning: a
+buffer holds a sub-group) bound the host memory of the pipeline; they do not fix its shape. The
+reads ahead, which hide the optimizer state's traffic behind forward and backward, can only go
+as deep as the pool has pieces: DeepSpeed's 4 buffers of 1e8 (or 1e9) elements gave the
+pipeline 3 pieces in flight and a step 1.4-1.6x its floor, where 48 buffers reached it. So the
+tier takes the bytes those knobs allow (at least the 3 pieces a pipeline needs: reading,
+updating, writing) and cuts them into more, smaller pieces: the largest piece that still leaves
+`PIPELINE_DEPTH` pieces in flight, but no smaller than `MIN_PIECE` (a piece must stream at the
+disk's speed) and no larger than `sub_group_size` cuts. A pool as deep as that already (bench/'s
+48 buffers) is left as it is. The choice is logged and kept in `chosen`; the numbers of a step
+do not depend on it (Adam is element-wise).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -93,7 +108,19 @@ from infinity.zero.unit import Unit
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 GRAD = "grad"  # spilled gradient accumulators ([Note: gradient spill])
 PIECE_ALIGN = 1024  # elements: 4 KiB of fp32, so every piece's extent is O_DIRECT-aligned
+PIPELINE_DEPTH = 16  # pieces the pool should hold at once ([Note: the pool is a budget])
+MIN_PIECE = 1 << 22  # elements: 16 MiB of fp32, two 8 MiB aio blocks per kind
+log = logging.getLogger("infinity")
 assert PIECE_ALIGN % NORM_ROW == 0  # pieces start on norm rows ([Note: gradient norm by rows])
+
+
+def choose_pieces(shards: list[int], sub_group_size: int, buffer_count: int, per_piece: int) -> tuple[int, int]:
+    """(piece target in elements, buffers) for shards of these sizes ([Note: the pool is a budget])."""
+    asked = max((n for numel in shards for _, n in cut_pieces(numel, sub_group_size)), default=1)
+    budget = max(buffer_count, 3 * per_piece) * asked  # elements of fp32 the knobs let the pool hold
+    target = min(int(sub_group_size), max(MIN_PIECE, budget // (PIPELINE_DEPTH * per_piece)))
+    largest = max((n for numel in shards for _, n in cut_pieces(numel, target)), default=1)
+    return target, max(3 * per_piece, budget // largest)
 
 
 def cut_pieces(numel: int, sub_group_size: int) -> list[tuple[int, int]]:
@@ -125,8 +152,6 @@ class NvmeOptimizerState:
                  mode: UpdateMode, no_accumulator: set[int] = frozenset(), update_order: list[int] | None = None):
         self.device = device
         self._landing = GradientLanding(device, units, "offload_optimizer")
-        self._pieces: dict[int, list[tuple[int, int]]] = {
-            u.index: cut_pieces(u.train_shard_numel, sub_group_size) for u in units}
         self._grads: dict[int, torch.Tensor] = {}  # host accumulators
         self._spilled: set[int] = set()  # units whose accumulators live in the store
         self._no_accumulator = set(no_accumulator)
@@ -143,6 +168,10 @@ class NvmeOptimizerState:
                 self._grads[u.index] = torch.zeros(u.train_shard_numel, dtype=torch.float32)
             else:
                 self._spilled.add(u.index)
+        self._per_piece = len(KINDS) + (1 if self._spilled else 0)
+        count = plan_count(offload.buffer_count, 3 * self._per_piece, "offload_optimizer")
+        target, buffers = choose_pieces([u.train_shard_numel for u in units], sub_group_size, count, self._per_piece)
+        self._pieces: dict[int, list[tuple[int, int]]] = {u.index: cut_pieces(u.train_shard_numel, target) for u in units}
         layout = {kind: {(i, k): n * 4 for i, ps in self._pieces.items() for k, (_, n) in enumerate(ps)}
                   for kind in KINDS}
         if self._spilled:
@@ -151,10 +180,13 @@ class NvmeOptimizerState:
         self.store = NvmeStore(offload.nvme_path, layout, job_id=f"{default_job_id()}-optimizer", rank=rank,
                                handle=self.handle, name="offload_optimizer")
         largest = max((n for ps in self._pieces.values() for _, n in ps), default=1)
-        self._per_piece = len(KINDS) + (1 if self._spilled else 0)
-        # A buffer for each kind of: the piece being read, the piece being updated, the piece being written.
-        self.pool = BufferPool(plan_count(offload.buffer_count, 3 * self._per_piece, "offload_optimizer"),
-                               largest * 4, name="offload_optimizer", pin=(device.pin() or None) if offload.pin_memory else False,
+        self.chosen = {"piece_elements": largest, "buffers": buffers, "pool_bytes": buffers * largest * 4,
+                       "pieces_in_flight": buffers // self._per_piece}
+        log.info("infinity: offload_optimizer pipeline: %d buffers of %.1f MB (pieces of up to %d elements, %d "
+                 "pieces in flight) within buffer_count %d x sub_group_size pieces ([Note: the pool is a budget])",
+                 buffers, largest * 4 / 1e6, largest, buffers // self._per_piece, count)
+        # At least a buffer for each kind of: the piece being read, being updated, being written.
+        self.pool = BufferPool(buffers, largest * 4, name="offload_optimizer", pin=(device.pin() or None) if offload.pin_memory else False,
                                on_release=device.scribble)
         # A second handle for writes, so that reads never queue behind them.
         self.swapper = Swapper(self.store, self.pool, None, self.handle, make_handle(aio))

@@ -1,0 +1,87 @@
+"""The NVMe optimizer tier treats buffer_count x sub_group_size as a memory budget and cuts it
+into the pieces that keep its pipeline deep ([Note: the pool is a budget] in
+infinity/zero/nvme_optim.py): DeepSpeed's knobs get a deep pipeline in the same bytes, bench/'s
+tuned knobs are left as they are, and the numbers of a step do not depend on the cut."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import infinity
+from gpt import TinyGPT, batches, config, engine_run
+from infinity.zero import nvme_optim
+from infinity.zero.nvme_optim import PIPELINE_DEPTH, choose_pieces, cut_pieces
+
+M = 1_000_000
+
+
+def _largest(shards, target):
+    return max(n for numel in shards for _, n in cut_pieces(numel, target))
+
+
+# The 134M GPT of bench/: twelve 7.1M-element layers, the 64000 x 768 embedding as two tiles.
+GPT_134M = [7_087_872] * 12 + [33_553_920, 15_598_080, 1_536]
+
+
+@pytest.mark.filterwarnings("ignore:zero_optimization.offload_optimizer.buffer_count. raised from")
+@pytest.mark.parametrize("sub_group_size,buffer_count", [(1e8, 4), (1e9, 4), (1e9, 5)],
+                         ids=["ds-style", "ds-defaults", "ds-defaults-5"])
+def test_deepspeeds_knobs_get_a_deep_pipeline_in_the_same_bytes(sub_group_size, buffer_count):
+    per_piece = 3  # master, exp_avg, exp_avg_sq; no spilled gradient
+    asked = max(buffer_count, 3 * per_piece)
+    budget = asked * _largest(GPT_134M, int(sub_group_size)) * 4  # what the engine held before: 9 x 134 MB
+    target, buffers = choose_pieces(GPT_134M, int(sub_group_size), asked, per_piece)
+    piece = _largest(GPT_134M, target)
+    assert buffers * piece * 4 <= budget  # no more memory than the knobs allow
+    assert buffers // per_piece >= 12  # was 3 pieces in flight (pieces round to whole cuts of each shard)
+    assert piece >= nvme_optim.MIN_PIECE  # each still streams at the disk's speed
+
+
+def test_a_pool_deep_already_is_left_as_it_is():
+    # bench/'s tuned knobs: sub_group_size 2.5e7, 48 buffers
+    target, buffers = choose_pieces(GPT_134M, 25_000_000, 48, 3)
+    assert target == 25_000_000 and buffers == 48
+    assert _largest(GPT_134M, target) == _largest(GPT_134M, 25_000_000)
+
+
+def _nvme_config(path, **zero) -> dict:
+    cfg = config(3, "nvme", "nvme", clip=1.0, lr=3e-3, **zero)
+    z = cfg["zero_optimization"]
+    z["offload_param"].update(nvme_path=str(path), buffer_count=6, max_in_cpu=0)
+    z["offload_optimizer"].update(nvme_path=str(path), buffer_count=4)
+    return cfg
+
+
+@pytest.mark.filterwarnings("ignore:zero_optimization.offload_optimizer.buffer_count. raised from 4 to 9")
+def test_the_engine_cuts_the_budget_and_computes_the_same_numbers(tmp_path, monkeypatch):
+    """A small model with pieces allowed down to 1024 elements: DeepSpeed-style knobs (4
+    buffers, sub_group_size 1e8) give a pool of many small pieces, whose bytes the knobs bound,
+    and the masters and moments after three steps are those of the engine with one piece a unit,
+    bit for bit."""
+    torch.manual_seed(0)
+    model = TinyGPT(layers=2, d=64)
+    data = batches(3, 4)
+    results = {}
+    for depth in (1, PIPELINE_DEPTH):
+        monkeypatch.setattr(nvme_optim, "MIN_PIECE", 1024)
+        monkeypatch.setattr(nvme_optim, "PIPELINE_DEPTH", depth)
+        path = tmp_path / f"depth{depth}"
+        path.mkdir()
+        engine, *_ = infinity.initialize(model=copy.deepcopy(model), config=_nvme_config(path, sub_group_size=1e8))
+        tier = engine.optim_state
+        chosen = engine.chosen["offload_optimizer"]
+        largest_unit = max(u.train_shard_numel for u in engine.units if u.trainable)
+        assert tier.pool.buffer_count == chosen["buffers"]
+        assert tier.pool.buffer_count * tier.pool.buffer_size <= 9 * -(-largest_unit // 1024) * 1024 * 4 + 4096 * 9
+        results[depth] = (engine_run(engine, data, gas=1), tier.pool.buffer_count,
+                          {u.index: {k: v.clone() for k, v in tier.state(u).items()} for u in engine.units if u.trainable})
+        engine.close()
+    (loss_a, buffers_a, state_a), (loss_b, buffers_b, state_b) = results[1], results[PIPELINE_DEPTH]
+    assert buffers_a == 9 and buffers_b > 3 * buffers_a  # three pieces in flight, and many more
+    assert loss_a == loss_b
+    for index, kinds in state_a.items():
+        for kind, value in kinds.items():
+            assert torch.equal(value, state_b[index][kind]), (index, kind)
