@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ from infinity.config import InfinityConfig
 from infinity.device import Device, make_device
 from infinity.lr_schedules import build_scheduler
 from infinity.engine_getters import ConfigGetters
+from infinity.engine_module import ModuleSurface
 from infinity.lifecycle import Health, Lifecycle, Phase
 from infinity.signals import SignalGate, deferred_signals
 from infinity.timeline import TIMELINE
@@ -63,7 +63,7 @@ def _param_groups(model: nn.Module, model_parameters: Any, optimizer: Any, infer
     return [{"params": items}]
 
 
-class Engine(ConfigGetters):
+class Engine(ConfigGetters, ModuleSurface):
     """Wraps a module; forward, backward and step run ZeRO stage 3 (or 1/2) with offload."""
 
     def __init__(self, model: nn.Module, config: InfinityConfig, *, model_parameters: Any = None,
@@ -591,13 +591,6 @@ class Engine(ConfigGetters):
         """DeepSpeed's name for `close()`."""
         self.close()
 
-    def parameters(self) -> Iterable[nn.Parameter]:
-        return self.module.parameters()
-
-    @property
-    def training(self) -> bool:
-        return self.module.training
-
     # DeepSpeed's getters of the config are in infinity/engine_getters.py (ConfigGetters).
     def was_step_applied(self) -> bool:
         """Whether the last `step()` at an accumulation boundary updated the parameters (False
@@ -612,18 +605,15 @@ class Engine(ConfigGetters):
     def local_rank(self) -> int:
         return int(os.environ.get("LOCAL_RANK", 0))
 
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's: gives back the memory of every gathered unit not in use (kept for reuse or
+        read ahead); persistent ones stay. The next use gathers them again."""
+        self.lifecycle.check_open()
+        self.fetcher.release_idle()
+
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm of the last step (before clipping; None before the first)."""
         return self._grad_norm
-
-    @property
-    def _modules(self) -> dict[str, nn.Module]:
-        """nn.Module's table of children: DeepSpeed's engine is a Module whose one child is the
-        model (accelerate's unwrap_model reads it, looking for compiled submodules)."""
-        return {"module": self.module}
-
-    def modules(self) -> Iterable[nn.Module]:
-        return self.module.modules()
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """zero_optimization.stage3_gather_16bit_weights_on_model_save: whether a framework's

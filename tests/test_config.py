@@ -350,8 +350,34 @@ def test_not_implemented_hints_point_to_what_to_use() -> None:
     config = with_key({**MINIMAL, "optimizer": {"type": "Adam"}},
                       "optimizer.params.max_grad_norm", 1.0)
     raises(config, ValueError, "use the top-level gradient_clipping")
-    raises(with_key(MINIMAL, "zero_optimization.stage3_gather_fp16_weights_on_model_save", True),
-           ValueError, "use stage3_gather_16bit_weights_on_model_save")
+
+
+
+@pytest.mark.parametrize(("name", "field", "value"), [
+    ("param_persistence_threshold", "stage3_param_persistence_threshold", 10),
+    ("prefetch_bucket_size", "stage3_prefetch_bucket_size", 123),
+    ("max_live_parameters", "stage3_max_live_parameters", 456),
+    ("max_reuse_distance", "stage3_max_reuse_distance", 0),
+    ("gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save", True),
+    ("stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save", True),
+])
+def test_deepspeeds_other_names_of_a_zero_key_are_read_as_it(name, field, value) -> None:
+    """DeepSpeed's ZeRO config takes its stage-3 keys under their field names too (pydantic
+    aliases), and its deprecated fp16 key as the 16-bit one."""
+    config = load_config({**MINIMAL, "zero_optimization": {"stage": 3, name: value}})
+    assert getattr(config.zero, field) == value
+    raises({**MINIMAL, "zero_optimization": {"stage": 3, name: value, field: value}}, ValueError,
+           f"zero_optimization.{name}, zero_optimization.{field}: one key under 2 names")
+
+
+def test_a_string_enum_is_the_string_it_holds() -> None:
+    import enum
+
+    class Device(str, enum.Enum):  # DeepSpeed's OffloadDeviceEnum
+        cpu = "cpu"
+
+    config = load_config({**MINIMAL, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": Device.cpu}}})
+    assert config.zero.offload_optimizer.device == "cpu" and type(config.zero.offload_optimizer.device) is str
 
 
 @pytest.mark.parametrize(("path", "default", "other"), [

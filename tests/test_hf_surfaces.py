@@ -229,3 +229,32 @@ def test_accelerate_unwraps_the_engine_as_deepspeeds_module():
     assert other.has_compiled_regions(engine) is False  # it reads the engine's _modules, as a Module's
     assert engine._modules == {"module": model} and list(engine.modules()) == list(model.modules())
     engine.close()
+
+
+def test_the_engine_answers_as_the_module_deepspeeds_engine_is():
+    """DeepSpeed's engine is an nn.Module: its tests and frameworks call named_parameters(),
+    buffers(), named_modules() on it; `empty_partition_cache()` gives back gathered units."""
+    import infinity
+    from infinity.zero.unit import UnitState
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = infinity.initialize(model=model, config=config)
+    assert [n for n, _ in engine.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert [n for n, _ in engine.named_buffers()] == [n for n, _ in model.named_buffers()]
+    assert list(engine.buffers()) == list(model.buffers())
+    assert [n for n, _ in engine.named_modules()] == [n for n, _ in model.named_modules()]
+    assert list(engine.children()) == [model] and dict(engine.named_children()) == {"module": model}
+    with infinity.GatheredParameters(list(model.parameters())):
+        pass
+    unit = next(u for u in engine.units if not u.persistent)
+    engine.fetcher.acquire(unit)  # in use: stays
+    engine.empty_partition_cache()
+    assert unit.state is UnitState.GATHERED
+    engine.fetcher.in_use.pop(unit.index)  # as one kept for its reuse or read ahead
+    engine.empty_partition_cache()
+    assert all(u.state is UnitState.RELEASED for u in engine.units if not u.persistent)
+    assert all(p.numel() == 0 for p in model.parameters())
+    engine.close()

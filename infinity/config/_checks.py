@@ -91,7 +91,10 @@ def _float(value: Any, path: str, *, minimum: float | None = None,
 
 
 def _choice(value: Any, path: str, choices: tuple[Any, ...]) -> Any:
-    # Compare types too, so that true is not taken for 1 nor "3" for 3.
+    # Compare types too, so that true is not taken for 1 nor "3" for 3; a str subclass (a string
+    # enum, as DeepSpeed's OffloadDeviceEnum.cpu) is the string it holds.
+    if isinstance(value, str) and type(value) is not str:
+        value = str.__str__(value)
     if any(type(value) is type(choice) and value == choice for choice in choices):
         return value
     expected = ", ".join(_show(choice) for choice in choices)

@@ -156,9 +156,6 @@ _NOT_IMPLEMENTED_ZERO: dict[str, str] = {
         "stage3_model_persistence_threshold", "save_muon_momentum_buffer_in_memory",
         "pipeline_loading_checkpoint", "legacy_stage1",
     )
-} | {
-    "stage3_gather_fp16_weights_on_model_save": "deprecated in DeepSpeed; use "
-                                                "stage3_gather_16bit_weights_on_model_save",
 }
 
 # DeepSpeed's deprecated switches, read as DeepSpeed reads them: true is the section it names with
@@ -432,8 +429,40 @@ def _parse_scheduler(raw: Any) -> SchedulerConfig:
     return SchedulerConfig(type=kind, params=params)
 
 
+# DeepSpeed's ZeRO config takes each stage-3 key under its field name too (pydantic aliases:
+# `param_persistence_threshold` is `stage3_param_persistence_threshold`), and reads the
+# deprecated `stage3_gather_fp16_weights_on_model_save` as the 16-bit one.
+_ZERO_ALIASES = {
+    "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+    "param_persistence_threshold": "stage3_param_persistence_threshold",
+    "max_live_parameters": "stage3_max_live_parameters",
+    "max_reuse_distance": "stage3_max_reuse_distance",
+    "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    "module_granularity_threshold": "stage3_module_granularity_threshold",
+    "model_persistence_threshold": "stage3_model_persistence_threshold",
+}
+
+
+def _with_zero_names(raw: Any, path: str) -> Any:
+    """`raw` with DeepSpeed's other names of a key (`_ZERO_ALIASES`) replaced by ours; both
+    names of one key is an error naming them."""
+    if not isinstance(raw, Mapping) or not any(key in _ZERO_ALIASES for key in raw):
+        return raw
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = _ZERO_ALIASES.get(key, key)
+        if name in out:
+            others = [k for k in raw if _ZERO_ALIASES.get(k, k) == name]
+            raise ValueError(f"{', '.join(_join(path, k) for k in others)}: one key under {len(others)} names; "
+                             f"give it once, as {name}")
+        out[name] = value
+    return out
+
+
 def _parse_zero(raw: Any) -> ZeroConfig:
     path = ZeroConfig._PATH
+    raw = _with_zero_names(raw, path)
     keys = _take(raw, path, (*_field_names(ZeroConfig), *_DEPRECATED_OFFLOAD_SWITCHES), no_effect=_NO_EFFECT_ZERO,
                  default_only=_DEFAULT_ONLY_ZERO, not_implemented=_NOT_IMPLEMENTED_ZERO)
     for switch, section in _DEPRECATED_OFFLOAD_SWITCHES.items():

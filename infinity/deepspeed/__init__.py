@@ -22,6 +22,9 @@ from infinity.deepspeed.utils import log_dist, logger
 
 __version__ = DEEPSPEED_VERSION
 version = DEEPSPEED_VERSION
+# DeepSpeed's build records its git commit and branch here; infinity's alias was built from none.
+__git_hash__ = None
+__git_branch__ = None
 __version_major__, __version_minor__, __version_patch__ = (int(part) for part in DEEPSPEED_VERSION.split("."))
 
 DeepSpeedEngine = infinity.Engine

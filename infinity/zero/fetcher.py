@@ -78,12 +78,16 @@ class Fetcher:
         self.in_step = True
         self._prefetched = set()  # reads started by `prefetch_next_step` are the tier's: it serves them
 
+    def release_idle(self) -> None:
+        """Releases every gathered unit that is neither persistent nor in use."""
+        for u in self.units:
+            if u.state is UnitState.GATHERED and not u.persistent and u.index not in self.in_use:
+                self._release(u)
+
     def end_step(self) -> None:
         """Releases every non-persistent unit; the step's trace becomes the schedule."""
-        for u in self.units:
-            if u.state is UnitState.GATHERED and not u.persistent:
-                self._release(u)
         self.in_use.clear()
+        self.release_idle()
         self.params.drop_prefetched()  # a shard may change before its next use (optimizer step)
         if self.in_step and self.trace and self.trace != self.schedule:
             self.schedule = list(self.trace)
