@@ -362,7 +362,9 @@ def _optimizer_items(model: ModelSize, world: int, optimizer: str, nvme_path: st
             spilled += n
     per_piece = len(KINDS) + (1 if spilled else 0)
     asked = max(defaults.buffer_count, 3 * per_piece)  # the knob; the engine cuts its bytes into `count` buffers
-    target, count = choose_pieces(trains, zero.sub_group_size, asked, per_piece)
+    # The pipeline's least pool: the engine grows it into what the knobs allow of the host's free
+    # memory when it is built ([Note: the pool is a budget] in zero/nvme_optim.py).
+    target, count = choose_pieces(trains, zero.sub_group_size, asked, per_piece, host_elements=1)
     piece = max((n for t in trains for _, n in cut_pieces(t, target)), default=1)  # [Note: the pool is a budget]
     items = [Item("nvme", "fp32 master + exp_avg + exp_avg_sq", len(KINDS) * FP32 * t),
              Item("host", "fp32 gradient accumulators", FP32 * (t - spilled)),

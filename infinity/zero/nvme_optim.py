@@ -75,8 +75,9 @@ a later micro-step reads, adds and writes back). With the update in backward on 
 no accumulator is needed: the fp32 shard goes straight into the update.
 
 [Note: the pool is a budget]
-`offload_optimizer.buffer_count` buffers of a `sub_group_size` piece (DeepSpeed's meaning: a
-buffer holds a sub-group) bound the host memory of the pipeline; they do not fix its shape. The
+`offload_optimizer.buffer_count` buffers of a `sub_group_size` sub-group (what DeepSpeed allocates
+for them, a sub-group being no larger than the state) bound the host memory of the pipeline,
+also capped at the whole state and a quarter of the host's free memory; they do not fix its shape. The
 reads ahead, which hide the optimizer state's traffic behind forward and backward, can only go
 as deep as the pool has pieces: DeepSpeed's 4 buffers of 1e8 (or 1e9) elements gave the
 pipeline 3 pieces in flight and a step 1.4-1.6x its floor, where 48 buffers reached it. So the
@@ -92,6 +93,7 @@ from __future__ import annotations
 
 import logging
 
+import psutil
 import torch
 
 from infinity.timeline import TIMELINE
@@ -100,7 +102,7 @@ from infinity.optim.functional import AdamHyper, adam_step
 from infinity.tiers import BufferPool, NvmeStore, Swapper
 from infinity.tiers.state import ShardState
 from infinity.tiers.store import default_job_id
-from infinity.zero.nvme_io import IOTally, make_handle, plan_count
+from infinity.zero.nvme_io import IOTally, make_handle
 from infinity.zero.optim_shards import NORM_ROW, GradientLanding, row_norms_sq
 from infinity.zero.step_policy import UpdateMode
 from infinity.zero.unit import Unit
@@ -110,14 +112,21 @@ GRAD = "grad"  # spilled gradient accumulators ([Note: gradient spill])
 PIECE_ALIGN = 1024  # elements: 4 KiB of fp32, so every piece's extent is O_DIRECT-aligned
 PIPELINE_DEPTH = 16  # pieces the pool should hold at once ([Note: the pool is a budget])
 MIN_PIECE = 1 << 22  # elements: 16 MiB of fp32, two 8 MiB aio blocks per kind
+HOST_SHARE = 4  # the pool takes at most a quarter of the host memory free when it is built
 log = logging.getLogger("infinity")
 assert PIECE_ALIGN % NORM_ROW == 0  # pieces start on norm rows ([Note: gradient norm by rows])
 
 
-def choose_pieces(shards: list[int], sub_group_size: int, buffer_count: int, per_piece: int) -> tuple[int, int]:
-    """(piece target in elements, buffers) for shards of these sizes ([Note: the pool is a budget])."""
+def choose_pieces(shards: list[int], sub_group_size: int, buffer_count: int, per_piece: int,
+                  host_elements: int | None = None) -> tuple[int, int]:
+    """(piece target in elements, buffers) for shards of these sizes ([Note: the pool is a budget]).
+    `host_elements`: the most fp32 elements the pool may take of the host's free memory."""
     asked = max((n for numel in shards for _, n in cut_pieces(numel, sub_group_size)), default=1)
-    budget = max(buffer_count, 3 * per_piece) * asked  # elements of fp32 the knobs let the pool hold
+    total = sum(shards)
+    # DeepSpeed's buffers: buffer_count sub-groups (a sub-group never larger than the state), and
+    # at least the 3 pieces of a pipeline; never more than the whole state, nor the host's share.
+    budget = max(buffer_count * min(int(sub_group_size), total), 3 * per_piece * asked)
+    budget = max(min(budget, per_piece * total, host_elements or budget), 3 * per_piece * asked)
     target = min(int(sub_group_size), max(MIN_PIECE, budget // (PIPELINE_DEPTH * per_piece)))
     largest = max((n for numel in shards for _, n in cut_pieces(numel, target)), default=1)
     return target, max(3 * per_piece, budget // largest)
@@ -169,8 +178,9 @@ class NvmeOptimizerState:
             else:
                 self._spilled.add(u.index)
         self._per_piece = len(KINDS) + (1 if self._spilled else 0)
-        count = plan_count(offload.buffer_count, 3 * self._per_piece, "offload_optimizer")
-        target, buffers = choose_pieces([u.train_shard_numel for u in units], sub_group_size, count, self._per_piece)
+        host = psutil.virtual_memory().available // HOST_SHARE // 4  # fp32 elements
+        target, buffers = choose_pieces([u.train_shard_numel for u in units], sub_group_size, offload.buffer_count,
+                                        self._per_piece, host)
         self._pieces: dict[int, list[tuple[int, int]]] = {u.index: cut_pieces(u.train_shard_numel, target) for u in units}
         layout = {kind: {(i, k): n * 4 for i, ps in self._pieces.items() for k, (_, n) in enumerate(ps)}
                   for kind in KINDS}
@@ -183,8 +193,9 @@ class NvmeOptimizerState:
         self.chosen = {"piece_elements": largest, "buffers": buffers, "pool_bytes": buffers * largest * 4,
                        "pieces_in_flight": buffers // self._per_piece}
         log.info("infinity: offload_optimizer pipeline: %d buffers of %.1f MB (pieces of up to %d elements, %d "
-                 "pieces in flight) within buffer_count %d x sub_group_size pieces ([Note: the pool is a budget])",
-                 buffers, largest * 4 / 1e6, largest, buffers // self._per_piece, count)
+                 "pieces in flight) for buffer_count %d x sub_group_size %d ([Note: the pool is a budget])",
+                 buffers, largest * 4 / 1e6, largest, buffers // self._per_piece, offload.buffer_count,
+                 sub_group_size)
         # At least a buffer for each kind of: the piece being read, being updated, being written.
         self.pool = BufferPool(buffers, largest * 4, name="offload_optimizer", pin=(device.pin() or None) if offload.pin_memory else False,
                                on_release=device.scribble)
