@@ -31,11 +31,11 @@ GPT_134M = [7_087_872] * 12 + [33_553_920, 15_598_080, 1_536]
 def test_deepspeeds_knobs_get_a_deep_pipeline_in_deepspeeds_bytes(sub_group_size, buffer_count):
     per_piece = 3  # master, exp_avg, exp_avg_sq; no spilled gradient
     total = sum(GPT_134M)
-    deepspeeds = buffer_count * min(int(sub_group_size), total) * 4  # its buffers: a sub-group each
+    deepspeeds = buffer_count * min(int(sub_group_size), total) * 4  # its buffers: a sub-group each (>= a tile here)
     target, buffers = choose_pieces(GPT_134M, int(sub_group_size), buffer_count, per_piece)
     piece = _largest(GPT_134M, target)
-    assert buffers * piece * 4 <= min(deepspeeds, per_piece * total * 4)  # within the knobs and the state
-    assert buffers // per_piece >= 12  # 3 pieces in flight before
+    assert buffers * piece * 4 <= deepspeeds  # within what DeepSpeed takes for these knobs
+    assert buffers // per_piece >= 10  # 3 pieces in flight before
     assert piece >= nvme_optim.MIN_PIECE  # each still streams at the disk's speed
 
 
@@ -46,10 +46,12 @@ def test_the_host_share_and_the_least_pipeline_bound_the_pool():
     target, buffers = choose_pieces(GPT_134M, 25_000_000, 48, per_piece, host_elements=1)
     assert buffers * _largest(GPT_134M, target) <= 3 * per_piece * asked
     assert buffers >= 3 * per_piece
-    # bench/'s 48 buffers of 2.5e7 ask for more than the whole state: the state it is.
+    # bench/'s 48 buffers of 2.5e7 hold 16 pieces already: left as they are.
     target, buffers = choose_pieces(GPT_134M, 25_000_000, 48, per_piece)
-    assert buffers * _largest(GPT_134M, target) <= per_piece * sum(GPT_134M)
-    assert buffers * _largest(GPT_134M, target) >= 0.9 * per_piece * sum(GPT_134M)
+    assert (target, buffers) == (25_000_000, 48)
+    # ... unless the host cannot spare them.
+    target, buffers = choose_pieces(GPT_134M, 25_000_000, 48, per_piece, host_elements=24 * asked)
+    assert buffers * _largest(GPT_134M, target) <= 24 * asked and buffers > 24
 
 
 def _nvme_config(path, **zero) -> dict:
@@ -62,7 +64,7 @@ def _nvme_config(path, **zero) -> dict:
 
 def test_the_engine_cuts_the_budget_and_computes_the_same_numbers(tmp_path, monkeypatch):
     """A small model with pieces allowed down to 1024 elements: DeepSpeed-style knobs (4
-    buffers, sub_group_size 1e8) give a pool of many small pieces, no larger than the state,
+    buffers, sub_group_size 1e8) give a pool of many small pieces within DeepSpeed's bytes,
     and the masters and moments after three steps are those of the engine with one piece a unit,
     bit for bit."""
     torch.manual_seed(0)
@@ -80,7 +82,7 @@ def test_the_engine_cuts_the_budget_and_computes_the_same_numbers(tmp_path, monk
         trains = [u.train_shard_numel for u in engine.units if u.trainable]
         assert tier.pool.buffer_count == chosen["buffers"]
         least = 9 * -(-max(trains) // 1024) * 1024  # 3 pieces of each of 3 kinds: here more than the state
-        assert tier.pool.buffer_count * tier.pool.buffer_size <= max(3 * sum(trains), least) * 4
+        assert tier.pool.buffer_count * tier.pool.buffer_size <= max(4 * min(int(1e8), sum(trains)), least) * 4
         results[depth] = (engine_run(engine, data, gas=1), tier.pool.buffer_count,
                           {u.index: {k: v.clone() for k, v in tier.state(u).items()} for u in engine.units if u.trainable})
         engine.close()

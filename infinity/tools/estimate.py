@@ -333,6 +333,8 @@ def _param_items(model: ModelSize, world: int, param: str, nvme_path: str) -> tu
     parts = [n for u in model.units for n in (_per_rank(u.trainable, world), _per_rank(u.frozen, world)) if n]
     largest = max(parts, default=1)
     per_unit = 2 if any(u.trainable and u.frozen for u in model.units) else 1
+    # The pool's least: the engine cuts buffer_count x buffer_size into more buffers of the largest
+    # shard where the host's free memory allows ([Note: the pool is a budget] in zero/nvme_optim.py).
     count = max(defaults.buffer_count, MIN_BUFFERS, 2 * per_unit)
     cached = min(len(parts), defaults.max_in_cpu // largest)  # max_in_cpu counts elements
     pool = (count + cached) * _page(largest * HALF)

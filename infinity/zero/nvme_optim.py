@@ -77,7 +77,7 @@ no accumulator is needed: the fp32 shard goes straight into the update.
 [Note: the pool is a budget]
 `offload_optimizer.buffer_count` buffers of a `sub_group_size` sub-group (what DeepSpeed allocates
 for them, a sub-group being no larger than the state) bound the host memory of the pipeline,
-also capped at the whole state and a quarter of the host's free memory; they do not fix its shape. The
+also capped at a quarter of the host's free memory; they do not fix its shape. The
 reads ahead, which hide the optimizer state's traffic behind forward and backward, can only go
 as deep as the pool has pieces: DeepSpeed's 4 buffers of 1e8 (or 1e9) elements gave the
 pipeline 3 pieces in flight and a step 1.4-1.6x its floor, where 48 buffers reached it. So the
@@ -124,9 +124,9 @@ def choose_pieces(shards: list[int], sub_group_size: int, buffer_count: int, per
     asked = max((n for numel in shards for _, n in cut_pieces(numel, sub_group_size)), default=1)
     total = sum(shards)
     # DeepSpeed's buffers: buffer_count sub-groups (a sub-group never larger than the state), and
-    # at least the 3 pieces of a pipeline; never more than the whole state, nor the host's share.
-    budget = max(buffer_count * min(int(sub_group_size), total), 3 * per_piece * asked)
-    budget = max(min(budget, per_piece * total, host_elements or budget), 3 * per_piece * asked)
+    # at least the 3 pieces of a pipeline; never more than the host's share.
+    budget = max(buffer_count * max(asked, min(int(sub_group_size), total)), 3 * per_piece * asked)
+    budget = max(min(budget, host_elements or budget), 3 * per_piece * asked)
     target = min(int(sub_group_size), max(MIN_PIECE, budget // (PIPELINE_DEPTH * per_piece)))
     largest = max((n for numel in shards for _, n in cut_pieces(numel, target)), default=1)
     return target, max(3 * per_piece, budget // largest)

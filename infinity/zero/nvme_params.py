@@ -16,12 +16,14 @@ back (`commit` -> evict); the frozen one is written once, at start.
 
 from __future__ import annotations
 
+import psutil
 import torch
 
 from infinity.device import Device, InFlight
 from infinity.tiers import BufferPool, HostCache, NvmeStore, Swapper
 from infinity.tiers.store import default_job_id
 from infinity.zero.nvme_io import MIN_BUFFERS, IOTally, elsize, make_handle, plan_count
+from infinity.zero.nvme_optim import HOST_SHARE
 from infinity.zero.unit import ShardParts, Unit
 
 KIND = "param"  # the trainable part of a shard
@@ -59,8 +61,17 @@ class NvmeParams:
         # holds no buffer once gathered, and an update fetches nothing meanwhile).
         parts = max((len(_parts(u)) for u in units), default=1)
         self._spare = parts
-        # A buffer larger than the largest shard would only hold unused pinned memory.
-        self.pool = BufferPool(plan_count(offload.buffer_count, max(MIN_BUFFERS, 2 * parts)) + cached,
+        # A buffer larger than the largest shard would only hold unused pinned memory: the bytes
+        # of buffer_count x buffer_size (what DeepSpeed pins for them) are cut into buffers of the
+        # largest shard instead, as many as there are shards at most and a quarter of the host's
+        # free memory ([Note: the pool is a budget] in nvme_optim.py), so a deep prefetch
+        # (stage3_prefetch_bucket_size) finds buffers to read into.
+        least = count = plan_count(offload.buffer_count, max(MIN_BUFFERS, 2 * parts))
+        if offload.buffer_size * itemsize > largest:
+            host = psutil.virtual_memory().available // HOST_SHARE
+            count = max(least, min(min(offload.buffer_count * offload.buffer_size * itemsize, host) // largest,
+                                   len(sizes)))
+        self.pool = BufferPool(count + cached,
                                min(offload.buffer_size * itemsize, largest), shard_sizes=sizes, name="offload_param",
                                pin=(device.pin() or None) if offload.pin_memory else False, on_release=device.scribble)
         self.cache = HostCache(max_in_cpu, name="offload_param")
