@@ -48,7 +48,7 @@ def engine_config(work: str, args, *, place: str, clip: float) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
         "zero_optimization": {
             "stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
-            "stage3_prefetch_bucket_size": 5e8, "sub_group_size": 2.5e7,
+            "stage3_prefetch_bucket_size": 5e8, "sub_group_size": 2.5e7, "tile_size": args.tile_size,
             "offload_param": offload({"buffer_count": 8, "max_in_cpu": 0, "buffer_size": 1e8}),
             "offload_optimizer": offload({"buffer_count": 48, "max_grad_in_cpu": args.max_grad_in_cpu}),
         },
@@ -72,6 +72,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=8 << 20)
     p.add_argument("--queue-depth", type=int, default=32)
     p.add_argument("--max-grad-in-cpu", type=float, default=1e9)
+    p.add_argument("--tile-size", type=int, default=1 << 25, help="zero_optimization.tile_size (0: no tiling)")
     p.add_argument("--nvme-path", default="/work")
     p.add_argument("--trace-dir", default=None)
     p.add_argument("--output")
