@@ -63,6 +63,21 @@ def _param_groups(model: nn.Module, model_parameters: Any, optimizer: Any, infer
     return [{"params": items}]
 
 
+def _named_state(module: nn.Module, values: dict[int, torch.Tensor], *, keep_unlisted: bool) -> dict[str, torch.Tensor]:
+    """A state dict of `module` by its names: each parameter's tensor from `values` (by id; one
+    not listed is left out, or with `keep_unlisted` taken as it is), persistent buffers copied."""
+    out: dict[str, torch.Tensor] = {}
+    for module_name, m in module.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        for name, p in m.named_parameters(recurse=False):
+            if id(p) in values or keep_unlisted:
+                out.setdefault(prefix + name, values[id(p)] if id(p) in values else p.detach().cpu())
+        for name, b in m.named_buffers(recurse=False):
+            if b is not None and name not in m._non_persistent_buffers_set:  # noqa: SLF001 (what state_dict skips)
+                out[prefix + name] = b.detach().cpu().clone()
+    return out
+
+
 class Engine(ConfigGetters, ModuleSurface):
     """Wraps a module; forward, backward and step run ZeRO stage 3 (or 1/2) with offload."""
 
@@ -634,18 +649,7 @@ class Engine(ConfigGetters, ModuleSurface):
                 full = self.full_compute_values(u)
                 values.update({id(s.param): u.param_values(full, s).clone() for s in slots if self.rank == 0})
                 del full
-        if self.rank != 0:
-            return {}
-        out: dict[str, torch.Tensor] = {}
-        for module_name, module in self.module.named_modules():
-            prefix = f"{module_name}." if module_name else ""
-            for name, p in module.named_parameters(recurse=False):
-                if id(p) in values:
-                    out[prefix + name] = values[id(p)]
-            for name, b in module.named_buffers(recurse=False):
-                if b is not None and name not in module._non_persistent_buffers_set:  # noqa: SLF001 (as state_dict)
-                    out[prefix + name] = b.detach().cpu().clone()
-        return out
+        return _named_state(self.module, values, keep_unlisted=False) if self.rank == 0 else {}
 
     # ---- full values of partitioned parameters --------------------------------------------
 
@@ -791,17 +795,7 @@ class Engine(ConfigGetters, ModuleSurface):
             if self.rank == 0:
                 for s in u.slots:
                     full_values[id(s.param)] = u.param_values(full, s).clone()
-        if self.rank != 0:
-            return {}
-        out: dict[str, torch.Tensor] = {}
-        for module_name, module in self.module.named_modules():
-            prefix = f"{module_name}." if module_name else ""
-            for name, p in module.named_parameters(recurse=False):
-                out.setdefault(prefix + name, full_values[id(p)] if id(p) in full_values else p.detach().cpu())
-            for name, b in module.named_buffers(recurse=False):
-                if name not in module._non_persistent_buffers_set:  # noqa: SLF001 (what state_dict skips)
-                    out[prefix + name] = b.detach().cpu().clone()
-        return out
+        return _named_state(self.module, full_values, keep_unlisted=True) if self.rank == 0 else {}
 
     def close(self) -> None:
         """Releases the tiers (removes NVMe files unless asked to keep them). The engine and its

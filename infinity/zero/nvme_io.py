@@ -49,7 +49,11 @@ def with_measured_aio(config: InfinityConfig) -> InfinityConfig:
     nvme = [o.nvme_path for o in (zero.offload_optimizer, zero.offload_param) if o.device == "nvme"]
     if not config.aio.tune or not nvme:
         return config
-    choice = autotune.choose(str(nvme[0]))
+    try:
+        choice = autotune.choose(str(nvme[0]))
+    except OSError as e:  # not a directory it can write into: the store says so, naming the key
+        log.info("infinity: aio: %s could not be measured (%s); using the aio section's defaults", nvme[0], e)
+        return dataclasses.replace(config, aio=dataclasses.replace(config.aio, tune=False))
     if choice is None:
         log.info("infinity: aio: %s refuses O_DIRECT (tmpfs?), so the disk was not measured; using the aio "
                  "section's defaults", nvme[0])
