@@ -12,7 +12,7 @@ import torch
 import infinity
 from gpt import TinyGPT, config
 from infinity.cli import main as infinity_main
-from infinity.config import load_config
+from infinity.config import ZeroConfig, load_config
 from infinity.models import PRESETS, param_count, preset
 from infinity.tools.estimate import (
     Machine,
@@ -150,8 +150,9 @@ def test_fit_decisions_follow_the_preference_order():
     assert chosen() == ("none", "cpu")  # 80G GPU, 256G host: the optimizer state goes to host memory
     assert chosen(cpu=64 * GiB) == ("none", "nvme")  # 114 GiB of fp32 state no longer fits the host
     assert chosen(gpu=12 * GiB, cpu=64 * GiB) == ("cpu", "nvme")  # 13 GiB of bf16 shards off the GPU too
-    assert chosen(gpu=12 * GiB, cpu=24 * GiB) == ("nvme", "nvme")
-    assert chosen(gpu=12 * GiB, cpu=24 * GiB, nvme=100 * GiB) is None  # 110 GiB on NVMe needed
+    assert chosen(gpu=12 * GiB, cpu=24 * GiB) == ("cpu", "nvme")  # 19.5 GiB: bf16 shards and pools of tiles
+    assert chosen(gpu=12 * GiB, cpu=16 * GiB) == ("nvme", "nvme")  # 9.3 GiB
+    assert chosen(gpu=12 * GiB, cpu=16 * GiB, nvme=100 * GiB) is None  # 110 GiB on NVMe needed
 
     # Exactly at a tier's capacity fits, a byte less does not; host and NVMe are the node's,
     # shared by its ranks; on a CPU-only machine the device is host memory too.
@@ -162,6 +163,19 @@ def test_fit_decisions_follow_the_preference_order():
     q = _row(placements(model, 1, "/nvme"), "cpu", "cpu")
     assert shortfalls(q, _machine(gpus=0, gpu=None, cpu=q.device + q.host)) == []
     assert shortfalls(q, _machine(gpus=0, gpu=None, cpu=q.device + q.host - 1)) == ["memory"]
+
+
+def test_units_are_tiled_as_the_engine_tiles_them():
+    """[Note: memory-centric tiling]: the tied 128k embedding of llama-3b is 12 tiles, not a
+    394M-element root, and Llama 2 7B's 45M-element MLP projections are tiles too; the
+    counts are the model's all the same."""
+
+    for name, tiles in (("llama-3b", 12), ("llama-7b", 2 * 4 + 32 * 3 * 2)):
+        cfg = preset(name)
+        model = model_from_config(name, cfg)
+        assert model.numel == param_count(cfg)
+        assert len(model.tiles) == tiles
+        assert max(u.numel for u in model.units) <= max(model.layer.numel, ZeroConfig().tile_size)
 
 
 def test_cli_prints_the_table_and_a_config_the_engine_reads(tmp_path, capsys):

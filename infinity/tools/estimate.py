@@ -120,22 +120,25 @@ class ModelSize:
     """Each of the `num_layers` equal units (the decoder layers)."""
     num_layers: int
     root: UnitSize
-    """What no layer holds: embeddings, final norm, LM head."""
+    """What no layer holds: embeddings, final norm, LM head (less their tiles)."""
     exact: bool
     """Units from an architecture; False: assumed from a parameter count."""
+    tiles: tuple[UnitSize, ...] = ()
+    """Weights over `zero_optimization.tile_size`, as the engine tiles them ([Note: memory-centric
+    tiling] in infinity/zero/tiling.py): each tile a unit of its own, taken out of its layer or root."""
 
     @property
     def units(self) -> list[UnitSize]:
-        """Every unit with parameters, in backward order (the root, then the last layer first)."""
-        return [u for u in [self.root] + [self.layer] * self.num_layers if u.numel]
+        """Every unit with parameters, in backward order (the root, the tiles, then the last layer first)."""
+        return [u for u in [self.root, *self.tiles] + [self.layer] * self.num_layers if u.numel]
 
     @property
     def trainable(self) -> int:
-        return self.num_layers * self.layer.trainable + self.root.trainable
+        return self.num_layers * self.layer.trainable + self.root.trainable + sum(t.trainable for t in self.tiles)
 
     @property
     def frozen(self) -> int:
-        return self.num_layers * self.layer.frozen + self.root.frozen
+        return self.num_layers * self.layer.frozen + self.root.frozen + sum(t.frozen for t in self.tiles)
 
     @property
     def numel(self) -> int:
@@ -161,12 +164,33 @@ def model_from_config(name: str, cfg: dict, lora_rank: int | None = None, frozen
     """A Llama-style model from its config: decoder layers and the root unit. `lora_rank`: only
     adapters of that rank are trainable, the base model is frozen; else `frozen_fraction` of
     every unit is frozen."""
-    layer, root = layer_param_count(cfg), root_param_count(cfg)
+    tile = ZeroConfig().tile_size
+    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    # (rows, columns) of the weights the engine tiles: the embedding and an untied head, and (not
+    # under our LoRA, whose wrapped projections stay whole) a layer's projections over the tile size
+    roots = [(vocab, h)] * (1 if cfg.get("tie_word_embeddings", False) else 2)
+    linears = [] if lora_rank else [(n_out, n_in) for n_in, n_out in layer_linears(cfg).values()]
+    root_tiled = [w for w in roots if tile and w[0] * w[1] > tile]
+    layer_tiled = [w for w in linears if tile and w[0] * w[1] > tile]
+    layer = layer_param_count(cfg) - sum(r * c for r, c in layer_tiled)
+    root = root_param_count(cfg) - sum(r * c for r, c in root_tiled)
+    tiles = [n for r, c in root_tiled for n in _tile_sizes(r, c, tile)]
+    layer_tiles = [n for r, c in layer_tiled for n in _tile_sizes(r, c, tile)] * cfg["num_hidden_layers"]
     if lora_rank:
         layer_size, root_size = UnitSize(lora_param_count(cfg, lora_rank), layer), UnitSize(0, root)
+        tile_sizes = tuple(UnitSize(0, n) for n in tiles)
     else:
         layer_size, root_size = _split(layer, frozen_fraction), _split(root, frozen_fraction)
-    return ModelSize(name=name, layer=layer_size, num_layers=cfg["num_hidden_layers"], root=root_size, exact=True)
+        tile_sizes = tuple(_split(n, frozen_fraction) for n in tiles + layer_tiles)
+    return ModelSize(name=name, layer=layer_size, num_layers=cfg["num_hidden_layers"], root=root_size, exact=True,
+                     tiles=tile_sizes)
+
+
+def _tile_sizes(rows: int, cols: int, tile_size: int) -> list[int]:
+    """Elements of each row tile of a rows x cols weight (the tiler's cut: whole rows, at most
+    `tile_size` elements a tile)."""
+    per = max(1, tile_size // cols)
+    return [min(per, rows - r) * cols for r in range(0, rows, per)]
 
 
 def load_architecture(spec: str) -> tuple[str, dict]:
@@ -315,9 +339,11 @@ def _page(nbytes: int) -> int:
 def _working_set(model: ModelSize) -> list[Item]:
     """The device's gathered units and bf16 gradients ([Note: byte accounting]), whole units."""
     root, layer = model.root, model.layer if model.num_layers else UnitSize(0, 0)
-    return [Item("device", "gathered units: root + 2 layers", HALF * (root.numel + 2 * layer.numel)),
+    tile = max(model.tiles, key=lambda t: t.numel, default=UnitSize(0, 0))
+    return [Item("device", "gathered units: root + 2 layers (+ a tile)", HALF * (root.numel + 2 * layer.numel + tile.numel)),
             Item("device", "bf16 gradients: a reduce buffer per unit size, the .grad of a unit",
-                 HALF * (root.trainable + layer.trainable + max(root.trainable, layer.trainable)))]
+                 HALF * (root.trainable + layer.trainable + tile.trainable
+                         + max(root.trainable, layer.trainable, tile.trainable)))]
 
 
 def _param_items(model: ModelSize, world: int, param: str, nvme_path: str) -> tuple[list[Item], int, dict]:
@@ -460,7 +486,9 @@ def _describe_model(model: ModelSize) -> str:
             f"({_count(model.trainable)} trainable, {_count(model.frozen)} frozen)")
     layer = _count(model.layer.numel)
     if model.exact:
-        return f"{what}; units: {model.num_layers} layers of {layer} + root {_count(model.root.numel)}"
+        tiles = (f" + {len(model.tiles)} tiles of at most {_count(max(t.numel for t in model.tiles))}"
+                 if model.tiles else "")
+        return f"{what}; units: {model.num_layers} layers of {layer} + root {_count(model.root.numel)}{tiles}"
     return f"{what}; units assumed: {model.num_layers} of {layer} (--largest-unit; --model knows them)"
 
 
