@@ -209,7 +209,8 @@ class Engine(ConfigGetters, ModuleSurface):
         offload = self.config.zero.offload_param
         if offload.device == "nvme":
             from infinity.zero.nvme_params import NvmeParams
-            return NvmeParams(self.accelerator, offload, self.config.aio, rank=self.rank, units=self.units)
+            return NvmeParams(self.accelerator, offload, self.config.aio, rank=self.rank, units=self.units,
+                              prefetch_numel=self.config.zero.stage3_prefetch_bucket_size)
         return ResidentParams(self.accelerator, offload=offload.device == "cpu")
 
     def _optimizer_tier(self):

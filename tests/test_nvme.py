@@ -337,6 +337,12 @@ else:
     cfg = nvme_config(sys.argv[1], "nvme", "nvme", param_buffers=4)
     cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = 200_000
     cfg["zero_optimization"]["offload_optimizer"].update(max_grad_in_cpu=0, buffer_count=12)
+    # 12 sub-groups of 1e6 elements: a budget well under the model ([Note: the pool is a budget];
+    # the default sub_group_size, 1e9, makes each a sub-group as large as the whole state)
+    cfg["zero_optimization"]["sub_group_size"] = 1_000_000
+    # and a prefetch of two layers: DeepSpeed's default (5e7 elements) reads this whole model
+    # ahead, and the parameter pool grows to as many buffers as the prefetch reads into
+    cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = 4_000_000
 engine, *_ = infinity.initialize(model, config=cfg)
 engine_run(engine, batches(3, 4), gas=1)
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork and exec, so a child of a large

@@ -38,7 +38,7 @@ def _parts(unit: Unit) -> list[tuple[str, int]]:
 class NvmeParams:
     """The NVMe parameter tier (same methods as `ResidentParams`)."""
 
-    def __init__(self, device: Device, offload, aio, *, rank: int, units: list[Unit]):
+    def __init__(self, device: Device, offload, aio, *, rank: int, units: list[Unit], prefetch_numel: int = 0):
         self.device = device
         self._units = {u.index: u for u in units}
         layout: dict[str, dict[int, int]] = {KIND: {}, FROZEN: {}}
@@ -63,14 +63,16 @@ class NvmeParams:
         self._spare = parts
         # A buffer larger than the largest shard would only hold unused pinned memory: the bytes
         # of buffer_count x buffer_size (what DeepSpeed pins for them) are cut into buffers of the
-        # largest shard instead, as many as there are shards at most and a quarter of the host's
-        # free memory ([Note: the pool is a budget] in nvme_optim.py), so a deep prefetch
-        # (stage3_prefetch_bucket_size) finds buffers to read into.
+        # largest shard instead ([Note: the pool is a budget] in nvme_optim.py), as many more as
+        # the prefetch reads ahead (`prefetch_numel`, stage3_prefetch_bucket_size elements), so it
+        # finds buffers to read into; never more than there are shards, nor a quarter of the
+        # host's free memory.
         least = count = plan_count(offload.buffer_count, max(MIN_BUFFERS, 2 * parts))
         if offload.buffer_size * itemsize > largest:
             host = psutil.virtual_memory().available // HOST_SHARE
+            ahead = least + prefetch_numel * itemsize // largest
             count = max(least, min(min(offload.buffer_count * offload.buffer_size * itemsize, host) // largest,
-                                   len(sizes)))
+                                   len(sizes), ahead))
         self.pool = BufferPool(count + cached,
                                min(offload.buffer_size * itemsize, largest), shard_sizes=sizes, name="offload_param",
                                pin=(device.pin() or None) if offload.pin_memory else False, on_release=device.scribble)
