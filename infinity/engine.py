@@ -86,11 +86,6 @@ class Engine(ConfigGetters, ModuleSurface):
                  units: UnitPolicy = None, accelerator: Device | None = None):
         measured = config.aio.tune
         self.config = config = with_measured_aio(config)  # [Note: the disk tunes itself] in io/autotune.py
-        # What the engine sized itself within the config's budgets, for users and the per-step report.
-        self.chosen: dict[str, Any] = {}
-        if measured and not config.aio.tune:
-            self.chosen["aio"] = {"block_size": config.aio.block_size, "queue_depth": config.aio.queue_depth,
-                                  "thread_count": config.aio.thread_count, "engine": config.aio.engine}
         self.accelerator = accelerator or make_device()  # every stream, event and copy ([Note: in-flight copies])
         self.rank, self.world_size = zdist.init_distributed(nccl=self.accelerator.name == "cuda")
         self.device = self.accelerator.compute
@@ -133,11 +128,7 @@ class Engine(ConfigGetters, ModuleSurface):
         self.config = config = resolve_max_in_cpu(config, self.units)  # [Note: host memory before the disk]
         self.params = self._param_tier()
         self.optim_state = self._optimizer_tier()
-        pipeline = getattr(getattr(self.optim_state, "disk", self.optim_state), "chosen", None)
-        if pipeline is not None:  # [Note: the pool is a budget] in zero/nvme_optim.py
-            self.chosen["offload_optimizer"] = pipeline
-        for section in auto_budgets:  # "auto" resolved ([Note: host memory before the disk] in zero/host_budget.py)
-            self.chosen[f"{section}.max_in_cpu"] = getattr(config.zero, section).max_in_cpu
+        self.chosen = self._choices(measured, auto_budgets)
         # Decided once, read by the tiers and the policy ([Note: update modes] in zero/step_policy.py).
         self.update_mode = self._update_mode(self.optim_state.updates_can_wait)
         deferred = DeferredInit(model) if is_deferred(model) else None  # [Note: deferred initialisation]
@@ -230,6 +221,22 @@ class Engine(ConfigGetters, ModuleSurface):
                                        update_order=order))
         return ResidentOptimizerState(self.accelerator, on_device=offload.device == "none",
                                       units=[u for u in self.units if u.trainable])
+
+    def _choices(self, aio_measured: bool, auto_budgets: list[str]) -> dict[str, Any]:
+        """What the engine sized itself within the config's budgets, for users and reports: the
+        disk's measured aio setting, the optimizer pipeline ([Note: the pool is a budget] in
+        zero/nvme_optim.py), "auto" budgets resolved ([Note: host memory before the disk])."""
+        chosen: dict[str, Any] = {}
+        aio = self.config.aio
+        if aio_measured and not aio.tune:
+            chosen["aio"] = {"block_size": aio.block_size, "queue_depth": aio.queue_depth,
+                             "thread_count": aio.thread_count, "engine": aio.engine}
+        pipeline = getattr(getattr(self.optim_state, "disk", self.optim_state), "chosen", None)
+        if pipeline is not None:
+            chosen["offload_optimizer"] = pipeline
+        for section in auto_budgets:
+            chosen[f"{section}.max_in_cpu"] = getattr(self.config.zero, section).max_in_cpu
+        return chosen
 
     def _update_mode(self, updates_can_wait: bool) -> UpdateMode:
         """[Note: update modes] in zero/step_policy.py, for an optimizer tier whose updates can
