@@ -41,7 +41,7 @@ from infinity.zero.registry import register_units
 from infinity.zero.report import StepReport
 from infinity.zero.step_policy import (PendingUpdates, StepPolicy, UpdateMode, choose_update_mode,
                                        expected_update_order, gradients_used_at_once)
-from infinity.zero.tiling import tile_model
+from infinity.zero.tiling import merge_tiles, tile_model
 from infinity.zero.unit import Unit, UnitState
 from infinity.zero.zero_optimizer import ZeroOptimizer
 
@@ -647,7 +647,7 @@ class Engine(ConfigGetters, ModuleSurface):
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
         """DeepSpeed's: the module's state dict in the compute dtype on rank 0 (an empty dict on
         the others), parameters and persistent buffers under every name they have (tied weights
-        as one tensor). Streamed one unit at a time: the unit is gathered, its values copied to
+        as one tensor, a tiled weight whole). Streamed one unit at a time: the unit is gathered, its values copied to
         the host, and its full buffer dropped before the next. All ranks call it."""
         self._check_sound("_zero3_consolidated_16bit_state_dict")
         values: dict[int, torch.Tensor] = {}
@@ -657,7 +657,9 @@ class Engine(ConfigGetters, ModuleSurface):
                 full = self.full_compute_values(u)
                 values.update({id(s.param): u.param_values(full, s).clone() for s in slots if self.rank == 0})
                 del full
-        return _named_state(self.module, values, keep_unlisted=False) if self.rank == 0 else {}
+        if self.rank != 0:
+            return {}
+        return merge_tiles(self.module, _named_state(self.module, values, keep_unlisted=False))
 
     # ---- full values of partitioned parameters --------------------------------------------
 
@@ -795,7 +797,8 @@ class Engine(ConfigGetters, ModuleSurface):
         return self._values_cache[id(param)]
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full fp32 state dict on CPU, gathered unit by unit, on rank 0 (empty elsewhere)."""
+        """The full fp32 state dict on CPU, gathered unit by unit, on rank 0 (empty elsewhere),
+        under the module's state_dict names (a tiled weight whole)."""
         self._check_sound("consolidated_state_dict")
         full_values: dict[int, torch.Tensor] = {}
         for u in self.units:
@@ -803,7 +806,9 @@ class Engine(ConfigGetters, ModuleSurface):
             if self.rank == 0:
                 for s in u.slots:
                     full_values[id(s.param)] = u.param_values(full, s).clone()
-        return _named_state(self.module, full_values, keep_unlisted=True) if self.rank == 0 else {}
+        if self.rank != 0:
+            return {}
+        return merge_tiles(self.module, _named_state(self.module, full_values, keep_unlisted=True))
 
     def close(self) -> None:
         """Releases the tiers (removes NVMe files unless asked to keep them). The engine and its

@@ -137,7 +137,7 @@ def test_tiled_training_matches_plain_pytorch_and_the_untiled_engine(tmp_path, m
         assert bool(tiles) == (tile_size > 0)
         assert all(u.numel <= TILE for u in tiles)  # every tile a unit of at most the tile size
         losses = engine_run(engine, data, gas=1)
-        runs[tile_size] = losses, merge_tiles(engine.module, engine.consolidated_state_dict())
+        runs[tile_size] = losses, engine.consolidated_state_dict()  # the tiles under their weight's name
         assert sorted(engine.module.state_dict()) == sorted(model.state_dict())  # the user's names
         engine.close()
     for tile_size, (losses, state) in runs.items():
@@ -147,6 +147,57 @@ def test_tiled_training_matches_plain_pytorch_and_the_untiled_engine(tmp_path, m
         tol = 1e-4 if tile_size else 1e-5
         for name, value in ref.state_dict().items():
             torch.testing.assert_close(state[name], value.detach(), atol=tol, rtol=tol, msg=name)
+
+
+@pytest.mark.parametrize("tie", ["tied", "untied"])
+def test_exports_of_a_tiled_model_name_and_hold_the_users_weights(tmp_path, models, tie):
+    """save_16bit_model, consolidate (from the checkpoint alone) and the 16-bit state dict that
+    Hugging Face's Trainer saves: the same names as the untiled engine's export (a tied weight
+    once), loadable into the plain model, with the values plain PyTorch trained."""
+    from safetensors.torch import load_file
+
+    from infinity.checkpoint.export import consolidate
+    model = models[tie]
+    data = batches(2, 4)
+    _, ref = reference_run(model, data, gas=1)
+    exports = {}
+    for tile_size in (TILE, 0):
+        engine, *_ = infinity.initialize(copy.deepcopy(model), config=config(3, "cpu", "cpu", tile_size=tile_size))
+        engine_run(engine, data, gas=1)
+        out = tmp_path / str(tile_size)
+        engine.save_16bit_model(str(out / "live"))
+        engine.save_checkpoint(str(out / "ckpt"))
+        consolidate(str(out / "ckpt"), str(out / "offline"))
+        exports[tile_size] = {"live": load_file(str(out / "live" / "model.safetensors")),
+                              "offline": load_file(str(out / "offline" / "model.safetensors")),
+                              "state_dict": engine._zero3_consolidated_16bit_state_dict()}
+        engine.close()
+    for kind, tensors in exports[TILE].items():
+        assert sorted(tensors) == sorted(exports[0][kind]), kind
+        plain = copy.deepcopy(model)
+        missing, unexpected = plain.load_state_dict(tensors, strict=False)
+        assert not unexpected and set(missing) <= ({"head.weight"} if tie == "tied" else set()), (kind, missing)
+        for name, value in ref.state_dict().items():
+            torch.testing.assert_close(plain.state_dict()[name], value, atol=1e-4, rtol=1e-4, msg=f"{kind} {name}")
+
+
+def test_a_weight_streamed_in_row_blocks_is_written_whole_and_a_wrong_block_is_refused(tmp_path):
+    from safetensors.torch import load_file
+
+    from infinity.checkpoint.safetensors_io import StreamWriter
+    w, b = torch.randn(10, 3), torch.randn(4)
+    writer = StreamWriter(str(tmp_path / "a.safetensors"), [("w", torch.float32, [10, 3]), ("b", torch.float32, [4])])
+    assert [writer.add("w", w[:4]), writer.add("w", w[4:9]), writer.add("w", w[9:]), writer.add("b", b)] == \
+        [False, False, True, True]
+    writer.close()
+    back = load_file(str(tmp_path / "a.safetensors"))
+    assert torch.equal(back["w"], w) and torch.equal(back["b"], b)
+    writer = StreamWriter(str(tmp_path / "b.safetensors"), [("w", torch.float32, [10, 3]), ("b", torch.float32, [4])])
+    writer.add("w", w[:6])
+    for name, part in (("w", w[:5]), ("b", b), ("w", torch.randn(4, 2))):  # past the end, too early, wrong width
+        with pytest.raises(ValueError, match="expected w .* from row 6"):
+            writer.add(name, part)
+    writer.abort()
 
 
 def test_tile_size_is_checked_by_name():

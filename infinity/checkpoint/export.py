@@ -9,6 +9,15 @@ model computes with them, gathering one unit at a time on every rank and writing
 Neither changes anything in the directory until every file is written ([Note: publishing an
 export] in safetensors_io.py).
 
+[Note: tiles in an export]
+A tiled weight ([Note: memory-centric tiling] in infinity/zero/tiling.py) is stored as tiles,
+each a parameter of its own (`M.tiles.3.weight`); an export is read by from_pretrained and by
+the user's own model, so it names the weight as the user's module did (`M.weight`, a tied one
+once). The tiles are row blocks, written one after the other: the file declares the weight
+whole, and the tiles' rows are streamed into it in order, so host memory still holds one
+unit. A checkpoint's manifest lists each tiled weight's tiles (`tiles`), which is how
+`consolidate`, without the model, knows them.
+
 [Note: LoRA adapters in a checkpoint]
 A checkpoint of `infinity finetune --lora` (infinity.finetune.LoRALinear) holds each adapted
 projection as `M.weight` (frozen) beside `M.lora_A` [r, in] and `M.lora_B` [out, r], and the
@@ -44,11 +53,34 @@ from infinity.checkpoint.safetensors_io import (
 )
 from infinity.checkpoint.save import PROGRESS_BYTES, agree, persistent_buffers
 from infinity.io import AsyncIOHandle
+from infinity.zero.tiling import tiled_weights
 from infinity.zero.unit import Unit
+
+Entry = tuple[str, torch.dtype, list[int]]
 
 DEFAULT_SHARD_BYTES = 5 * 10 ** 9  # Hugging Face's save_pretrained default
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LORA = re.compile(r"(.+)\.lora_([AB])")  # [Note: LoRA adapters in a checkpoint]
+
+
+def untiled_entries(entries: list[Entry], tiles: dict[str, list[str]]) -> tuple[list[Entry], dict[str, str]]:
+    """[Note: tiles in an export] `entries` (in the order they are written) with the tiles of
+    each tiled weight declared as that weight, and tile name -> weight name for the writes. A
+    weight whose tiles are not all there, one after the other, keeps its tiles' names."""
+    at = {e[0]: i for i, e in enumerate(entries)}
+    tile_of: dict[str, str] = {}
+    for weight, names in tiles.items():
+        places = [at.get(n, -1) for n in names]
+        if places == list(range(places[0], places[0] + len(names))) and places[0] >= 0:
+            tile_of.update((n, weight) for n in names)
+    out = []
+    for name, dtype, shape in entries:
+        weight = tile_of.get(name)
+        if weight is None:
+            out.append((name, dtype, shape))
+        elif name == tiles[weight][0]:
+            out.append((weight, dtype, [sum(entries[at[n]][2][0] for n in tiles[weight]), *shape[1:]]))
+    return out, tile_of
 
 
 def parse_size(text: str | int) -> int:
@@ -94,6 +126,7 @@ def consolidate(checkpoint: str, out_dir: str, *, dtype: torch.dtype = torch.flo
     merges = lora_merges(manifest, lora_scale, saved_scales)
     adapters = {n for a, b, _ in merges.values() for n in (a, b)}
     entries = [(p["name"], dtype, p["shape"]) for u in manifest.units for p in u["params"] if p["name"] not in adapters]
+    entries, tile_of = untiled_entries(entries, manifest.tiles)
     entries += [(n, b.dtype, list(b.shape)) for n, b in buffers.items()]
     config = None
     if HF_CONFIG in manifest.files:
@@ -115,7 +148,7 @@ def consolidate(checkpoint: str, out_dir: str, *, dtype: torch.dtype = torch.flo
                     a_name, b_name, scale = merges[p["name"]]
                     a, b = (_read_param(cache, manifest, n).float() for n in (a_name, b_name))
                     values = values.float() + b @ a * scale
-                writer.add(p["name"], values.to(dtype))
+                writer.add(tile_of.get(p["name"], p["name"]), values.to(dtype))
                 bar.update(values.numel() * dtype.itemsize)
             cache.clear()
         for n, b in buffers.items():
@@ -226,13 +259,14 @@ def save_16bit_model(engine: Checkpointable, save_dir: str, save_filename: str =
     save_dir = os.fspath(save_dir)
     slots = [(u, s) for u in engine.units for s in u.slots if not (exclude_frozen_parameters and s.group < 0)]
     buffers = persistent_buffers(engine.module)
-    entries = [(s.name, u.dtype, list(s.shape)) for u, s in slots]
+    entries, tile_of = untiled_entries([(s.name, u.dtype, list(s.shape)) for u, s in slots],
+                                       tiled_weights(engine.module))
     entries += [(n, b.dtype, list(b.shape)) for n, b in buffers.items()]
     wanted = {id(s) for _, s in slots}
     writer = bar = None
 
     def add(name: str, values: torch.Tensor) -> None:
-        writer.add(name, values)
+        writer.add(tile_of.get(name, name), values)
         bar.update(values.numel() * values.element_size())
 
     try:

@@ -118,6 +118,7 @@ class Manifest:
         self.compute_dtype = dtype_of(data["compute_dtype"])
         self.units: list[dict] = data["units"]
         self.files: dict[str, dict] = data["files"]
+        self.tiles: dict[str, list[str]] = data.get("tiles", {})  # weight name -> its tiles' names, in order
         self.places: dict[str, ParamPlace] = {}
         for j, u in enumerate(self.units):
             for p in u["params"]:

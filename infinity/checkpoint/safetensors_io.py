@@ -59,6 +59,7 @@ class StreamWriter:
         self.path = path
         self._entries = list(entries)
         self._next = 0
+        self._rows = 0  # rows of the next tensor written so far, when it comes in parts
         self._f = open(path, "wb")
         try:
             with naming(path):
@@ -69,15 +70,28 @@ class StreamWriter:
             remove_file(path)  # not even its header: nothing to keep
             raise
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
+    def add(self, name: str, tensor: torch.Tensor) -> bool:
+        """The next declared tensor whole, or its next rows (the tiles of a tiled weight, in
+        order: rows are contiguous in the file). True once the tensor is complete."""
         expected, dtype, shape = self._entries[self._next]
-        if name != expected or tensor.dtype != dtype or list(tensor.shape) != list(shape):
-            raise ValueError(f"{self.path}: expected {expected} {dtype} {list(shape)} next, got {name} "
-                             f"{tensor.dtype} {list(tensor.shape)}")
+        whole = self._rows == 0 and list(tensor.shape) == list(shape)
+        rows = tensor.shape[0] if tensor.dim() else 0
+        part = (tensor.dim() == len(shape) > 0 and list(tensor.shape[1:]) == list(shape[1:])
+                and self._rows + rows <= shape[0])
+        if name != expected or tensor.dtype != dtype or not (whole or part):
+            raise ValueError(f"{self.path}: expected {expected} {dtype} {list(shape)} next"
+                             + (f" from row {self._rows}" if self._rows else "")
+                             + f", got {name} {tensor.dtype} {list(tensor.shape)}")
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         with naming(self.path):
             self._f.write(data.numpy().data)
+        self._rows = 0 if whole else self._rows + rows
+        if self._rows:
+            if self._rows < shape[0]:
+                return False
+            self._rows = 0
         self._next += 1
+        return True
 
     def close(self) -> None:
         if self._next != len(self._entries):
@@ -130,7 +144,8 @@ def _replaced(filename: str, extra: set[str]) -> Callable[[str], bool]:
 class ShardedWriter:
     """Hugging Face's layout in `directory`: `filename` alone when everything fits in
     `max_shard_bytes`, else `<stem>-00001-of-0000N.safetensors` files and `<filename>.index.json`;
-    tensors are given one at a time in the declared order, small files (config.json) whole.
+    tensors are given one at a time in the declared order (a tensor whole or as consecutive row
+    blocks), small files (config.json) whole.
     Nothing in `directory` changes before `close` publishes it all ([Note: publishing an
     export] in publish.py); `what` names `directory` in errors."""
 
@@ -169,8 +184,8 @@ class ShardedWriter:
     def add(self, name: str, tensor: torch.Tensor) -> None:
         while self._left == 0:
             self._next_shard()
-        self._writer.add(name, tensor)
-        self._left -= 1
+        if self._writer.add(name, tensor):
+            self._left -= 1
 
     def _next_shard(self) -> None:
         if self._writer is not None:

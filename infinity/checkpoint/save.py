@@ -39,6 +39,7 @@ from infinity.checkpoint.protocol import Checkpointable, TrainingState
 from infinity.checkpoint.safetensors_io import StreamWriter
 from infinity.zero import dist as zdist
 from infinity.zero.nvme_io import make_handle
+from infinity.zero.tiling import tiled_weights
 
 log = logging.getLogger("infinity")
 PROGRESS_BYTES = 1 << 30  # a progress bar for anything larger
@@ -270,7 +271,7 @@ def _publish(engine: Checkpointable, training: TrainingState, save_dir: str, tag
         "offload_optimizer": zero.offload_optimizer.device, "global_steps": training.global_steps,
         "param_groups": len(training.optimizer["param_groups"]), "saved_at": time.time(),
         "units": unit_entries(engine.units, exclude_frozen), "frozen_excluded": exclude_frozen,
-        "aliases": aliases(engine), "hf_config": HF_CONFIG in entries,
+        "aliases": aliases(engine), "tiles": tiled_weights(engine.module), "hf_config": HF_CONFIG in entries,
         "files": dict(sorted(entries.items())),
     }
     manifest[MANIFEST_CRC] = manifest_crc(manifest)

@@ -360,9 +360,13 @@ def merge_tiles(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, t
     state dicts name a tied weight), its tiles concatenated."""
     out = dict(state)
     used: set[str] = set()
+    merged: dict[tuple[str, ...], torch.Tensor] = {}  # a tied weight: one tensor under each name
     for name, _, keys in _tiled_modules(model):
         if all(k in state for k in keys):
-            out[f"{name}.weight" if name else "weight"] = torch.cat([state[k] for k in keys])
+            whole = merged.get(tuple(keys))
+            if whole is None:
+                whole = merged[tuple(keys)] = torch.cat([state[k] for k in keys])
+            out[f"{name}.weight" if name else "weight"] = whole
             used.update(keys)
     for k in used:
         del out[k]
@@ -375,3 +379,16 @@ def tile_names(model: nn.Module) -> dict[str, list[tuple[str, int, int]]]:
     return {f"{name}.weight" if name else "weight":
             [(k, t.row_start, t.weight.shape[0]) for k, t in zip(keys, m.tiles)]
             for name, m, keys in _tiled_modules(model)}
+
+
+def tiled_weights(model: nn.Module) -> dict[str, list[str]]:
+    """Original weight name -> its tiles' parameter names in row order, each tiled weight once
+    (a tied one under its first name, as an export names a tied weight): how an export writes
+    the tiles back as the user's weight."""
+    out: dict[str, list[str]] = {}
+    seen: set[tuple[str, ...]] = set()
+    for name, _, keys in _tiled_modules(model):
+        if tuple(keys) not in seen:
+            seen.add(tuple(keys))
+            out[f"{name}.weight" if name else "weight"] = keys
+    return out
