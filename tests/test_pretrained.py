@@ -42,15 +42,21 @@ def logits(model, ids):
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(7))
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_load_pretrained_sharded_hf_directory_gives_hf_logits(tmp_path, tie):
+TILED = 2048  # zero_optimization.tile_size: the embedding and head in 4 tiles, each projection in 2 to 4
+
+
+@pytest.mark.parametrize("tie,tile_size", [(False, 0), (True, 0), (False, TILED), (True, TILED)])
+def test_load_pretrained_sharded_hf_directory_gives_hf_logits(tmp_path, tie, tile_size):
+    """A tiled weight ([Note: memory-centric tiling]) reads its tiles' rows of the checkpoint's
+    tensor, which keeps the user's name and shape."""
     torch.manual_seed(0)
     reference = transformers.LlamaForCausalLM(llama_config(tie=tie))
     reference.save_pretrained(tmp_path / "hf", max_shard_size="60KB")
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
     with infinity.Init():
         model = transformers.LlamaForCausalLM(llama_config(tie=tie))
-    engine, *_ = infinity.initialize(model, config=nvme_config(tmp_path))
+    engine, *_ = infinity.initialize(model, config=nvme_config(tmp_path, tile_size=tile_size))
+    assert any(".tiles." in u.name for u in engine.units) == bool(tile_size)
     infinity.load_pretrained(engine, tmp_path / "hf")
     torch.testing.assert_close(logits(engine, IDS), logits(reference, IDS), atol=0, rtol=0)
     engine.close()
@@ -79,13 +85,14 @@ def test_load_pretrained_names_missing_unexpected_and_mismatched_tensors(tmp_pat
         engine.close()
 
 
-def test_pretrained_round_trip_load_train_export_load(tmp_path):
+@pytest.mark.parametrize("tile_size", [0, TILED])
+def test_pretrained_round_trip_load_train_export_load(tmp_path, tile_size):
     from infinity.checkpoint import consolidate
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(llama_config()).save_pretrained(tmp_path / "hf", max_shard_size="60KB")
     with infinity.Init():
         model = transformers.LlamaForCausalLM(llama_config())
-    engine, *_ = infinity.initialize(model, config=nvme_config(tmp_path))
+    engine, *_ = infinity.initialize(model, config=nvme_config(tmp_path, tile_size=tile_size))
     infinity.load_pretrained(engine, tmp_path / "hf")
     for _ in range(2):
         engine.backward(engine(input_ids=IDS, labels=IDS).loss)

@@ -18,6 +18,7 @@ from infinity.checkpoint.load import listing as _listing
 from infinity.checkpoint.protocol import Checkpointable
 from infinity.checkpoint.safetensors_io import _DTYPES, INDEX_SUFFIX, read_header
 from infinity.checkpoint.save import PROGRESS_BYTES, agree, persistent_buffers
+from infinity.zero.tiling import tile_names
 
 WEIGHTS = "model.safetensors"
 
@@ -52,18 +53,23 @@ class TensorIndex:
     def shape(self, name: str) -> list[int]:
         return self.where[name][2]["shape"]
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor, or only `rows` (first, count) of it: a tile's rows are one byte range."""
         path, start, info = self.where[name]
         lo, hi = info["data_offsets"]
         dtype = _DTYPES.get(info["dtype"])
         if dtype is None:
             raise CheckpointError(f"{path}: {name} has dtype {info['dtype']}, which infinity cannot load")
+        shape = list(info["shape"])
+        if rows is not None:
+            row_bytes = (hi - lo) // shape[0]
+            lo, hi, shape[0] = lo + rows[0] * row_bytes, lo + (rows[0] + rows[1]) * row_bytes, rows[1]
         out = torch.empty(hi - lo, dtype=torch.uint8)
         with open(path, "rb", buffering=0) as f:
             f.seek(start + lo)
             if f.readinto(out.numpy()) != hi - lo:
                 raise CheckpointError(f"{path}: {name} runs past the end of the file (truncated?)")
-        return out.view(dtype).reshape(info["shape"])
+        return out.view(dtype).reshape(shape)
 
 
 def load_pretrained(engine: Checkpointable, path: str, *, strict: bool = True, missing_ok=None) -> None:
@@ -86,8 +92,8 @@ def load_pretrained(engine: Checkpointable, path: str, *, strict: bool = True, m
         for unit, sources in plan:
             full = engine.full_fp32_values(unit) if len(sources) < len(unit.slots) else \
                 torch.zeros(unit.padded_numel, dtype=torch.float32)
-            for slot, name in sources:
-                values = index.read(name)
+            for slot, name, rows in sources:
+                values = index.read(name, rows)
                 full[slot.offset:slot.offset + slot.numel].copy_(values.reshape(-1))
                 bar.update(slot.numel * 4)
             engine.set_fp32_values(unit, full)
@@ -113,27 +119,34 @@ def _base_name(name: str) -> str:
 
 
 def _plan(engine: Checkpointable, index: TensorIndex, strict: bool, missing_ok) -> list:
-    """For each unit, its slots and the checkpoint name each is read from; checks names and shapes."""
+    """For each unit, its slots and the checkpoint name each is read from (with the rows, for a
+    tile of a tiled weight: the checkpoint holds the user's weight whole); checks names and shapes."""
     names_of: dict[int, list[str]] = {}
     for name, p in engine.module.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(p), []).append(name)
-    known = {n for ns in names_of.values() for n in ns}
+    tile_of: dict[str, tuple[list[str], int, int]] = {}  # tile -> its weight's names, first row, the weight's rows
+    for weight, parts in tile_names(engine.module).items():
+        for tile, first, _ in parts:
+            tile_of.setdefault(tile, ([], first, sum(rows for _, _, rows in parts)))[0].append(weight)
+    known = {n for ns in names_of.values() for n in ns} | {w for ws, _, _ in tile_of.values() for w in ws}
     known |= {n for n, _ in engine.module.named_buffers(remove_duplicate=False)}
     known |= {_base_name(n) for n in known}
     plan, missing, shapes = [], [], []
     for u in engine.units:
         sources = []
         for s in u.slots:
-            names = [s.name, *names_of.get(id(s.param), [])]
+            tile = tile_of.get(s.name)
+            names = tile[0] if tile else [s.name, *names_of.get(id(s.param), [])]
             found = next((n for n in [*names, *map(_base_name, names)] if n in index.where), None)
             if found is None:
                 if not missing_ok(s.name):
-                    missing.append(s.name)
+                    missing.append(names[0])
                 continue
-            if list(index.shape(found)) != list(s.shape):
-                shapes.append(f"{found} (checkpoint {index.shape(found)}, model {list(s.shape)})")
+            shape = [tile[2], *s.shape[1:]] if tile else list(s.shape)
+            if list(index.shape(found)) != shape:
+                shapes.append(f"{found} (checkpoint {index.shape(found)}, model {shape})")
                 continue
-            sources.append((s, found))
+            sources.append((s, found, (tile[1], s.shape[0]) if tile else None))
         plan.append((u, sources))
     for name, buf in persistent_buffers(engine.module).items():
         name = _buffer_source(name, index)

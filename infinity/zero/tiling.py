@@ -82,6 +82,11 @@ def is_tile(module: nn.Module) -> bool:
     return isinstance(module, (LinearTile, EmbeddingTile))
 
 
+def tile_rows(tile: nn.Module) -> int:
+    """A tile's rows, also while the engine holds its weight released (empty)."""
+    return tile.out_features if isinstance(tile, LinearTile) else tile.num_embeddings
+
+
 # ---- tied weights ([Note: tied tiles]) -------------------------------------------------------------
 
 
@@ -171,7 +176,7 @@ def _split_hook(module, state_dict, prefix, *args) -> None:
     w = state_dict.pop(prefix + "weight", None)
     if w is not None:
         for i, t in enumerate(module.tiles):
-            state_dict[f"{prefix}tiles.{i}.weight"] = w[t.row_start:t.row_start + t.weight.shape[0]]
+            state_dict[f"{prefix}tiles.{i}.weight"] = w[t.row_start:t.row_start + tile_rows(t)]
 
 
 class _Tiled(nn.Module):
@@ -377,7 +382,7 @@ def tile_names(model: nn.Module) -> dict[str, list[tuple[str, int, int]]]:
     """Original weight name -> (tile parameter name, first row, rows) of each tile: how a
     checkpoint or a Hugging Face file with the original names maps onto the tiles."""
     return {f"{name}.weight" if name else "weight":
-            [(k, t.row_start, t.weight.shape[0]) for k, t in zip(keys, m.tiles)]
+            [(k, t.row_start, tile_rows(t)) for k, t in zip(keys, m.tiles)]
             for name, m, keys in _tiled_modules(model)}
 
 
