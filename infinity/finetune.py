@@ -101,18 +101,17 @@ def _non_negative(text: str) -> int:
     return _integer(text, 0, None, "a non-negative integer")
 
 
-class LoRALinear(nn.Linear):
-    """A frozen nn.Linear plus a trainable low-rank update B @ A (scaled by alpha / r); the
-    weight keeps its name, so pretrained checkpoints load into it."""
+class LoRALinear(nn.Module):
+    """A frozen projection plus a trainable low-rank update B @ A (scaled by alpha / r). The
+    projection is kept as it is, as the child `base_layer` (peft's name): the engine may tile it
+    like any nn.Linear, a pretrained checkpoint's `M.weight` loads into it as into a peft model,
+    and the exports merge the update into `M.weight` again."""
 
     def __init__(self, base: nn.Linear, r: int, alpha: float):
-        nn.Module.__init__(self)
+        super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight = base.weight
-        self.bias = base.bias
-        self.weight.requires_grad_(False)
-        if self.bias is not None:
-            self.bias.requires_grad_(False)
+        self.base_layer = base
+        base.requires_grad_(False)
         self.lora_A = nn.Parameter(torch.empty(r, self.in_features, device="cpu"))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, device="cpu"))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
@@ -121,7 +120,7 @@ class LoRALinear(nn.Linear):
         self.register_buffer("lora_scale", torch.tensor(self.scale, device="cpu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) + (x @ self.lora_A.t() @ self.lora_B.t()) * self.scale
+        return self.base_layer(x) + (x @ self.lora_A.t() @ self.lora_B.t()) * self.scale
 
 
 def add_lora(model: nn.Module, r: int) -> list[str]:
@@ -432,27 +431,45 @@ def export_model(engine, directory: str, lora: list[str], tokenizer) -> None:
 
 
 def _export_merged(engine, directory: str, lora: set[str]) -> None:
+    """Each LoRALinear's `M.base_layer.weight` + B @ A * scale written as `M.weight`, tile by tile
+    where the engine tiled it ([Note: tiles in an export] in infinity/checkpoint/export.py), one
+    unit in memory at a time; the adapters are read first (a first pass over their units)."""
+    from infinity.checkpoint.export import untiled_entries
     from infinity.checkpoint.safetensors_io import ShardedWriter
+    from infinity.zero.tiling import tiled_weights
     modules = dict(engine.module.named_modules())
-    lora_names = {f"{m}.lora_{x}" for m in lora for x in "AB"}
-    entries = [(s.name, u.dtype, list(s.shape)) for u in engine.units for s in u.slots if s.name not in lora_names]
+    adapters = {f"{m}.lora_{x}" for m in lora for x in "AB"}
+    bases = {f"{m}.base_layer.weight": m for m in lora}  # the merged weight's name -> its LoRA module
+    entries, tile_of = untiled_entries([(s.name, u.dtype, list(s.shape)) for u in engine.units for s in u.slots
+                                        if s.name not in adapters], tiled_weights(engine.module))
+    prefixes = tuple(f"{m}.base_layer." for m in lora)
+    out_name = {n: n.replace(".base_layer.", ".", 1) for n, _, _ in entries if n.startswith(prefixes)}  # bias too
+    entries = [(out_name.get(n, n), dtype, shape) for n, dtype, shape in entries]
+    factors = {}
+    for u in engine.units:
+        if any(s.name in adapters for s in u.slots):
+            full = engine.full_compute_values(u)
+            factors.update({s.name: u.param_values(full, s).float() for s in u.slots if s.name in adapters})
     writer = ShardedWriter(directory, "model.safetensors", entries, 5 * 10 ** 9) if engine.rank == 0 else None
+    rows_done: dict[str, int] = {}
     try:
         for u in engine.units:
+            if all(s.name in adapters for s in u.slots):
+                continue
             full = engine.full_compute_values(u)
             if writer is None:
                 continue
-            values = {s.name: u.param_values(full, s) for s in u.slots}
             for s in u.slots:
-                if s.name in lora_names:
+                if s.name in adapters:
                     continue
-                owner = s.name.rsplit(".", 1)[0]
-                value = values[s.name]
-                if owner in lora and s.name.endswith(".weight"):
-                    m = modules[owner]
-                    delta = values[f"{owner}.lora_B"].float() @ values[f"{owner}.lora_A"].float() * m.scale
-                    value = (value.float() + delta).to(value.dtype)
-                writer.add(s.name, value)
+                name, value = tile_of.get(s.name, s.name), u.param_values(full, s)
+                owner = bases.get(name)
+                if owner is not None:  # these rows of the weight, with theirs of B @ A
+                    first = rows_done.get(name, 0)
+                    rows_done[name] = first + value.shape[0]
+                    b = factors[f"{owner}.lora_B"][first:first + value.shape[0]]
+                    value = (value.float() + b @ factors[f"{owner}.lora_A"] * modules[owner].scale).to(value.dtype)
+                writer.add(out_name.get(name, name), value)
         if writer is not None:
             writer.close()
     finally:

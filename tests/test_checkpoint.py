@@ -790,11 +790,37 @@ def test_consolidate_refuses_an_out_dir_that_is_a_file_or_inside_the_checkpoint(
     assert (tmp_path / "data.txt").read_text() == "user data"
 
 
-def test_consolidate_merges_lora_adapters_into_the_weights(tmp_path, capsys):
+@pytest.mark.parametrize("tile_size", [0, 2048])
+def test_finetune_export_merges_lora_adapters_tile_by_tile(tmp_path, tile_size):
+    """`infinity finetune --lora --export` from the live engine: from_pretrained loads the export
+    (no adapter tensors, no base_layer names) and computes what the engine computed."""
+    from gpt import config
+
+    from infinity.finetune import add_lora, export_model
+    model = _llama(tie=True)
+    wrapped = add_lora(model, 4)
+    engine, *_ = infinity.initialize(model, config=config(3, "cpu", "cpu", lr=1e-2, tile_size=tile_size))
+    assert any(".base_layer.tiles." in u.name for u in engine.units) == bool(tile_size)
+    _train_llama(engine, steps=3)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(7))
+    engine.eval()
+    with torch.no_grad():
+        expected = engine(input_ids=ids).logits
+    export_model(engine, str(tmp_path / "out"), wrapped, tokenizer=None)
+    engine.close()
+    tuned, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tile_size", [0, 2048])
+def test_consolidate_merges_lora_adapters_into_the_weights(tmp_path, capsys, tile_size):
     """A checkpoint of `infinity finetune --lora`: consolidate writes the fine-tuned model (each
     B @ A * scale added to its weight, the scale being the module's saved `lora_scale` buffer, no
-    adapter tensors). Adapters saved without their scale need --lora-scale: without it, a
-    one-line error that says to pass it, and nothing written."""
+    adapter tensors), also where the engine tiled the adapted projections (each tile's rows
+    merged with theirs of B @ A). Adapters saved without their scale need --lora-scale: without
+    it, a one-line error that says to pass it, and nothing written."""
     from gpt import config
 
     from infinity.checkpoint.export import consolidate
@@ -803,7 +829,8 @@ def test_consolidate_merges_lora_adapters_into_the_weights(tmp_path, capsys):
     model = _llama(tie=False)
     wrapped = add_lora(model, 4)
     scale = model.get_submodule(wrapped[0]).scale
-    engine, *_ = infinity.initialize(model, config=config(3, "cpu", "cpu", lr=1e-2))
+    engine, *_ = infinity.initialize(model, config=config(3, "cpu", "cpu", lr=1e-2, tile_size=tile_size))
+    assert any(".base_layer.tiles." in u.name for u in engine.units) == bool(tile_size)
     _train_llama(engine, steps=3)
     engine.save_checkpoint(tmp_path / "ckpt")
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(7))
@@ -820,7 +847,8 @@ def test_consolidate_merges_lora_adapters_into_the_weights(tmp_path, capsys):
     from safetensors import safe_open
     with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
         assert not [n for n in f.keys() if "lora" in n]
-    merged = state[f"{wrapped[0]}.weight"] + state[f"{wrapped[0]}.lora_B"] @ state[f"{wrapped[0]}.lora_A"] * scale
+    merged = (state[f"{wrapped[0]}.base_layer.weight"]
+              + state[f"{wrapped[0]}.lora_B"] @ state[f"{wrapped[0]}.lora_A"] * scale)
     torch.testing.assert_close(tuned.state_dict()[f"{wrapped[0]}.weight"], merged)
     with torch.no_grad():
         torch.testing.assert_close(tuned(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)

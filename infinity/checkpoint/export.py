@@ -20,8 +20,9 @@ unit. A checkpoint's manifest lists each tiled weight's tiles (`tiles`), which i
 
 [Note: LoRA adapters in a checkpoint]
 A checkpoint of `infinity finetune --lora` (infinity.finetune.LoRALinear) holds each adapted
-projection as `M.weight` (frozen) beside `M.lora_A` [r, in] and `M.lora_B` [out, r], and the
-module adds B @ A * scale to what `M.weight` gives. A model directory has no place for the
+projection as `M.base_layer.weight` (frozen; `M.weight` before the projection could be tiled),
+perhaps in tiles, beside `M.lora_A` [r, in] and `M.lora_B` [out, r], and the module adds
+B @ A * scale to what the projection gives. A model directory has no place for the
 adapters (from_pretrained drops them without a word), so `consolidate` writes `M.weight` +
 B @ A * scale instead. The scale (alpha / r) is the module's `lora_scale` buffer, saved with the
 checkpoint's buffers; for adapters saved without it the caller gives it (`lora_scale`), and
@@ -127,6 +128,9 @@ def consolidate(checkpoint: str, out_dir: str, *, dtype: torch.dtype = torch.flo
     adapters = {n for a, b, _ in merges.values() for n in (a, b)}
     entries = [(p["name"], dtype, p["shape"]) for u in manifest.units for p in u["params"] if p["name"] not in adapters]
     entries, tile_of = untiled_entries(entries, manifest.tiles)
+    owners = tuple(f"{owner}.base_layer." for owner in {w.removesuffix(".base_layer.weight") for w in merges})
+    out_name = {n: n.replace(".base_layer.", ".", 1) for n, _, _ in entries if n.startswith(owners)}  # bias too
+    entries = [(out_name.get(n, n), dtype_, shape) for n, dtype_, shape in entries]
     entries += [(n, b.dtype, list(b.shape)) for n, b in buffers.items()]
     config = None
     if HF_CONFIG in manifest.files:
@@ -139,16 +143,20 @@ def consolidate(checkpoint: str, out_dir: str, *, dtype: torch.dtype = torch.flo
     try:
         if config is not None:
             writer.add_file(HF_CONFIG, config)
+        rows_done: dict[str, int] = {}  # a tiled weight with an adapter: the rows merged so far
         for u in manifest.units:
             for p in u["params"]:
                 if p["name"] in adapters:
                     continue
                 values = _read_param(cache, manifest, p["name"])  # a frozen one's: its frozen values
-                if p["name"] in merges:
-                    a_name, b_name, scale = merges[p["name"]]
+                name = tile_of.get(p["name"], p["name"])
+                if name in merges:
+                    a_name, b_name, scale = merges[name]
                     a, b = (_read_param(cache, manifest, n).float() for n in (a_name, b_name))
-                    values = values.float() + b @ a * scale
-                writer.add(tile_of.get(p["name"], p["name"]), values.to(dtype))
+                    first = rows_done.get(name, 0)
+                    rows_done[name] = first + values.shape[0]
+                    values = values.float() + b[first:first + values.shape[0]] @ a * scale
+                writer.add(out_name.get(name, name), values.to(dtype))
                 bar.update(values.numel() * dtype.itemsize)
             cache.clear()
         for n, b in buffers.items():
@@ -167,12 +175,24 @@ def _read_param(cache: ExtentCache, manifest: Manifest, name: str) -> torch.Tens
     return param_run(cache, place, "master", 0, place.numel).reshape(place.shape)
 
 
+def _weight_shape(manifest: Manifest, name: str) -> list[int] | None:
+    """A parameter's shape in the checkpoint, a tiled one's whole ([Note: tiles in an export])."""
+    if name in manifest.places:
+        return list(manifest.places[name].shape)
+    tiles = manifest.tiles.get(name, [])
+    if not tiles or not all(t in manifest.places for t in tiles):
+        return None
+    shapes = [manifest.places[t].shape for t in tiles]
+    return [sum(s[0] for s in shapes), *shapes[0][1:]]
+
+
 def lora_merges(manifest: Manifest, lora_scale: float | None,
                 saved_scales: dict[str, float]) -> dict[str, tuple[str, str, float]]:
-    """`M.weight` -> (`M.lora_A`, `M.lora_B`, scale) for each adapter of the checkpoint, the
-    scale being the `M.lora_scale` buffer saved with it, else `lora_scale`; an error for
-    adapters without a scale, adapters of another layout, and a scale without adapters ([Note:
-    LoRA adapters in a checkpoint])."""
+    """The adapted weight (`M.base_layer.weight`, or `M.weight` in checkpoints of earlier
+    versions) -> (`M.lora_A`, `M.lora_B`, scale) for each adapter of the checkpoint, the scale
+    being the `M.lora_scale` buffer saved with it, else `lora_scale`; an error for adapters
+    without a scale, adapters of another layout, and a scale without adapters ([Note: LoRA
+    adapters in a checkpoint])."""
     if lora_scale is not None and not (isinstance(lora_scale, (int, float)) and math.isfinite(lora_scale)):
         raise ValueError(f"lora_scale: expected a finite number, got {lora_scale!r}")
     found = sorted(n for n in manifest.places if ".lora_" in f".{n}")
@@ -180,15 +200,18 @@ def lora_merges(manifest: Manifest, lora_scale: float | None,
     for name in found:
         match = LORA.fullmatch(name)
         owner = match.group(1) if match else name
-        weight, a, b = (manifest.places.get(f"{owner}.{x}") for x in ("weight", "lora_A", "lora_B"))
-        if not (match and weight and a and b and len(weight.shape) == 2
-                and a.shape == [a.shape[0], weight.shape[1]] and b.shape == [weight.shape[0], a.shape[0]]):
+        weight_name = next((w for w in (f"{owner}.base_layer.weight", f"{owner}.weight")
+                            if _weight_shape(manifest, w)), f"{owner}.weight")
+        shape = _weight_shape(manifest, weight_name)
+        a, b = (manifest.places.get(f"{owner}.{x}") for x in ("lora_A", "lora_B"))
+        if not (match and shape and a and b and len(shape) == 2
+                and a.shape == [a.shape[0], shape[1]] and b.shape == [shape[0], a.shape[0]]):
             raise ValueError(f"{manifest.directory}: {name} is a LoRA tensor that consolidate cannot merge (it "
                              "merges M.lora_A [r, in] and M.lora_B [out, r] into M.weight [out, in], as `infinity "
                              "finetune --lora` saves them); merge the adapters in the model and export it with "
                              "engine.save_16bit_model")
         scale = lora_scale if lora_scale is not None else saved_scales.get(owner)
-        merges[f"{owner}.weight"] = (a.name, b.name, scale)
+        merges[weight_name] = (a.name, b.name, scale)
     unscaled = sorted(w for w, (_, _, scale) in merges.items() if scale is None)
     if unscaled:
         raise ValueError(f"{manifest.directory}: holds LoRA adapters of {len(unscaled)} weights ({unscaled[0]}, ...) "

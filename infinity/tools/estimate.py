@@ -166,10 +166,10 @@ def model_from_config(name: str, cfg: dict, lora_rank: int | None = None, frozen
     every unit is frozen."""
     tile = ZeroConfig().tile_size
     h, vocab = cfg["hidden_size"], cfg["vocab_size"]
-    # (rows, columns) of the weights the engine tiles: the embedding and an untied head, and (not
-    # under our LoRA, whose wrapped projections stay whole) a layer's projections over the tile size
+    # (rows, columns) of the weights the engine tiles: the embedding and an untied head, and a
+    # layer's projections over the tile size (under LoRA too: the wrapped projection is a child)
     roots = [(vocab, h)] * (1 if cfg.get("tie_word_embeddings", False) else 2)
-    linears = [] if lora_rank else [(n_out, n_in) for n_in, n_out in layer_linears(cfg).values()]
+    linears = [(n_out, n_in) for n_in, n_out in layer_linears(cfg).values()]
     root_tiled = [w for w in roots if tile and w[0] * w[1] > tile]
     layer_tiled = [w for w in linears if tile and w[0] * w[1] > tile]
     layer = layer_param_count(cfg) - sum(r * c for r, c in layer_tiled)
@@ -178,7 +178,7 @@ def model_from_config(name: str, cfg: dict, lora_rank: int | None = None, frozen
     layer_tiles = [n for r, c in layer_tiled for n in _tile_sizes(r, c, tile)] * cfg["num_hidden_layers"]
     if lora_rank:
         layer_size, root_size = UnitSize(lora_param_count(cfg, lora_rank), layer), UnitSize(0, root)
-        tile_sizes = tuple(UnitSize(0, n) for n in tiles)
+        tile_sizes = tuple(UnitSize(0, n) for n in tiles + layer_tiles)
     else:
         layer_size, root_size = _split(layer, frozen_fraction), _split(root, frozen_fraction)
         tile_sizes = tuple(_split(n, frozen_fraction) for n in tiles + layer_tiles)
