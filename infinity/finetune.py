@@ -167,6 +167,21 @@ def largest_unit_numel(model: nn.Module, trainable: bool = False) -> int:
     return max([*tiles, *blocks, root])
 
 
+def builtin_budget(total_memory: int, largest_unit: int, largest_trainable: int) -> tuple[int, int, int, int, int]:
+    """[Note: the built-in config's host budget] for a machine of `total_memory` bytes and a
+    model whose largest unit has these elements (in all, trainable): (budget in bytes, parameter
+    buffers, elements a buffer, optimizer piece elements, gradient elements kept in memory)."""
+    budget = total_memory // HOST_SHARE
+    largest = -(-max(largest_unit, 1) // (1 << 20)) << 20  # with room for the shard's alignment padding
+    # Six buffers where they fit in a third of the budget (a 3B model's layers), down to the four
+    # a unit with frozen and trainable parts needs (LoRA over a 20B base: a layer of 1.1 GB in bf16).
+    count = max(4, min(PARAM_BUFFERS, budget // 3 // (2 * largest)))
+    param_pool = count * largest * 2  # bf16
+    piece = min(int(1.5 * PIECE), largest_trainable)  # at most 1.5x sub_group_size
+    optimizer_pool = OPTIMIZER_BUFFERS * piece * 4
+    return budget, count, largest, piece, max(0, budget - param_pool - optimizer_pool) // 4
+
+
 def _default_config(nvme_path: str, offload: str, batch: int, lr: float, model: nn.Module | None = None,
                     total_memory: int | None = None) -> tuple[dict, str]:
     """The built-in config for `model` on this machine, and a line saying what it chose.
@@ -201,19 +216,9 @@ def _default_config(nvme_path: str, offload: str, batch: int, lr: float, model: 
     }
     if offload != "nvme" or model is None:
         return config, f"built-in config: parameters and optimizer state in {offload} memory"
-    import psutil
-
     total = psutil.virtual_memory().total if total_memory is None else total_memory
-    budget = total // HOST_SHARE
     unit = max(largest_unit_numel(model), 1)
-    largest = -(-unit // (1 << 20)) << 20  # with room for the shard's alignment padding
-    # Six buffers where they fit in a third of the budget (a 3B model's layers), down to the four
-    # a unit with frozen and trainable parts needs (LoRA over a 20B base: a layer of 1.1 GB in bf16).
-    count = max(4, min(PARAM_BUFFERS, budget // 3 // (2 * largest)))
-    param_pool = count * largest * 2  # bf16
-    piece = min(int(1.5 * PIECE), largest_unit_numel(model, trainable=True))  # at most 1.5x sub_group_size
-    optimizer_pool = OPTIMIZER_BUFFERS * piece * 4
-    grads = max(0, budget - param_pool - optimizer_pool) // 4
+    budget, count, largest, piece, grads = builtin_budget(total, unit, largest_unit_numel(model, trainable=True))
     zero = config["zero_optimization"]
     zero["sub_group_size"] = PIECE
     zero["offload_param"].update(buffer_count=count, buffer_size=largest, max_in_cpu=0)
