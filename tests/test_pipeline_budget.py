@@ -57,12 +57,12 @@ def test_the_host_share_and_the_least_pipeline_bound_the_pool():
 def test_a_small_state_gets_no_more_buffers_than_it_has_pieces():
     """LoRA over a 23.6B base: 40 units of 1.15M trainable elements. DeepSpeed's budget (12
     sub-groups of 2.5e7) would be 259 buffers, 2.3x the whole state; the pool holds every piece
-    and a pipeline's three more of each kind, no more."""
+    and a pipeline's more of each kind, no more."""
     per_piece = 3
     shards = [1_150_000] * 40
     target, buffers = choose_pieces(shards, 25_000_000, 12, per_piece)
     pieces = sum(len(cut_pieces(n, target)) for n in shards)
-    assert buffers == per_piece * (pieces + 3)
+    assert buffers == per_piece * (pieces + PIPELINE_DEPTH) < 259
     assert buffers * _largest(shards, target) >= per_piece * sum(shards)  # the whole state still fits
 
 

@@ -86,8 +86,9 @@ updating, writing) and cuts them into more, smaller pieces: the largest piece th
 `PIPELINE_DEPTH` pieces in flight, but no smaller than `MIN_PIECE` (a piece must stream at the
 disk's speed) and no larger than `sub_group_size` cuts. A pool as deep as that already (bench/'s
 48 buffers) is left as it is. Nor does it take more buffers than every piece of the state and
-three more of each kind: DeepSpeed's `buffer_count` sub-groups of a small model (a LoRA's
-adapters) would be several times its whole state. The choice is logged and kept in `chosen`; the numbers of a step
+`PIPELINE_DEPTH` more of each kind (the pieces in flight while the whole state stays cached):
+DeepSpeed's `buffer_count` sub-groups of a small model (a LoRA's adapters) would be several
+times its whole state. The choice is logged and kept in `chosen`; the numbers of a step
 do not depend on it (Adam is element-wise).
 """
 
@@ -132,7 +133,7 @@ def choose_pieces(shards: list[int], sub_group_size: int, buffer_count: int, per
     target = min(int(sub_group_size), max(MIN_PIECE, budget // (PIPELINE_DEPTH * per_piece)))
     largest = max((n for numel in shards for _, n in cut_pieces(numel, target)), default=1)
     # Never more than the whole state and a pipeline's pieces besides: a buffer past that is never used.
-    whole = per_piece * (sum(len(cut_pieces(numel, target)) for numel in shards) + 3)
+    whole = per_piece * (sum(len(cut_pieces(numel, target)) for numel in shards) + PIPELINE_DEPTH)
     return target, max(3 * per_piece, min(budget // largest, whole))
 
 
