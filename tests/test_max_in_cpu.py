@@ -152,3 +152,25 @@ def test_auto_is_accepted_only_where_infinity_resolves_it():
         load_config({**minimal, "zero_optimization": {"sub_group_size": "auto"}})
     with pytest.raises(ValueError, match="offload_optimizer.max_in_cpu: expected a whole number"):
         load_config({**minimal, "zero_optimization": {"offload_optimizer": {"max_in_cpu": "lots"}}})
+
+
+def test_auto_keeps_the_whole_state_where_it_fits_without_the_optimizer_pool(tmp_path, model):
+    """A state that fits in what is free only once the optimizer's NVMe pool (48 pieces here) is
+    not kept back is kept whole: no NVMe tier, so no pool, is made then. A byte less, and the
+    margin with the pool applies again, keeping less than all of it."""
+    from infinity.zero.host_budget import OPTIMIZER_BYTES, _margin
+    (tmp_path / "nvme").mkdir()
+    cfg = _config(tmp_path / "nvme", "auto")
+    cfg["zero_optimization"]["offload_optimizer"]["buffer_count"] = 48
+    engine, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
+    config_, units, total = engine.config, engine.units, 64 << 30
+    state = sum(u.train_shard_numel for u in _trainable(engine))
+    engine.close()
+    config_ = load_config(cfg)
+    lean, full = _margin(config_, units, total, all_kept=True), _margin(config_, units, total)
+    assert full - lean > 40 * 4  # the pool's margin is kept back otherwise
+    just = lean + state * OPTIMIZER_BYTES
+    assert resolve_max_in_cpu(config_, units, available=just, total_memory=total).zero.offload_optimizer.max_in_cpu \
+        == state
+    assert resolve_max_in_cpu(config_, units, available=just - 1,
+                              total_memory=total).zero.offload_optimizer.max_in_cpu < state

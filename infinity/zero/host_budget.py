@@ -16,7 +16,9 @@ with everything on NVMe (the same kernel over the same elements).
 "auto" in either `max_in_cpu` asks for the budget to be derived from what the host has free at
 start: the memory available (/proc/meminfo's MemAvailable) less a margin kept back for
 activations, the transfer pools and gradient accumulators not yet allocated, and the rest of
-the process (the larger of 2 GiB and a tenth of the machine's memory). Parameters come first
+the process (the larger of 2 GiB and a tenth of the machine's memory); where the whole
+optimizer state fits without the optimizer's NVMe pool, that pool is not kept back, as no pool
+is made (every gradient accumulator is then kept in memory instead). Parameters come first
 (2 bytes an element in bf16 save 4 bytes of reads a step, and forward and backward wait for
 them), then optimizer state (12 bytes an element save 24). The budget chosen is logged.
 """
@@ -49,9 +51,11 @@ def units_in_memory(units: list[Unit], budget: int, order: list[int]) -> list[Un
     return kept
 
 
-def _margin(config: InfinityConfig, units: list[Unit], total_memory: int) -> int:
+def _margin(config: InfinityConfig, units: list[Unit], total_memory: int, *, all_kept: bool = False) -> int:
     """Bytes kept back from the memory available: the NVMe pools and gradient accumulators the
-    tiers are about to allocate, plus the larger of 2 GiB and a tenth of the machine's memory."""
+    tiers are about to allocate, plus the larger of 2 GiB and a tenth of the machine's memory.
+    `all_kept`: every unit's optimizer state in host memory, so no optimizer pool, and every
+    gradient accumulator in memory."""
     zero = config.zero
     margin = max(MIN_MARGIN, total_memory // 10)
     largest = max((u.shard_numel for u in units), default=0)
@@ -60,6 +64,8 @@ def _margin(config: InfinityConfig, units: list[Unit], total_memory: int) -> int
         margin += zero.offload_param.buffer_count * max(zero.offload_param.buffer_size, largest) * itemsize
     if zero.offload_optimizer.device == "nvme":
         trainable = sum(u.train_shard_numel for u in units if u.trainable)
+        if all_kept:
+            return margin + 4 * trainable
         piece = min(max((u.train_shard_numel for u in units), default=0), int(1.5 * zero.sub_group_size))
         margin += max(zero.offload_optimizer.buffer_count, 9) * piece * 4
         margin += 4 * min(trainable, zero.offload_optimizer.max_grad_in_cpu)
@@ -78,19 +84,24 @@ def resolve_max_in_cpu(config: InfinityConfig, units: list[Unit], *, available: 
     memory = psutil.virtual_memory()
     available = memory.available if available is None else available
     total_memory = memory.total if total_memory is None else total_memory
+    offload_param, offload_optimizer = zero.offload_param, zero.offload_optimizer
+    params_wanted = sum(u.shard_numel for u in units) if param_auto and offload_param.device == "nvme" else 0
+    state_wanted = sum(u.train_shard_numel for u in units if u.trainable) if offload_optimizer.device == "nvme" else 0
     margin = _margin(config, units, total_memory)
+    if optim_auto and state_wanted:
+        # Kept whole, the state needs no optimizer pool: the pool's bytes may hold state instead.
+        lean = _margin(config, units, total_memory, all_kept=True)
+        if params_wanted * config.compute_dtype.itemsize + state_wanted * OPTIMIZER_BYTES <= available - lean:
+            margin = lean
     room = max(0, available - margin)
     param_bytes = 0
-    offload_param, offload_optimizer = zero.offload_param, zero.offload_optimizer
     if param_auto:
         itemsize = config.compute_dtype.itemsize
-        wanted = sum(u.shard_numel for u in units) if offload_param.device == "nvme" else 0
-        elements = min(wanted, room // itemsize)
+        elements = min(params_wanted, room // itemsize)
         param_bytes = elements * itemsize
         offload_param = dataclasses.replace(offload_param, max_in_cpu=elements)
     if optim_auto:
-        wanted = sum(u.train_shard_numel for u in units if u.trainable) if offload_optimizer.device == "nvme" else 0
-        elements = min(wanted, (room - param_bytes) // OPTIMIZER_BYTES)
+        elements = min(state_wanted, (room - param_bytes) // OPTIMIZER_BYTES)
         offload_optimizer = dataclasses.replace(offload_optimizer, max_in_cpu=elements)
     log.info("infinity: max_in_cpu \"auto\": %.1f GiB of host memory available, %.1f GiB kept back (pools, "
              "gradient accumulators, activations), so offload_param.max_in_cpu %s and offload_optimizer.max_in_cpu "
