@@ -243,3 +243,41 @@ def test_bad_input_is_an_argparse_error_naming_the_argument(argv, named, says, c
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert named in err and says in err
+
+
+_PEAK = r"""
+import sys
+from infinity.cli import main
+code = main(sys.argv[1:])
+status = open("/proc/self/status").read()
+print("VmHWM", next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM")) * 1024)
+sys.exit(code)
+"""
+
+
+def _peak_line(text: str) -> float:
+    import re
+    match = re.search(r"peak host memory about ([\d.]+) (MiB|GiB)", text)
+    assert match, text
+    return float(match.group(1)) * (1 << (20 if match.group(2) == "MiB" else 30))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [0, 4])
+def test_the_finetune_peak_is_predicted_within_15_percent(tmp_path, lora):
+    """`infinity estimate` on a CPU-only machine predicts the peak RSS of `infinity finetune` with
+    its built-in config ([Note: the peak of a finetune step]); the run's VmHWM is read from
+    /proc in its own process."""
+    import subprocess
+    import sys
+    extra = ["--lora", str(lora)] if lora else []
+    est = subprocess.run([sys.executable, "-m", "infinity.cli", "estimate", "--model", "llama-125m", "--gpus", "0",
+                          "--tokens-per-step", "512", "--nvme-path", str(tmp_path), *extra],
+                         capture_output=True, text=True, check=True)
+    predicted = _peak_line(est.stdout)
+    run = subprocess.run([sys.executable, "-c", _PEAK, "finetune", "--model", "llama-125m", "--steps", "2",
+                          "--seq-len", "128", "--batch", "4", "--sample-tokens", "0", "--nvme-path", str(tmp_path),
+                          *extra], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    measured = int(run.stdout.split("VmHWM")[-1])
+    assert abs(predicted - measured) <= 0.15 * measured, (predicted / 2 ** 20, measured / 2 ** 20)

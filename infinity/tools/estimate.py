@@ -45,6 +45,18 @@ read) over that time is the bandwidth that keeps the disk from being the bottlen
 ([Note: one step] in infinity/zero/step_policy.py). Reads served from the max_in_cpu cache are
 not subtracted: the figure is an upper bound.
 
+[Note: the peak of a finetune step]
+On a CPU-only machine the device is the host, so everything a step holds is host memory, and
+the estimate adds up what `infinity finetune`'s built-in config makes the engine hold ([Note: the
+built-in config's host budget] in infinity/finetune.py): the process itself (measured in the
+estimate's own process, which has imported the same), the parameter pool and the optimizer
+pool as the engine sizes them for this model, the fp32 gradient accumulators it keeps in memory,
+two units gathered, one unit's gradients in backward, and the activations twice: autograd's
+saved tensors (measured by running the model's shapes on the meta device, which allocates and
+computes nothing) and, during backward, their gradients and what the allocator keeps of them.
+Checked against /usr/bin/time's peak RSS of the recorded runs (bench/results/finetune_large.md)
+and the `slow` test. Only the model enters through the largest unit and the activations.
+
 [Note: preference order]
 Placements are listed, and the recommendation chosen, by the slowest tier used (none, then cpu,
 then nvme), then by how much is offloaded, then with the parameters closer to the device: they
@@ -534,8 +546,9 @@ NOTES = (
 )
 
 
-def report(model: ModelSize, machine: Machine, tokens: int) -> str:
-    """The whole printout: header, table, recommendation (a JSON block), notes."""
+def report(model: ModelSize, machine: Machine, tokens: int, finetune: list[tuple[str, int]] | None = None) -> str:
+    """The whole printout: header, table, recommendation (a JSON block), `infinity finetune`'s
+    peak (`finetune_host_peak`, where given), notes."""
     options = placements(model, machine.world, machine.nvme_path)
     flops = step_flops(model, tokens)
     unit = "GPU" if machine.gpus else "CPU"
@@ -556,8 +569,78 @@ def report(model: ModelSize, machine: Machine, tokens: int) -> str:
         lines.append(f"recommended: offload_param {best.param}, offload_optimizer {best.optimizer} "
                      "(the first row that fits; rows in order of preference)")
         lines.append(json.dumps(config_block(best), indent=2))
+    if finetune:
+        total = sum(n for _, n in finetune)
+        fits = "fits" if total <= machine.cpu_bytes else "does not fit"
+        lines += ["", f"infinity finetune with its built-in config (params and optimizer on NVMe), {tokens:,} tokens a "
+                      f"step: peak host memory about {human_bytes(total)} ({fits} in {human_bytes(machine.cpu_bytes)}):"]
+        lines += [f"  {human_bytes(n):>10}  {what}" for what, n in finetune]
     lines += ["", "notes:", *(f"  {note}" for note in NOTES)]
     return "\n".join(lines)
+
+
+# ---- infinity finetune's built-in config ---------------------------------------------------------
+
+
+def activation_bytes(cfg: dict, tokens: int, lora_rank: int | None = None) -> int:
+    """What autograd saves for backward in a bf16 step of infinity's Llama with `cfg`'s shapes
+    on `tokens` tokens (one sequence), parameters excluded: the model is run on the meta device
+    (shapes only, no memory, no arithmetic) at one and two layers, and the tensors autograd
+    packs are summed by storage; the second layer's share is multiplied by the depth."""
+    from infinity.finetune import add_lora
+    from infinity.models.llama import Llama
+
+    def saved(layers: int) -> int:
+        with torch.device("meta"):
+            model = Llama({**cfg, "num_hidden_layers": layers}).to(torch.bfloat16)
+        if lora_rank:
+            add_lora(model, lora_rank)
+            model.to("meta")
+        params = {p.untyped_storage()._cdata for p in model.parameters()}  # noqa: SLF001
+        storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = t.untyped_storage()._cdata  # noqa: SLF001
+            if key not in params:
+                storages[key] = t.untyped_storage().nbytes()
+            return t
+
+        ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(ids, ids)
+        return sum(storages.values())
+
+    one, two = saved(1), saved(2)
+    return one + (two - one) * (cfg["num_hidden_layers"] - 1)
+
+
+def finetune_host_peak(model: ModelSize, cfg: dict, cpu_bytes: int, tokens: int,
+                       lora_rank: int | None = None) -> list[tuple[str, int]]:
+    """[Note: the peak of a finetune step] (what, bytes) of the host memory `infinity finetune`
+    takes with its built-in config (params and optimizer state on NVMe) on a CPU-only machine
+    of `cpu_bytes`, its peak being their sum."""
+    from infinity.finetune import OPTIMIZER_BUFFERS, PIECE, builtin_budget
+
+    units = model.units
+    largest = max(u.numel for u in units)
+    largest_trainable = max(u.trainable for u in units)
+    _, count, buffer, piece, grads = builtin_budget(cpu_bytes, largest, largest_trainable)
+    shards = [u.trainable for u in units if u.trainable]
+    per_piece = len(KINDS) + (1 if model.trainable > grads else 0)
+    host = psutil.virtual_memory().available // 4 // FP32  # the tier's share of free memory (nvme_optim.HOST_SHARE)
+    target, buffers = choose_pieces(shards, PIECE, OPTIMIZER_BUFFERS, per_piece, host)
+    optimizer_pool = buffers * max(n for numel in shards for _, n in cut_pieces(numel, target)) * FP32
+    return [
+        ("the process (Python, torch, infinity: measured here)", psutil.Process().memory_info().rss),
+        (f"parameter pool ({count} buffers of the largest unit)", count * buffer * HALF),
+        (f"optimizer-state pool ({buffers} pieces)", optimizer_pool),
+        ("fp32 gradient accumulators kept in memory", min(grads, model.trainable) * FP32),
+        ("two units gathered (the one computing, the next)", 2 * largest * HALF),
+        ("a unit's gradients in backward (bf16, and fp32 on their way to the accumulator)",
+         largest_trainable * (HALF + FP32)),
+        (f"activations of {tokens:,} tokens, twice (saved for backward, and their gradients)",
+         2 * activation_bytes(cfg, tokens, lora_rank)),
+    ]
 
 
 # ---- the command line ---------------------------------------------------------------------------
@@ -683,5 +766,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--nvme-path {args.nvme_path}: not a directory (or give --nvme-free)")
     machine = machine_from_args(args)
     tokens = args.tokens_per_step or TOKENS_PER_RANK * machine.world
-    print(report(model, machine, tokens))
+    finetune = None
+    if args.model is not None and machine.gpus == 0:  # the device is the host: the whole step is host memory
+        finetune = finetune_host_peak(model, load_architecture(args.model)[1], machine.cpu_bytes, tokens, args.lora)
+    print(report(model, machine, tokens, finetune))
     return 0
