@@ -240,11 +240,15 @@ def test_the_first_step_reads_state_ahead_in_the_order_of_its_updates(tmp_path, 
     engine.close()
 
 
-@pytest.mark.parametrize("spill", [False, True])
-def test_every_step_moves_the_bytes_the_layout_predicts(tmp_path, spill):
+@pytest.mark.parametrize("spill,pool", [(False, "roomy"), (True, "roomy"), (False, "tight")])
+def test_every_step_moves_the_bytes_the_layout_predicts(tmp_path, spill, pool):
+    """roomy: DeepSpeed's buffer_size (1e8) gives the parameter pool a buffer for each of the 33
+    shards, where a released shard stays cached (no read again); tight: 8 buffers."""
     torch.manual_seed(0)
     deep = TinyGPT(layers=32, d=16)
     cfg = nvme_config(tmp_path, "nvme", "nvme", param_buffers=4)
+    if pool == "tight":
+        cfg["zero_optimization"]["offload_param"]["buffer_size"] = 8192
     if spill:
         cfg["zero_optimization"]["offload_optimizer"].update(max_grad_in_cpu=0, buffer_count=12)
     engine, *_ = infinity.initialize(deep, config=cfg)
@@ -272,9 +276,10 @@ def test_every_step_moves_the_bytes_the_layout_predicts(tmp_path, spill):
         engine.step()
         report = engine.report.last
         shard_bytes = {u.index: u.shard_numel * 4 for u in engine.units}
-        # max_in_cpu 0 and no reuse window: every backward gather reads the unit's shard, unless
-        # its last read's buffer was not back yet (a shard used twice in a row); and the update
-        # writes each shard once. Optimizer state: 12 bytes per
+        # max_in_cpu 0 and no reuse window: a backward gather reads the unit's shard unless it is
+        # still in a pool buffer (its last read's buffer not back yet, or the shard cached in an
+        # idle buffer: [Note: cache memory] in tiers/cache.py); and the update writes each shard
+        # once. Optimizer state: 12 bytes per
         # element read and written, and 4 more for a gradient spilled in backward and read
         # back for the update.
         # A unit whose next use is the very next one stays gathered for it ([Note: recorded order]).
@@ -284,8 +289,13 @@ def test_every_step_moves_the_bytes_the_layout_predicts(tmp_path, spill):
         assert len(uses) >= 2 * len(engine.units) and len(gathers) >= 2 * len(engine.units) - repeats
         # The forward may find a unit's new values still in the buffer its update (run just
         # before, [Note: updates after the norm]) is writing them from; the backward reads every
-        # unit it gathers.
-        assert len(gathers) - len(shared) >= len(engine.units) - repeats
+        # unit it gathers that the pool's buffers could not keep.
+        buffers = engine.params.pool.buffer_count
+        assert (buffers >= len(engine.units)) == (pool == "roomy")
+        if pool == "roomy":
+            assert report["nvme_read_bytes"] == 0 and not set(gathers) - set(shared)
+        else:
+            assert len(gathers) - len(shared) >= len(engine.units) - repeats - buffers
         assert report["nvme_read_bytes"] == sum(shard_bytes[i] for i in gathers) - sum(shard_bytes[i] for i in shared)
         assert report["nvme_write_bytes"] == sum(shard_bytes.values())
         state = sum((16 if spill else 12) * u.shard_numel for u in engine.units)
@@ -296,13 +306,17 @@ def test_every_step_moves_the_bytes_the_layout_predicts(tmp_path, spill):
     engine.close()
 
 
-def test_prefetch_hides_slow_reads(tmp_path, model):
-    """With every read delayed, prefetching ahead in the recorded order beats reading on demand."""
+def test_prefetch_hides_slow_reads(tmp_path):
+    """With every read delayed, prefetching ahead in the recorded order beats reading on demand
+    (33 units, a pool of 8 buffers: most shards are read again each step)."""
     times = {}
+    torch.manual_seed(0)
+    model = TinyGPT(layers=32, d=16)
     for prefetch in (0, 10 ** 9):
-        engine, *_ = infinity.initialize(copy.deepcopy(model), config=nvme_config(
-            tmp_path, "nvme", "cpu", param_buffers=8, stage3_prefetch_bucket_size=prefetch))
-        engine.params.swapper.read_delay_s = 0.3  # dominates compute, even on a busy machine
+        cfg = nvme_config(tmp_path, "nvme", "cpu", param_buffers=8, stage3_prefetch_bucket_size=prefetch)
+        cfg["zero_optimization"]["offload_param"]["buffer_size"] = 8192  # the largest shard: no more buffers
+        engine, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
+        engine.params.swapper.read_delay_s = 0.03  # dominates compute, even on a busy machine
         engine_run(engine, batches(1, 4), gas=1)  # records the order
         start = time.perf_counter()
         engine_run(engine, batches(1, 4, seed=5), gas=1)

@@ -76,7 +76,12 @@ class NvmeParams:
         self.pool = BufferPool(count + cached,
                                min(offload.buffer_size * itemsize, largest), shard_sizes=sizes, name="offload_param",
                                pin=(device.pin() or None) if offload.pin_memory else False, on_release=device.scribble)
-        self.cache = HostCache(max_in_cpu, name="offload_param")
+        # The cache may also keep released shards in the pool's idle buffers: a transfer that needs
+        # a buffer drops a cached shard at once ([Note: cache memory] in tiers/cache.py), so this
+        # costs no memory and no read, and a unit used again soon (the head at the turn from
+        # forward to backward, every unit under stage3_max_reuse_distance 0) is not read again.
+        self.cache = HostCache(max_in_cpu + count * min(offload.buffer_size * itemsize, largest),
+                               name="offload_param")
         # A second handle for writes, so that reads never queue behind them.
         self.swapper = Swapper(self.store, self.pool, self.cache, self.handle, make_handle(aio))
         self._prefetched: dict[int, list] = {}  # unit index -> FetchHandles, one per part
