@@ -88,7 +88,13 @@ disk's speed) and no larger than `sub_group_size` cuts. A pool as deep as that a
 48 buffers) is left as it is. Nor does it take more buffers than every piece of the state and
 `PIPELINE_DEPTH` more of each kind (the pieces in flight while the whole state stays cached):
 DeepSpeed's `buffer_count` sub-groups of a small model (a LoRA's adapters) would be several
-times its whole state. The choice is logged and kept in `chosen`; the numbers of a step
+times its whole state. Where those bytes could hold the whole state, the pieces are cut small
+enough (down to `MIN_CACHED_PIECE`) that buffers of the largest piece hold every piece of every
+kind and the pipeline's besides, within the same bytes: the state then stays in the pool from
+one step to the next and is only written, never read again. Cut for depth alone, pieces of
+unequal sizes (a 33.5M tile beside 7.1M layers) in buffers of the largest would not fit
+(DeepSpeed's defaults on the 134M GPT: 4 sub-groups of the whole state, 537M elements, hold its
+403M elements of state, but not in buffers of a 15.6M piece). The choice is logged and kept in `chosen`; the numbers of a step
 do not depend on it (Adam is element-wise).
 """
 
@@ -115,6 +121,8 @@ GRAD = "grad"  # spilled gradient accumulators ([Note: gradient spill])
 PIECE_ALIGN = 1024  # elements: 4 KiB of fp32, so every piece's extent is O_DIRECT-aligned
 PIPELINE_DEPTH = 16  # pieces the pool should hold at once ([Note: the pool is a budget])
 MIN_PIECE = 1 << 22  # elements: 16 MiB of fp32, two 8 MiB aio blocks per kind
+MIN_CACHED_PIECE = 1 << 18  # elements: 1 MiB of fp32, the smallest piece of a state the pool holds whole
+CACHED_SPARE = 4  # buffers a kind beyond a whole state's pieces: reading, updating, writing, and one to spare
 HOST_SHARE = 4  # the pool takes at most a quarter of the host memory free when it is built
 log = logging.getLogger("infinity")
 assert PIECE_ALIGN % NORM_ROW == 0  # pieces start on norm rows ([Note: gradient norm by rows])
@@ -132,9 +140,26 @@ def choose_pieces(shards: list[int], sub_group_size: int, buffer_count: int, per
     budget = max(min(budget, host_elements or budget), 3 * per_piece * asked)
     target = min(int(sub_group_size), max(MIN_PIECE, budget // (PIPELINE_DEPTH * per_piece)))
     largest = max((n for numel in shards for _, n in cut_pieces(numel, target)), default=1)
+    if per_piece * total <= budget:  # the bytes could hold the whole state: cut it so that they do
+        whole = _whole_state_cut(shards, target, budget, per_piece)
+        if whole is not None:
+            return whole
+    pieces = sum(len(cut_pieces(numel, target)) for numel in shards)
     # Never more than the whole state and a pipeline's pieces besides: a buffer past that is never used.
-    whole = per_piece * (sum(len(cut_pieces(numel, target)) for numel in shards) + PIPELINE_DEPTH)
-    return target, max(3 * per_piece, min(budget // largest, whole))
+    return target, max(3 * per_piece, min(budget // largest, per_piece * (pieces + PIPELINE_DEPTH)))
+
+
+def _whole_state_cut(shards: list[int], target: int, budget: int, per_piece: int) -> tuple[int, int] | None:
+    """(piece target, buffers) of the largest pieces, from `target` down by halves to
+    `MIN_CACHED_PIECE`, whose buffers (each of the largest piece) hold every piece of every kind
+    and `CACHED_SPARE` more of each within `budget` elements; None if there are none."""
+    while target >= MIN_CACHED_PIECE:
+        cuts = [n for numel in shards for _, n in cut_pieces(numel, target)]
+        buffers = per_piece * (len(cuts) + CACHED_SPARE)
+        if buffers * max(cuts) <= budget:
+            return target, buffers
+        target //= 2
+    return None
 
 
 def cut_pieces(numel: int, sub_group_size: int) -> list[tuple[int, int]]:
