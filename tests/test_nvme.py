@@ -392,11 +392,12 @@ def test_host_memory_stays_within_budgets(tmp_path):
     # accumulator), 4 of which can reuse what the allocator kept of the model's freed weights
     # (measured here: the NVMe run peaks about 14 bytes a parameter lower). Both runs share
     # model, data, activations and allocator, so the rest cancels out. Require 12 bytes a
-    # parameter beyond the pools and cache: holding the optimizer state, or the gradients on top
-    # of the freed weights, in memory would fail it.
-    bound = runs["memory"]["peak"] - 12 * m["params"] + m["pools"] + m["cache_max"]
+    # parameter beyond the pools (the cache keeps its shards in pool buffers: [Note: cache memory]
+    # in infinity/tiers/cache.py): holding the optimizer state, or the gradients on top of the
+    # freed weights, in memory would fail it.
+    bound = runs["memory"]["peak"] - 12 * m["params"] + m["pools"]
     assert m["peak"] <= bound, runs
-    assert 12 * m["params"] > 4 * (m["pools"] + m["cache_max"]), "the model is too small for the bound to mean anything"
+    assert 12 * m["params"] > 4 * m["pools"], "the model is too small for the bound to mean anything"
 
 
 @pytest.mark.parametrize("param", ["nvme", "cpu"])
