@@ -628,12 +628,14 @@ def finetune_host_peak(model: ModelSize, cfg: dict, cpu_bytes: int, tokens: int,
     shards = [u.trainable for u in units if u.trainable]
     per_piece = len(KINDS) + (1 if model.trainable > grads else 0)
     host = psutil.virtual_memory().available // 4 // FP32  # the tier's share of free memory (nvme_optim.HOST_SHARE)
-    target, buffers = choose_pieces(shards, PIECE, OPTIMIZER_BUFFERS, per_piece, host)
-    optimizer_pool = buffers * max(n for numel in shards for _, n in cut_pieces(numel, target)) * FP32
+    optimizer_pool = buffers = 0
+    if shards:
+        target, buffers = choose_pieces(shards, PIECE, OPTIMIZER_BUFFERS, per_piece, host)
+        optimizer_pool = buffers * max(n for numel in shards for _, n in cut_pieces(numel, target)) * FP32
     return [
         ("the process (Python, torch, infinity: measured here)", psutil.Process().memory_info().rss),
         (f"parameter pool ({count} buffers of the largest unit)", count * buffer * HALF),
-        (f"optimizer-state pool ({buffers} pieces)", optimizer_pool),
+        (f"optimizer-state pool ({buffers} buffers)", optimizer_pool),
         ("fp32 gradient accumulators kept in memory", min(grads, model.trainable) * FP32),
         ("two units gathered (the one computing, the next)", 2 * largest * HALF),
         ("a unit's gradients in backward (bf16, and fp32 on their way to the accumulator)",

@@ -84,18 +84,19 @@ pipeline 3 pieces in flight and a step 1.4-1.6x its floor, where 48 buffers reac
 tier takes the bytes those knobs allow (at least the 3 pieces a pipeline needs: reading,
 updating, writing) and cuts them into more, smaller pieces: the largest piece that still leaves
 `PIPELINE_DEPTH` pieces in flight, but no smaller than `MIN_PIECE` (a piece must stream at the
-disk's speed) and no larger than `sub_group_size` cuts. A pool as deep as that already (bench/'s
-48 buffers) is left as it is. Nor does it take more buffers than every piece of the state and
+disk's speed) and no larger than `sub_group_size` cuts; a pool as deep as that already is left
+as it is. Nor does it take more buffers than every piece of the state and
 `PIPELINE_DEPTH` more of each kind (the pieces in flight while the whole state stays cached):
 DeepSpeed's `buffer_count` sub-groups of a small model (a LoRA's adapters) would be several
 times its whole state. Where those bytes could hold the whole state, the pieces are cut small
 enough (down to `MIN_CACHED_PIECE`) that buffers of the largest piece hold every piece of every
-kind and the pipeline's besides, within the same bytes: the state then stays in the pool from
+kind and `CACHED_SPARE` more of each, within the same bytes: the state then stays in the pool from
 one step to the next and is only written, never read again. Cut for depth alone, pieces of
 unequal sizes (a 33.5M tile beside 7.1M layers) in buffers of the largest would not fit
 (DeepSpeed's defaults on the 134M GPT: 4 sub-groups of the whole state, 537M elements, hold its
-403M elements of state, but not in buffers of a 15.6M piece). The choice is logged and kept in `chosen`; the numbers of a step
-do not depend on it (Adam is element-wise).
+403M elements of state, but not in buffers of a 15.6M piece; bench/'s 48 sub-groups of 2.5e7
+neither, in buffers of the 33.5M tile). The choice is logged and kept in `chosen`; the numbers
+of a step do not depend on it (Adam is element-wise).
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def _whole_state_cut(shards: list[int], target: int, budget: int, per_piece: int
     """(piece target, buffers) of the largest pieces, from `target` down by halves to
     `MIN_CACHED_PIECE`, whose buffers (each of the largest piece) hold every piece of every kind
     and `CACHED_SPARE` more of each within `budget` elements; None if there are none."""
-    while target >= MIN_CACHED_PIECE:
+    while shards and target >= MIN_CACHED_PIECE:
         cuts = [n for numel in shards for _, n in cut_pieces(numel, target)]
         buffers = per_piece * (len(cuts) + CACHED_SPARE)
         if buffers * max(cuts) <= budget:
