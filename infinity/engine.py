@@ -23,7 +23,7 @@ from infinity.config import InfinityConfig
 from infinity.device import Device, make_device
 from infinity.lr_schedules import build_scheduler
 from infinity.engine_getters import ConfigGetters
-from infinity.engine_module import ModuleSurface
+from infinity.engine_module import ModuleSurface, named_state
 from infinity.lifecycle import Health, Lifecycle, Phase
 from infinity.signals import SignalGate, deferred_signals
 from infinity.timeline import TIMELINE
@@ -41,7 +41,7 @@ from infinity.zero.registry import register_units
 from infinity.zero.report import StepReport
 from infinity.zero.step_policy import (PendingUpdates, StepPolicy, UpdateMode, choose_update_mode,
                                        expected_update_order, gradients_used_at_once)
-from infinity.zero.tiling import merge_tiles, tile_model
+from infinity.zero.tiling import tile_model
 from infinity.zero.unit import Unit, UnitState
 from infinity.zero.zero_optimizer import ZeroOptimizer
 
@@ -61,21 +61,6 @@ def _param_groups(model: nn.Module, model_parameters: Any, optimizer: Any, infer
     if items and isinstance(items[0], dict):
         return [dict(g, params=list(g["params"])) for g in items]
     return [{"params": items}]
-
-
-def _named_state(module: nn.Module, values: dict[int, torch.Tensor], *, keep_unlisted: bool) -> dict[str, torch.Tensor]:
-    """A state dict of `module` by its names: each parameter's tensor from `values` (by id; one
-    not listed is left out, or with `keep_unlisted` taken as it is), persistent buffers copied."""
-    out: dict[str, torch.Tensor] = {}
-    for module_name, m in module.named_modules():
-        prefix = f"{module_name}." if module_name else ""
-        for name, p in m.named_parameters(recurse=False):
-            if id(p) in values or keep_unlisted:
-                out.setdefault(prefix + name, values[id(p)] if id(p) in values else p.detach().cpu())
-        for name, b in m.named_buffers(recurse=False):
-            if b is not None and name not in m._non_persistent_buffers_set:  # noqa: SLF001 (what state_dict skips)
-                out[prefix + name] = b.detach().cpu().clone()
-    return out
 
 
 class Engine(ConfigGetters, ModuleSurface):
@@ -657,9 +642,7 @@ class Engine(ConfigGetters, ModuleSurface):
                 full = self.full_compute_values(u)
                 values.update({id(s.param): u.param_values(full, s).clone() for s in slots if self.rank == 0})
                 del full
-        if self.rank != 0:
-            return {}
-        return merge_tiles(self.module, _named_state(self.module, values, keep_unlisted=False))
+        return named_state(self.module, values, keep_unlisted=False) if self.rank == 0 else {}
 
     # ---- full values of partitioned parameters --------------------------------------------
 
@@ -806,9 +789,7 @@ class Engine(ConfigGetters, ModuleSurface):
             if self.rank == 0:
                 for s in u.slots:
                     full_values[id(s.param)] = u.param_values(full, s).clone()
-        if self.rank != 0:
-            return {}
-        return merge_tiles(self.module, _named_state(self.module, full_values, keep_unlisted=True))
+        return named_state(self.module, full_values, keep_unlisted=True) if self.rank == 0 else {}
 
     def close(self) -> None:
         """Releases the tiers (removes NVMe files unless asked to keep them). The engine and its

@@ -10,6 +10,25 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from infinity.zero.tiling import merge_tiles
+
+
+def named_state(module: nn.Module, values: dict[int, torch.Tensor], *, keep_unlisted: bool) -> dict[str, torch.Tensor]:
+    """A state dict of `module` under its state_dict names: each parameter's tensor from `values`
+    (by id; one not listed is left out, or with `keep_unlisted` taken as it is), persistent
+    buffers copied, a tiled weight's tiles joined under the weight's own name ([Note: tiles in
+    an export] in infinity/checkpoint/export.py)."""
+    out: dict[str, torch.Tensor] = {}
+    for module_name, m in module.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        for name, p in m.named_parameters(recurse=False):
+            if id(p) in values or keep_unlisted:
+                out.setdefault(prefix + name, values[id(p)] if id(p) in values else p.detach().cpu())
+        for name, b in m.named_buffers(recurse=False):
+            if b is not None and name not in m._non_persistent_buffers_set:  # noqa: SLF001 (what state_dict skips)
+                out[prefix + name] = b.detach().cpu().clone()
+    return merge_tiles(module, out)
+
 
 class ModuleSurface:
     module: nn.Module
