@@ -814,6 +814,47 @@ def test_finetune_export_merges_lora_adapters_tile_by_tile(tmp_path, tile_size):
         torch.testing.assert_close(tuned(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_finetune_export_reads_adapters_ahead_when_their_unit_comes_after_the_weights_tiles(tmp_path):
+    """A LoRA projection in the root unit (no layer list), its weight tiled: the tiles are units
+    before the root, so the export reads the adapters ahead; the merged weight is the plain
+    module's W + B @ A * scale."""
+    from gpt import config
+    from safetensors.torch import load_file
+
+    from torch import nn
+
+    from infinity.finetune import add_lora, export_model
+
+    class Root(nn.Module):  # the layers are the blocks; q_proj (and so its adapters) is the root's
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
+            self.q_proj = nn.Linear(32, 64, bias=False)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return self.q_proj(x).square().mean()
+
+    torch.manual_seed(0)
+    model = Root()
+    wrapped = add_lora(model, 4)
+    engine, *_ = infinity.initialize(model, config=config(3, "cpu", "cpu", lr=1e-2, tile_size=512))
+    assert [u.name for u in engine.units][-1] == "<root>" and len(engine.units) > 2  # tiles, then the root
+    for _ in range(2):
+        engine.backward(engine(torch.randn(4, 32)))
+        engine.step()
+    state = engine.consolidated_state_dict()
+    export_model(engine, str(tmp_path / "out"), wrapped, tokenizer=None)
+    engine.close()
+    out = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert "q_proj.weight" in out and not [n for n in out if "lora" in n or "base_layer" in n]
+    m = model.q_proj
+    torch.testing.assert_close(out["q_proj.weight"], state["q_proj.base_layer.weight"]
+                               + state["q_proj.lora_B"] @ state["q_proj.lora_A"] * m.scale)
+    assert state["q_proj.lora_B"].abs().sum() > 0
+
+
 @pytest.mark.parametrize("tile_size", [0, 2048])
 def test_consolidate_merges_lora_adapters_into_the_weights(tmp_path, capsys, tile_size):
     """A checkpoint of `infinity finetune --lora`: consolidate writes the fine-tuned model (each

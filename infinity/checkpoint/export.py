@@ -36,7 +36,7 @@ import math
 import os
 import re
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from tqdm import tqdm
@@ -84,6 +84,27 @@ def untiled_entries(entries: list[Entry], tiles: dict[str, list[str]]) -> tuple[
     return out, tile_of
 
 
+def base_layer_names(names: Iterable[str], owners: Iterable[str]) -> dict[str, str]:
+    """`M.base_layer.X` -> `M.X` among `names`, for each LoRA module `M` of `owners`: the merged
+    weight (and bias) under the projection's own names ([Note: LoRA adapters in a checkpoint])."""
+    prefixes = tuple(f"{m}.base_layer." for m in owners)
+    return {n: n.replace(".base_layer.", ".", 1) for n in names if n.startswith(prefixes)}
+
+
+class RowMerger:
+    """Adds B @ A * scale to an adapted weight's rows as they stream past, the weight whole or
+    its tiles in order ([Note: tiles in an export])."""
+
+    def __init__(self) -> None:
+        self._rows: dict[str, int] = {}  # weight name -> rows merged so far
+
+    def __call__(self, name: str, values: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        first = self._rows.get(name, 0)
+        self._rows[name] = first + values.shape[0]
+        return values.float() + b[first:first + values.shape[0]] @ a * scale
+
+
 def parse_size(text: str | int) -> int:
     """'5GB', '500MB', '2GiB' or a number of bytes."""
     if isinstance(text, int):
@@ -128,8 +149,7 @@ def consolidate(checkpoint: str, out_dir: str, *, dtype: torch.dtype = torch.flo
     adapters = {n for a, b, _ in merges.values() for n in (a, b)}
     entries = [(p["name"], dtype, p["shape"]) for u in manifest.units for p in u["params"] if p["name"] not in adapters]
     entries, tile_of = untiled_entries(entries, manifest.tiles)
-    owners = tuple(f"{owner}.base_layer." for owner in {w.removesuffix(".base_layer.weight") for w in merges})
-    out_name = {n: n.replace(".base_layer.", ".", 1) for n, _, _ in entries if n.startswith(owners)}  # bias too
+    out_name = base_layer_names([n for n, _, _ in entries], [w.removesuffix(".base_layer.weight") for w in merges])
     entries = [(out_name.get(n, n), dtype_, shape) for n, dtype_, shape in entries]
     entries += [(n, b.dtype, list(b.shape)) for n, b in buffers.items()]
     config = None
@@ -143,7 +163,7 @@ def consolidate(checkpoint: str, out_dir: str, *, dtype: torch.dtype = torch.flo
     try:
         if config is not None:
             writer.add_file(HF_CONFIG, config)
-        rows_done: dict[str, int] = {}  # a tiled weight with an adapter: the rows merged so far
+        merge = RowMerger()
         for u in manifest.units:
             for p in u["params"]:
                 if p["name"] in adapters:
@@ -153,9 +173,7 @@ def consolidate(checkpoint: str, out_dir: str, *, dtype: torch.dtype = torch.flo
                 if name in merges:
                     a_name, b_name, scale = merges[name]
                     a, b = (_read_param(cache, manifest, n).float() for n in (a_name, b_name))
-                    first = rows_done.get(name, 0)
-                    rows_done[name] = first + values.shape[0]
-                    values = values.float() + b[first:first + values.shape[0]] @ a * scale
+                    values = merge(name, values, a, b, scale)
                 writer.add(out_name.get(name, name), values.to(dtype))
                 bar.update(values.numel() * dtype.itemsize)
             cache.clear()
