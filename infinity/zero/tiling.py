@@ -392,8 +392,9 @@ def tiled_weights(model: nn.Module) -> dict[str, list[str]]:
     the tiles back as the user's weight."""
     out: dict[str, list[str]] = {}
     seen: set[tuple[str, ...]] = set()
-    for name, _, keys in _tiled_modules(model):
-        if tuple(keys) not in seen:
-            seen.add(tuple(keys))
-            out[f"{name}.weight" if name else "weight"] = keys
+    for weight, parts in tile_names(model).items():
+        keys = tuple(k for k, _, _ in parts)
+        if keys not in seen:
+            seen.add(keys)
+            out[weight] = list(keys)
     return out
