@@ -59,12 +59,13 @@ def test_one_billion_parameters_on_nvme_by_hand():
     # (1e9 elements x 2 B / 62.5 MB a shard = 32 shards, all of them) buffers of the largest
     # shard, 62.5 MB rounded up to a page; offload_optimizer pool: the bytes of 9 buffers (3 kinds
     # x reading, updating, writing) of a sub_group_size piece (1e9 > U: a unit, 31.25M elements),
-    # cut into pieces for 16 in flight ([Note: the pool is a budget] in nvme_optim.py):
-    # 9 x 31.25M / (16 x 3) = 5.86M, so a unit is 5 pieces of 6_250_496 elements (aligned to
-    # 1024) and 9 x 31.25M of them make 44 buffers of 25 MB; two gradient landing buffers of a
-    # bf16 shard, 62.5 MB.
-    assert p.host == 4 * 10 ** 9 + 37 * _page(62_500_000) + 44 * _page(4 * 6_250_496) + 2 * _page(62_500_000)
-    assert p.host == 7_537_620_992
+    # cut into the pieces that let it hold the most state from one step to the next
+    # ([Note: the pool is a budget] in nvme_optim.py): the smaller the pieces, the more of the
+    # 281.25M elements hold state and the fewer stream, down to 8 MiB pieces; the largest cut
+    # within 2% of the most held is 13 pieces a unit of 2_404_352 elements (aligned to 1024), and
+    # 281.25M / 2_404_352 = 116 buffers of 9.6 MB; two gradient landing buffers of a bf16 shard, 62.5 MB.
+    assert p.host == 4 * 10 ** 9 + 37 * _page(62_500_000) + 116 * _page(4 * 2_404_352) + 2 * _page(62_500_000)
+    assert p.host == 7_553_153_024
     # Device: two gathered units in bf16 (2 x 2 B x U), and bf16 gradients: the reduce buffer of
     # the one unit size plus autograd's .grad of the unit in backward (2 x 2 B x U).
     assert p.device == 2 * 2 * 31_250_000 + 2 * 2 * 31_250_000 == 250_000_000

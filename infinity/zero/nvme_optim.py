@@ -77,31 +77,43 @@ no accumulator is needed: the fp32 shard goes straight into the update.
 [Note: the pool is a budget]
 `offload_optimizer.buffer_count` buffers of a `sub_group_size` sub-group (what DeepSpeed allocates
 for them, a sub-group being no larger than the state) bound the host memory of the pipeline,
-also capped at a quarter of the host's free memory; they do not fix its shape. The
-reads ahead, which hide the optimizer state's traffic behind forward and backward, can only go
-as deep as the pool has pieces: DeepSpeed's 4 buffers of 1e8 (or 1e9) elements gave the
-pipeline 3 pieces in flight and a step 1.4-1.6x its floor, where 48 buffers reached it. So the
-tier takes the bytes those knobs allow (at least the 3 pieces a pipeline needs: reading,
-updating, writing) and cuts them into more, smaller pieces: the largest piece that still leaves
-`PIPELINE_DEPTH` pieces in flight, but no smaller than `MIN_PIECE` (a piece must stream at the
-disk's speed) and no larger than `sub_group_size` cuts; a pool as deep as that already is left
-as it is. Nor does it take more buffers than every piece of the state and
-`PIPELINE_DEPTH` more of each kind (the pieces in flight while the whole state stays cached):
-DeepSpeed's `buffer_count` sub-groups of a small model (a LoRA's adapters) would be several
-times its whole state. Where those bytes could hold the whole state, the pieces are cut small
-enough (down to `MIN_CACHED_PIECE`) that buffers of the largest piece hold every piece of every
-kind and `CACHED_SPARE` more of each, within the same bytes: the state then stays in the pool from
-one step to the next and is only written, never read again. Cut for depth alone, pieces of
-unequal sizes (a 33.5M tile beside 7.1M layers) in buffers of the largest would not fit
-(DeepSpeed's defaults on the 134M GPT: 4 sub-groups of the whole state, 537M elements, hold its
-403M elements of state, but not in buffers of a 15.6M piece; bench/'s 48 sub-groups of 2.5e7
-neither, in buffers of the 33.5M tile). The choice is logged and kept in `chosen`; the numbers
-of a step do not depend on it (Adam is element-wise).
+also capped at a quarter of the host's free memory; they do not fix its shape. The tier takes
+the bytes those knobs allow (at least the 3 pieces a pipeline needs: reading, updating, writing)
+and chooses how to cut the state into pieces and how many buffers of the largest piece to make
+of them, for the most state the pool holds from one step to the next:
+
+  * Held pieces stay in their buffers: when a held piece's update ends, its write starts and
+    the piece is fetched again at once for the next step, which keeps the buffer and reads
+    nothing (`_hold`). The pieces held are those the step updates first (`update_order`); the
+    others stream through the rest of the pool, read ahead as far as it allows. Without this,
+    a pool a little short of the state kept the pieces it wrote last and gave their buffers to
+    the reads of the pieces needed next, the ones it had just dropped: DeepSpeed-style knobs on
+    the 134M GPT (4 x 1e8 elements against 403M of state) read the whole state every step.
+  * Where the bytes hold every piece of every kind and `CACHED_SPARE` pieces more, the whole
+    state is held: only written, never read again; the pool then takes no buffer more than that.
+  * Otherwise `STREAM_PIECES` pieces' buffers are left for the streamed pieces (the one
+    updating, the one reading, the one writing, three read ahead) and the rest hold pieces.
+  * Buffers are as large as the largest piece, so pieces of unequal sizes (a 33.5M tile beside
+    7.1M layers) waste the difference, and the spare buffers cost a piece each: smaller pieces
+    hold more of the same bytes. The cuts tried are halvings of the piece that would leave
+    `PIPELINE_DEPTH` pieces in flight, and the sizes that cut the largest shards into equal
+    pieces; a whole state may be cut down to `MIN_CACHED_PIECE`, a state that streams only to
+    `MIN_STREAMED_PIECE` (a streamed piece must move at the disk's speed). Of the cuts that
+    hold within 2% of the most, the one with the largest pieces (fewest transfers) wins.
+  * The pool never takes more buffers than every piece and `PIPELINE_DEPTH` more of each kind:
+    DeepSpeed's `buffer_count` sub-groups of a small model (a LoRA's adapters) would be several
+    times its whole state.
+
+DeepSpeed's 4 buffers of 1e8 (or 1e9) elements, taken as they read, gave the pipeline 3 pieces
+in flight and a step 1.4-1.6x its floor, where 48 buffers reached it. The choice is logged and
+kept in `chosen` (`pieces_held` of `pieces`); the numbers of a step do not depend on it (Adam is
+element-wise, and a held piece's bytes are those a read would bring).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import psutil
 import torch
@@ -122,8 +134,10 @@ GRAD = "grad"  # spilled gradient accumulators ([Note: gradient spill])
 PIECE_ALIGN = 1024  # elements: 4 KiB of fp32, so every piece's extent is O_DIRECT-aligned
 PIPELINE_DEPTH = 16  # pieces the pool should hold at once ([Note: the pool is a budget])
 MIN_PIECE = 1 << 22  # elements: 16 MiB of fp32, two 8 MiB aio blocks per kind
+MIN_STREAMED_PIECE = 1 << 21  # elements: 8 MiB of fp32, the least piece cut to hold more of a state
 MIN_CACHED_PIECE = 1 << 18  # elements: 1 MiB of fp32, the smallest piece of a state the pool holds whole
-CACHED_SPARE = 4  # buffers a kind beyond a whole state's pieces: reading, updating, writing, and one to spare
+CACHED_SPARE = 2  # pieces' buffers beyond a whole state held: the first step's reads, spilled gradients
+STREAM_PIECES = 6  # pieces' buffers left to those streamed beside the held ones: updating, reading, writing, 3 read ahead
 HOST_SHARE = 4  # the pool takes at most a quarter of the host memory free when it is built
 log = logging.getLogger("infinity")
 assert PIECE_ALIGN % NORM_ROW == 0  # pieces start on norm rows ([Note: gradient norm by rows])
@@ -140,27 +154,52 @@ def choose_pieces(shards: list[int], sub_group_size: int, buffer_count: int, per
     budget = max(buffer_count * max(asked, min(int(sub_group_size), total)), 3 * per_piece * asked)
     budget = max(min(budget, host_elements or budget), 3 * per_piece * asked)
     target = min(int(sub_group_size), max(MIN_PIECE, budget // (PIPELINE_DEPTH * per_piece)))
-    largest = max((n for numel in shards for _, n in cut_pieces(numel, target)), default=1)
-    if per_piece * total <= budget:  # the bytes could hold the whole state: cut it so that they do
-        whole = _whole_state_cut(shards, target, budget, per_piece)
-        if whole is not None:
-            return whole
-    pieces = sum(len(cut_pieces(numel, target)) for numel in shards)
-    # Never more than the whole state and a pipeline's pieces besides: a buffer past that is never used.
-    return target, max(3 * per_piece, min(budget // largest, per_piece * (pieces + PIPELINE_DEPTH)))
+    sizes = Counter(shards)
+    options = []  # (elements of state held from one step to the next, piece target, buffers)
+    for cut in _cuts(sizes, target):
+        count, largest = 0, 1
+        for numel, times in sizes.items():
+            ps = cut_pieces(numel, cut)
+            count, largest = count + times * len(ps), max(largest, ps[0][1])
+        held = held_pieces(count, budget // largest, per_piece)
+        if held == count:  # the whole state stays: no buffer more than it and the spare pieces
+            buffers = len(KINDS) * count + per_piece * CACHED_SPARE
+        elif cut < min(target, MIN_STREAMED_PIECE):
+            continue  # a piece that streams must stream at the disk's speed
+        else:  # never more than the whole state and a pipeline's pieces besides: a buffer past that is never used
+            buffers = max(3 * per_piece, min(budget // largest, per_piece * (count + PIPELINE_DEPTH)))
+        options.append((total if held == count else held * total // count, cut, buffers))
+    # The largest pieces (fewest transfers) among the cuts that hold within 2% of the most state.
+    most = max(kept for kept, _, _ in options)
+    _, cut, buffers = max((o for o in options if o[0] >= most * 0.98), key=lambda o: o[1])
+    return cut, buffers
 
 
-def _whole_state_cut(shards: list[int], target: int, budget: int, per_piece: int) -> tuple[int, int] | None:
-    """(piece target, buffers) of the largest pieces, from `target` down by halves to
-    `MIN_CACHED_PIECE`, whose buffers (each of the largest piece) hold every piece of every kind
-    and `CACHED_SPARE` more of each within `budget` elements; None if there are none."""
-    while shards and target >= MIN_CACHED_PIECE:
-        cuts = [n for numel in shards for _, n in cut_pieces(numel, target)]
-        buffers = per_piece * (len(cuts) + CACHED_SPARE)
-        if buffers * max(cuts) <= budget:
-            return target, buffers
-        target //= 2
-    return None
+def held_pieces(pieces: int, buffers: int, per_piece: int) -> int:
+    """How many pieces a pool of `buffers` holds from one step to the next ([Note: the pool is a
+    budget]): all of them if their kinds and `CACHED_SPARE` pieces more fit, else as many as leave
+    `STREAM_PIECES` pieces for the ones streamed."""
+    if len(KINDS) * pieces + per_piece * CACHED_SPARE <= buffers:
+        return pieces
+    return max(0, min(pieces, (buffers - per_piece * STREAM_PIECES) // len(KINDS)))
+
+
+def _cuts(sizes: Counter, target: int) -> list[int]:
+    """Piece targets worth trying: `target`, its halvings down to `MIN_CACHED_PIECE`, and the sizes
+    that cut one of the largest distinct shards into equal pieces."""
+    cuts = {target}
+    t = target // 2
+    while t >= MIN_CACHED_PIECE:
+        cuts.add(t)
+        t //= 2
+    for numel in sorted(sizes, reverse=True)[:8]:
+        for count in range(1, 257):
+            cut = -(-numel // count)
+            if cut < MIN_CACHED_PIECE:
+                break
+            if cut <= target:
+                cuts.add(cut)
+    return sorted(cuts, reverse=True)
 
 
 def cut_pieces(numel: int, sub_group_size: int) -> list[tuple[int, int]]:
@@ -221,12 +260,17 @@ class NvmeOptimizerState:
         self.store = NvmeStore(offload.nvme_path, layout, job_id=f"{default_job_id()}-optimizer", rank=rank,
                                handle=self.handle, name="offload_optimizer")
         largest = max((n for ps in self._pieces.values() for _, n in ps), default=1)
+        # The pieces the pool holds from one step to the next: those the step updates first.
+        pieces = [(index, k) for index in update_order if index in self._updatable
+                  for k in range(len(self._pieces[index]))]
+        self._held = set(pieces[:held_pieces(len(pieces), buffers, self._per_piece)])
         self.chosen = {"piece_elements": largest, "buffers": buffers, "pool_bytes": buffers * largest * 4,
-                       "pieces_in_flight": buffers // self._per_piece}
-        log.info("infinity: offload_optimizer pipeline: %d buffers of %.1f MB (pieces of up to %d elements, %d "
-                 "pieces in flight) for buffer_count %d x sub_group_size %d ([Note: the pool is a budget])",
-                 buffers, largest * 4 / 1e6, largest, buffers // self._per_piece, offload.buffer_count,
-                 sub_group_size)
+                       "pieces_in_flight": buffers // self._per_piece, "pieces_held": len(self._held),
+                       "pieces": len(pieces)}
+        log.info("infinity: offload_optimizer pipeline: %d buffers of %.1f MB (pieces of up to %d elements; %d of "
+                 "the %d pieces stay in the pool, the others stream) for buffer_count %d x sub_group_size %d "
+                 "([Note: the pool is a budget])", buffers, largest * 4 / 1e6, largest, len(self._held), len(pieces),
+                 offload.buffer_count, sub_group_size)
         # At least a buffer for each kind of: the piece being read, being updated, being written.
         self.pool = BufferPool(buffers, largest * 4, name="offload_optimizer", pin=(device.pin() or None) if offload.pin_memory else False,
                                on_release=device.scribble)
@@ -384,6 +428,18 @@ class NvmeOptimizerState:
             raise error
         return tensors
 
+    def _hold(self, index: int, k: int) -> None:
+        """Keeps a held piece ([Note: the pool is a budget]) in the buffers its write is leaving
+        from, for the next step's update: fetched again at once, which reads nothing."""
+        if (index, k) not in self._held or (index, k) in self._early:
+            return
+        early = self._early[(index, k)] = {}
+        for kind in KINDS:
+            try:
+                early[kind] = self.swapper.fetch(kind, (index, k))
+            except OSError:
+                return  # its write failed: the next update meets the error itself
+
     def _read_early(self, index: int, k: int) -> bool:
         """Issues the reads of one piece before its update, if the pool can spare its buffers while
         keeping room for the update's pipeline (a piece updating, one reading, one writing). A
@@ -468,6 +524,7 @@ class NvmeOptimizerState:
                 current = None
                 self._resume[index] = k + 1  # before its writes start: never updated twice
                 self._release_piece(index, k, spilled=bool(spilled))
+                self._hold(index, k)
         except BaseException as e:
             # [Note: failed transfers give their buffers back]: what this update holds goes back
             # unchanged; the pieces not done are read again when it resumes.
@@ -506,9 +563,11 @@ class NvmeOptimizerState:
                     if self.swapper.state(kind, (index, k)) is ShardState.INVALID:
                         self.swapper.fetch(kind, (index, k))  # raises the error naming the shard
 
-    def _drop_early(self, keep: list[int] = (), only: int | None = None) -> None:
-        """Lets go of the reads issued ahead, but those of the units in `keep` (`only`: of that unit only)."""
-        for key in [key for key in self._early if key[0] not in keep and only in (None, key[0])]:
+    def _drop_early(self, keep: list[int] = (), only: int | None = None, held: bool = False) -> None:
+        """Lets go of the reads issued ahead, but those of the units in `keep` (`only`: of that unit
+        only) and of the pieces the pool holds (`held`: those too)."""
+        for key in [key for key in self._early if key[0] not in keep and only in (None, key[0])
+                    and (held or key not in self._held)]:
             for handle in self._early.pop(key).values():
                 self.swapper.let_go(handle)
 
@@ -539,7 +598,7 @@ class NvmeOptimizerState:
         self._pending_order = []
         self._final.clear()
         self._resume.clear()
-        self._drop_early()
+        self._drop_early(held=True)
 
     def finish_step(self) -> None:
         self._drop_early(keep=self._pending_order)  # reads for an update that did not come (a skipped step)
@@ -582,6 +641,7 @@ class NvmeOptimizerState:
         return self._read_all(unit.index, kind)
 
     def set_master(self, unit: Unit, values: torch.Tensor) -> None:
+        self._drop_early(only=unit.index, held=True)  # a shard being written is held by nobody
         for k, (start, n) in enumerate(self._pieces[unit.index]):
             self.swapper.write("master", (unit.index, k), values[start:start + n].contiguous())
             self.swapper.flush()
@@ -601,6 +661,7 @@ class NvmeOptimizerState:
         return None
 
     def load_state(self, unit: Unit, state: dict[str, torch.Tensor]) -> None:
+        self._drop_early(only=unit.index, held=True)  # a shard being written is held by nobody
         for kind in KINDS:
             if kind in state:
                 for k, (start, n) in enumerate(self._pieces[unit.index]):
@@ -615,7 +676,7 @@ class NvmeOptimizerState:
 
     def close(self) -> None:
         self._landing.consume_landed()
-        self._drop_early()
+        self._drop_early(held=True)
         try:
             self.swapper.close()  # raises a failed write nobody has met yet
         finally:
