@@ -56,9 +56,14 @@ def test_one_failed_transfer_of_optimizer_state(tmp_path, clip, op, monkeypatch)
         swapper.flush()
     except OSError:
         pass
-    assert engine.optim_state.pool.stats.bytes_in_use == 0
+    # Nothing leaked: the buffers in use are those of the reads ahead for the updates pending.
+    tier = engine.optim_state
+    ahead = sum(len(handles) for handles in tier._early.values())
+    assert tier.pool.stats.bytes_in_use == ahead * tier.pool.buffer_size
     if op == "read" and clip:  # met by the deferred update, which the next forward resumes: the next steps work
-        assert outcomes == ["error"] + ["ok"] * 4
+        # (one step later where the read for the pending update was issued before the fault)
+        first = outcomes.index("error")
+        assert first <= 1 and outcomes == ["ok"] * first + ["error"] + ["ok"] * (4 - first)
     elif op == "read":  # met by an update in backward after other units took the step: half applied, so
         assert outcomes == ["error"] * 5  # every later step refuses ([Note: failed updates] in step_policy.py)
     else:  # met by the next flush (writes drain behind the next step with clipping) or read; the

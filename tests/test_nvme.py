@@ -299,7 +299,14 @@ def test_every_step_moves_the_bytes_the_layout_predicts(tmp_path, spill, pool):
         assert report["nvme_read_bytes"] == sum(shard_bytes[i] for i in gathers) - sum(shard_bytes[i] for i in shared)
         assert report["nvme_write_bytes"] == sum(shard_bytes.values())
         state = sum((16 if spill else 12) * u.shard_numel for u in engine.units)
-        assert report["optimizer_nvme_read_bytes"] == state
+        # Pieces the optimizer's pool holds from step to step are written, never read again
+        # ([Note: the pool is a budget] in zero/nvme_optim.py).
+        tier = engine.optim_state
+        held = sum(tier._pieces[index][k][1] for index, k in tier._held)
+        # A piece fetched again for the next step while its write is in flight reads nothing
+        # either, as far as the pool's buffers go.
+        unread = state - 12 * held - report["optimizer_nvme_read_bytes"]
+        assert 0 <= unread <= tier.pool.stats.bytes_total
         assert report["optimizer_nvme_write_bytes"] == state
     # The pool never held more than it has.
     assert engine.params.pool.stats.peak_in_use <= engine.params.pool.stats.bytes_total
