@@ -244,8 +244,8 @@ def describe_choices(chosen: dict) -> str:
                      f"thread(s), {a['engine']} (measured for the disk)")
     if "offload_optimizer" in chosen:
         o = chosen["offload_optimizer"]
-        parts.append(f"optimizer pipeline {o['buffers']} buffers of {o['piece_elements'] * 4 / 1e6:.0f} MB "
-                     f"({o['pieces_in_flight']} pieces in flight)")
+        parts.append(f"optimizer pool {o['buffers']} buffers of {o['piece_elements'] * 4 / 1e6:.0f} MB "
+                     f"holding {o['pieces_held']} of the state's {o['pieces']} pieces from step to step")
     parts += [f"{key} {value / 1e6:.0f}M elements" for key, value in chosen.items() if key.endswith("max_in_cpu")]
     return "; ".join(parts)
 

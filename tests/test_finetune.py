@@ -153,14 +153,13 @@ def test_peft_lora_over_an_nvme_base_matches_pytorch(tmp_path):
         if "lora_" in name:
             torch.testing.assert_close(after[name], value, atol=1e-5, rtol=1e-5, msg=name)
     # Per step: the base's compute-dtype shards are read (forward and backward); only the
-    # adapters' shards are written, and the optimizer writes 12 bytes per trainable element and
-    # reads as many at most (none here: its pool, cut for depth, holds the adapters' whole state
-    # from one step to the next: [Note: the pool is a budget] in infinity/zero/nvme_optim.py).
+    # adapters' shards are written, and the optimizer state moves neither way (its pool holds
+    # the adapters' whole state from one step to the next, unwritten: [Note: the pool is a
+    # budget] in infinity/zero/nvme_optim.py).
     r = engine.report.last
     units = engine.units
     assert r["nvme_write_bytes"] == 4 * sum(u.train_shard_numel for u in units)
-    assert r["optimizer_nvme_write_bytes"] == 12 * sum(u.train_shard_numel for u in units)
-    assert r["optimizer_nvme_read_bytes"] == 0
+    assert r["optimizer_nvme_write_bytes"] == r["optimizer_nvme_read_bytes"] == 0
     assert r["trainable_params"] == trainable
     engine.close()
 

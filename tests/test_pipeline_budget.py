@@ -183,3 +183,39 @@ def test_a_pool_short_of_the_state_holds_most_of_it_and_reads_only_the_rest(tmp_
     for index, kinds in state_roomy.items():
         for kind, value in kinds.items():
             assert torch.equal(value, state_short[index][kind]), (index, kind)
+
+
+def test_held_pieces_are_written_back_before_the_pool_lets_go_of_them(tmp_path):
+    """A pool that holds the whole state keeps each piece's newest bytes in memory only
+    ([Note: the pool is a budget]); replacing the fp32 weights (safe_set_full_fp32_param, as
+    DeepSpeed's) writes the master and must keep the moments the steps made, which then exist
+    nowhere but in the pool. After more steps the numbers are those of a pool that writes every
+    piece each step."""
+    from infinity.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param
+
+    torch.manual_seed(0)
+    model = TinyGPT(layers=2, d=64)
+    data = batches(4, 4)
+    results = {}
+    for case, count in (("held", 10_000), ("streamed", 4)):
+        path = tmp_path / case
+        path.mkdir()
+        cfg = _nvme_config(path)
+        cfg["zero_optimization"]["offload_optimizer"]["buffer_count"] = count
+        engine, *_ = infinity.initialize(model=copy.deepcopy(model), config=cfg)
+        chosen = engine.chosen["offload_optimizer"]
+        assert (chosen["pieces_held"] == chosen["pieces"]) == (case == "held")
+        engine_run(engine, data[:2], gas=1)
+        weight = engine.module.blocks[1].fc1.weight
+        moments = {kind: safe_get_full_optimizer_state(weight, kind).clone() for kind in ("exp_avg", "exp_avg_sq")}
+        assert moments["exp_avg"].abs().sum() > 0
+        safe_set_full_fp32_param(weight, safe_get_full_fp32_param(weight) * 0.5)
+        for kind, value in moments.items():
+            assert torch.equal(safe_get_full_optimizer_state(weight, kind), value), (case, kind)
+        losses = engine_run(engine, data[2:], gas=1)
+        results[case] = (losses, engine.consolidated_state_dict())
+        engine.close()
+    (held_losses, held_state), (losses, state) = results["held"], results["streamed"]
+    assert held_losses == losses
+    for name, value in state.items():
+        assert torch.equal(held_state[name], value), name

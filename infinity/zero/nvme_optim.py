@@ -50,8 +50,9 @@ for a buffer that nobody will release. A failed write leaves its shard INVALID: 
 never taken for good, and the state is damaged ([Note: resuming an update]).
 
 [Note: resuming an update]
-An update writes each piece back as soon as it is updated, so when piece k's read fails, pieces
-0..k-1 hold the new values on disk (or on their way there) and the others the old ones. Running
+An update writes each piece back as soon as it is updated (or keeps it, held, in its buffers:
+[Note: the pool is a budget]), so when piece k's read fails, pieces 0..k-1 hold the new values
+on disk, on their way there or in the pool, and the others the old ones. Running
 the whole update again would apply Adam twice to 0..k-1, so the tier records how many pieces are
 done (`_resume`, set before a piece's writes start) and the next `update` of the unit, with the
 same arguments, starts at the first piece not done: the result is the same, bit for bit, as one
@@ -82,9 +83,13 @@ the bytes those knobs allow (at least the 3 pieces a pipeline needs: reading, up
 and chooses how to cut the state into pieces and how many buffers of the largest piece to make
 of them, for the most state the pool holds from one step to the next:
 
-  * Held pieces stay in their buffers: when a held piece's update ends, its write starts and
-    the piece is fetched again at once for the next step, which keeps the buffer and reads
-    nothing (`_hold`). The pieces that stream instead are spread evenly over the order the step
+  * Held pieces stay in their buffers from one update to the next, neither read nor written
+    (`_keep`): their newest bytes are in memory only, where every reader of the state (the
+    update, checkpoints, `state`) finds them, and are written back the moment the pool lets go
+    of the piece (`_give_back`: the held set changes, a load replaces the state, the state is
+    damaged), never dropped unwritten; at `close` the store goes with them. The NVMe copy is
+    swap space, not a checkpoint, so nothing is lost that a write each step would have kept.
+    The pieces that stream instead are spread evenly over the order the step
     updates them (expected, then as each step went: `_hold_spread`), so each is read while the
     held ones before it update and their units compute; when the updates wait for the next
     forward, reads ahead fill every buffer but two pieces' (they are issued in the order the
@@ -95,7 +100,8 @@ of them, for the most state the pool holds from one step to the next:
     ones it had just dropped: DeepSpeed-style knobs on the 134M GPT (4 x 1e8 elements against
     403M of state) read the whole state every step.
   * Where the bytes hold every piece of every kind and `CACHED_SPARE` pieces more, the whole
-    state is held: only written, never read again; the pool then takes no buffer more than that.
+    state is held: after the first step the state moves neither way; the pool then takes no
+    buffer more than that.
   * Otherwise `STREAM_PIECES` pieces' buffers are left for the streamed pieces (the one
     updating, the one reading, the one writing, three read ahead) and the rest hold pieces.
   * Buffers are as large as the largest piece, so pieces of unequal sizes (a 33.5M tile beside
@@ -268,6 +274,7 @@ class NvmeOptimizerState:
         pieces = sum(len(self._pieces[index]) for index in self._updatable)
         self._held_count = held_pieces(pieces, buffers, self._per_piece)
         self._held: set[tuple[int, int]] = set()
+        self._unwritten: set[tuple[int, int]] = set()  # held pieces whose newest bytes are in memory only
         self._hold_spread([index for index in update_order if index in self._updatable])
         self.chosen = {"piece_elements": largest, "buffers": buffers, "pool_bytes": buffers * largest * 4,
                        "pieces_in_flight": buffers // self._per_piece, "pieces_held": len(self._held),
@@ -444,21 +451,33 @@ class NvmeOptimizerState:
         # Pieces held no longer let go of their buffers now, before the new ones take theirs: the
         # pool holds no more pieces than it can while the others stream.
         for key in [key for key in getattr(self, "_early", {}) if key in self._held and key not in held]:
-            for handle in self._early.pop(key).values():
-                self.swapper.let_go(handle)
+            self._give_back(list(self._early.pop(key).values()))
         self._held = held
 
-    def _hold(self, index: int, k: int) -> None:
-        """Keeps a held piece ([Note: the pool is a budget]) in the buffers its write is leaving
-        from, for the next step's update: fetched again at once, which reads nothing."""
-        if (index, k) not in self._held or (index, k) in self._early:
-            return
-        early = self._early[(index, k)] = {}
-        for kind in KINDS:
+    def _keep(self, index: int, k: int, handles: list) -> None:
+        """Keeps an updated held piece in its buffers for the next step's update, unwritten
+        ([Note: the pool is a budget]): its newest bytes are in memory only, written back when
+        the pool lets go of it (`_give_back`). A spilled gradient is only dropped."""
+        self._early[(index, k)] = dict(zip(KINDS, handles))
+        self._unwritten.add((index, k))
+        if index in self._spilled:
+            self.swapper.release(GRAD, (index, k))
+
+    def _give_back(self, handles) -> None:
+        """Ends fetches issued ahead or kept: a held piece whose newest bytes are only in its
+        buffers is written back first; the first error is raised once all are released."""
+        error = None
+        for handle in handles:
             try:
-                early[kind] = self.swapper.fetch(kind, (index, k))
-            except OSError:
-                return  # its write failed: the next update meets the error itself
+                if handle.key in self._unwritten and handle.kind != GRAD:
+                    self.swapper.release(handle.kind, handle.key, dirty=True)  # the write starts now
+                else:
+                    self.swapper.let_go(handle)
+            except OSError as e:
+                error = error or e
+        self._unwritten.difference_update({handle.key for handle in handles})
+        if error is not None:
+            raise error
 
     def _read_early(self, index: int, k: int, in_order: bool = False) -> bool:
         """Issues the reads of one piece before its update, if the pool can spare its buffers while
@@ -551,15 +570,22 @@ class NvmeOptimizerState:
                         out[start:start + n].copy_(master)
                 current = None
                 self._resume[index] = k + 1  # before its writes start: never updated twice
-                self._release_piece(index, k, spilled=bool(spilled))
-                self._hold(index, k)
+                if (index, k) in self._held:
+                    self._keep(index, k, handles)
+                else:
+                    self._release_piece(index, k, spilled=bool(spilled))
         except BaseException as e:
             # [Note: failed transfers give their buffers back]: what this update holds goes back
             # unchanged; the pieces not done are read again when it resumes.
             for kind in self._kinds(index) if current is not None else ():
-                self.swapper.release(kind, (index, k))
+                self.swapper.release(kind, (index, k), dirty=(index, k) in self._unwritten and kind != GRAD)
+            if current is not None:
+                self._unwritten.discard((index, k))
             for handle in [*(upcoming or ()), *(pending or ())]:
-                self.swapper.let_go(handle)
+                if handle.key in self._unwritten and handle.kind != GRAD:  # held: kept for the resumed update
+                    self._early.setdefault(handle.key, {})[handle.kind] = handle
+                else:
+                    self.swapper.let_go(handle)
             self._drop_early(only=index)
             if not isinstance(e, OSError) or self._lost(index):  # [Note: resuming an update]
                 self.mark_damaged(unit, f"the update of unit {index} failed at piece {k} of {len(pieces)} "
@@ -596,8 +622,7 @@ class NvmeOptimizerState:
         only) and of the pieces the pool holds (`held`: those too)."""
         for key in [key for key in self._early if key[0] not in keep and only in (None, key[0])
                     and (held or key not in self._held)]:
-            for handle in self._early.pop(key).values():
-                self.swapper.let_go(handle)
+            self._give_back(list(self._early.pop(key).values()))
 
     # ---- failed updates ([Note: resuming an update]) ---------------------------------------
 
@@ -705,6 +730,7 @@ class NvmeOptimizerState:
 
     def close(self) -> None:
         self._landing.consume_landed()
+        self._unwritten.clear()  # the store goes with the tier: nothing to write back
         self._drop_early(held=True)
         try:
             self.swapper.close()  # raises a failed write nobody has met yet
