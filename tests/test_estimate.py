@@ -61,11 +61,12 @@ def test_one_billion_parameters_on_nvme_by_hand():
     # x reading, updating, writing) of a sub_group_size piece (1e9 > U: a unit, 31.25M elements),
     # cut into the pieces that let it hold the most state from one step to the next
     # ([Note: the pool is a budget] in nvme_optim.py): the smaller the pieces, the more of the
-    # 281.25M elements hold state and the fewer stream, down to 8 MiB pieces; the largest cut
-    # within 2% of the most held is 13 pieces a unit of 2_404_352 elements (aligned to 1024), and
-    # 281.25M / 2_404_352 = 116 buffers of 9.6 MB; two gradient landing buffers of a bf16 shard, 62.5 MB.
-    assert p.host == 4 * 10 ** 9 + 37 * _page(62_500_000) + 116 * _page(4 * 2_404_352) + 2 * _page(62_500_000)
-    assert p.host == 7_553_153_024
+    # 281.25M elements hold state (while two units' streamed pieces still fit beside them) and
+    # the fewer stream, down to 8 MiB pieces; the largest cut within 2% of the most held is 14
+    # pieces a unit of 2_232_320 elements (aligned to 1024), and 281.25M / 2_232_320 = 125
+    # buffers of 8.9 MB; two gradient landing buffers of a bf16 shard, 62.5 MB.
+    assert p.host == 4 * 10 ** 9 + 37 * _page(62_500_000) + 125 * _page(4 * 2_232_320) + 2 * _page(62_500_000)
+    assert p.host == 4 * 10 ** 9 + 39 * 62_500_864 + 125 * 8_929_280
     # Device: two gathered units in bf16 (2 x 2 B x U), and bf16 gradients: the reduce buffer of
     # the one unit size plus autograd's .grad of the unit in backward (2 x 2 B x U).
     assert p.device == 2 * 2 * 31_250_000 + 2 * 2 * 31_250_000 == 250_000_000
