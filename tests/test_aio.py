@@ -352,13 +352,20 @@ def test_gil_is_released_while_waiting(tmp_path):
     assert progress > 1000
 
 
-def test_wait_for_unknown_request_is_an_error(tmp_path):
+def test_wait_for_unknown_request_is_an_error_and_waiting_again_gives_the_outcome_again(tmp_path):
+    """[Note: waiting again] in infinity/io/handle.py: a wait repeated after one that Ctrl-C cut
+    off once it had returned gets the request's outcome, errors included."""
     handle = AsyncIOHandle()
+    with pytest.raises(ValueError, match="not outstanding"):
+        handle.wait(12345)
     rid = handle.submit_write(torch.zeros(10, dtype=torch.uint8), tmp_path / "f")
     handle.wait(rid)
-    with pytest.raises(ValueError, match="not outstanding"):
-        handle.wait(rid)
-    assert handle.wait() == 0
+    assert handle.wait(rid) == 1 and handle.done(rid)
+    assert handle.wait() == 0 and handle.num_pending == 0
+    bad = handle.submit_read(torch.zeros(10, dtype=torch.uint8), tmp_path / "f", offset=1 << 20)
+    for _ in range(2):
+        with pytest.raises(OSError, match="read past end of file"):
+            handle.wait(bad)
 
 
 def test_bad_arguments_name_the_argument(tmp_path):
@@ -500,8 +507,7 @@ def test_done_polls_without_blocking_and_wait_timed_reports_completion(tmp_path)
     seen_done = time.monotonic()
     finished = handle.wait_timed(rid)
     assert before <= finished <= seen_done  # when it completed, not when it was waited for
-    with pytest.raises(ValueError, match="not outstanding"):
-        handle.done(rid)
+    assert handle.done(rid) and handle.wait_timed(rid) == finished  # [Note: waiting again]
 
 
 def test_a_wait_cut_off_by_an_interrupt_is_reported_not_a_key_error(tmp_path):

@@ -409,3 +409,21 @@ def test_reap_gives_finished_writes_buffers_back_without_waiting(store):
     assert 0 < stats.host_to_nvme.busy_seconds <= stats.host_to_nvme.seconds + 1e-9
     assert stats.busy_seconds > 0
     assert stats.host_to_nvme.submitted_bytes == stats.host_to_nvme.bytes
+
+
+def test_a_completion_cut_off_after_the_wait_returned_is_finished_by_the_next(store):
+    """Ctrl-C landing after the handle's wait for a write returned, before the swapper recorded
+    it ([Note: waiting again] in infinity/io/handle.py): the shard still looks in flight, and the
+    next flush waited for that request again, which the handle no longer knew (ValueError, so
+    `infinity finetune` interrupted during a step exited from its cleanup with an error). Now the
+    flush finishes it with the outcome the first wait had, and the bytes read back are those
+    written."""
+    swapper = make(store)
+    data = random_bytes(SIZES[0], seed=3)
+    handle = swapper.write("param", 0, data)
+    swapper.write_handle.wait_timed(handle.transfer.request)  # what the interrupted completion did
+    swapper.flush()
+    assert swapper.state("param", 0) is ShardState.NVME
+    assert torch.equal(swapper.wait(swapper.fetch("param", 0))[: SIZES[0]], data)
+    swapper.release("param", 0)
+    swapper.close()

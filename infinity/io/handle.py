@@ -4,6 +4,17 @@ One verb per step, like liburing's prepare -> submit -> wait: `submit_read` / `s
 queue a transfer and return its id, `wait(id)` blocks on that transfer (or on all of them) and
 raises `OSError` carrying the errno, the path and the file offset of the first failure.
 DeepSpeed's aio handle names are thin aliases so that code moving over keeps working.
+
+[Note: waiting again]
+A wait returns in the caller's thread, and Ctrl-C (Python's KeyboardInterrupt, raised between
+two bytecodes) can land after it returned and before the caller recorded the outcome: the
+tiers' swapper then still holds the transfer as in flight, and its cleanup waits for it again.
+So a handle remembers the outcome of its last `ENDED_KEPT` ended requests (errno, offset, time;
+not their memory, which is let go) and a wait for one of them gives that outcome again instead
+of failing. Landing earlier, between the engine's return and this bookkeeping, the outcome is
+lost: that wait raises OSError(EINTR), never a success. Before, the second wait raised
+ValueError ("not outstanding"), and `infinity finetune` stopped by Ctrl-C could exit with it
+from its cleanup instead of saying "interrupted".
 """
 
 from __future__ import annotations
@@ -12,6 +23,7 @@ import errno as errno_mod
 import os
 import threading
 import warnings
+from collections import OrderedDict
 from typing import Any, NamedTuple
 
 import torch
@@ -32,6 +44,20 @@ class _InFlight(NamedTuple):
     path: str
     offset: int
     write: bool
+
+
+class _Ended(NamedTuple):
+    """The outcome of a transfer that was waited for ([Note: waiting again]); not its memory."""
+
+    err: int
+    err_offset: int
+    finished: float
+    path: str
+    offset: int
+    write: bool
+
+
+ENDED_KEPT = 4096  # outcomes of ended requests a handle remembers ([Note: waiting again])
 
 
 _MAX_OFFSET = 2**63 - 1  # off_t
@@ -130,6 +156,7 @@ class AsyncIOHandle:
         self._single_submit = single_submit
         self._overlap_events = overlap_events
         self._inflight: dict[int, _InFlight] = {}
+        self._ended: OrderedDict[int, _Ended] = OrderedDict()  # [Note: waiting again]
         self._lock = threading.Lock()
 
     # ---- the engine's verbs ------------------------------------------------------------------
@@ -172,8 +199,11 @@ class AsyncIOHandle:
         """Whether `request` has completed, so that `wait(request)` returns at once; never blocks.
         Its outcome (and any error) is still reported by `wait`."""
         with self._lock:
+            if request in self._ended:
+                return True
             if request not in self._inflight:
-                raise ValueError(f"request: {request} is not outstanding on this handle (already waited for?)")
+                raise ValueError(f"request: {request} is not outstanding on this handle (never submitted, or "
+                                 f"ended more than {ENDED_KEPT} requests ago)")
         return self._engine.done(request)
 
     def read(self, buffer: Any, path: str | os.PathLike, offset: int = 0) -> int:
@@ -234,26 +264,32 @@ class AsyncIOHandle:
     def _wait_one(self, rid: int) -> float:
         with self._lock:
             entry = self._inflight.get(rid)
-        if entry is None:
-            raise ValueError(f"request: {rid} is not outstanding on this handle (already waited for?)")
-        try:
-            err, err_offset, finished = self._engine.wait(rid)
-        except KeyError:  # the engine finished it, and an interrupt (Ctrl-C) cut off our bookkeeping
-            with self._lock:
-                self._inflight.pop(rid, None)
-            kind = "write" if entry.write else "read"
-            raise OSError(errno_mod.EINTR, f"{kind} of {entry.path}: its wait was interrupted after the request "
-                          "ended, so whether it succeeded is unknown", entry.path) from None
-        with self._lock:
-            del self._inflight[rid]
-        if err:
-            kind = "write" if entry.write else "read"
-            what = "read past end of file" if err == errno_mod.ENODATA and not entry.write else os.strerror(err)
+            ended = self._ended.get(rid) if entry is None else None
+        if entry is None and ended is None:
+            raise ValueError(f"request: {rid} is not outstanding on this handle (never submitted, or ended "
+                             f"more than {ENDED_KEPT} requests ago)")
+        if ended is None:
+            try:
+                err, err_offset, finished = self._engine.wait(rid)
+            except KeyError:  # the engine finished it, and an interrupt (Ctrl-C) cut off our bookkeeping
+                with self._lock:
+                    self._inflight.pop(rid, None)
+                kind = "write" if entry.write else "read"
+                raise OSError(errno_mod.EINTR, f"{kind} of {entry.path}: its wait was interrupted after the "
+                              "request ended, so whether it succeeded is unknown", entry.path) from None
+            with self._lock:  # the outcome is kept before the request's buffer is let go
+                ended = self._ended[rid] = _Ended(err, err_offset, finished, entry.path, entry.offset, entry.write)
+                del self._inflight[rid]
+                while len(self._ended) > ENDED_KEPT:
+                    self._ended.popitem(last=False)
+        if ended.err:
+            err, kind = ended.err, "write" if ended.write else "read"
+            what = "read past end of file" if err == errno_mod.ENODATA and not ended.write else os.strerror(err)
             raise OSError(
-                err, f"{what}: {kind} of {entry.path} failed at offset {err_offset} (request at offset {entry.offset})",
-                entry.path,
+                err, f"{what}: {kind} of {ended.path} failed at offset {ended.err_offset} (request at offset "
+                f"{ended.offset})", ended.path,
             )
-        return finished
+        return ended.finished
 
     # ---- DeepSpeed's names -------------------------------------------------------------------
 
