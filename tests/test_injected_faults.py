@@ -172,7 +172,7 @@ def _check(result: dict, reference: dict, spec: str, complete: bool = True) -> s
     """The job's outcome is one of the two allowed; returns which. `complete`: a job that did not
     refuse applied every step (else it may have run out of tries, each of them an I/O error)."""
     events = result["events"]
-    errors = [e for e in events if e[0] in ("step error", "save error")]
+    errors = [e for e in events if e[0] in ("step error", "save error", "state error")]
     assert errors, f"{spec}: no error reached the job: the injection missed"
     for kind, name, message in errors:
         # An I/O error (naming the file and offset), or a refusal: never a leaked buffer's
@@ -183,13 +183,15 @@ def _check(result: dict, reference: dict, spec: str, complete: bool = True) -> s
     refused = [i for i, e in enumerate(events) if e[0] in ("step error", "save error") and REFUSAL in e[2]]
     if refused:  # from the first refusal on, nothing is stepped or saved
         after = events[refused[0]:]
-        assert all(e[0] in ("step error", "save error") for e in after), (spec, after)
+        assert all(e[0] in ("step error", "save error", "state error") for e in after), (spec, after)
         assert all(REFUSAL in e[2] for e in after if e[0] == "save error"), (spec, after)
         return "refused"
     applied = result["applied"]
     assert applied == STEPS or not complete and applied > 0, (spec, events)
     # Going on applied every step once: the state read once the tracer left (which runs the
-    # updates still pending) is that of the run without failures after as many steps.
+    # updates still pending; tried again after an error, as a step is) is that of the run
+    # without failures after as many steps.
+    assert result["state"] == "read", (spec, events)
     final, expected = result["final"], reference[applied]
     differ = [k for k in expected if not torch.equal(final[k], expected[k])]
     assert not differ, f"{spec}: differs from the run without the failure in {differ}; events {events}"
