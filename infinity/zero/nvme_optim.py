@@ -292,6 +292,8 @@ class NvmeOptimizerState:
                                        max((len(self._pieces[index]) for index in self._updatable), default=1))
         self._held: set[tuple[int, int]] = set()
         self._unwritten: set[tuple[int, int]] = set()  # held pieces whose newest bytes are in memory only
+        # (unit, piece) -> kind -> fetch handle issued before the update (held pieces' stay across steps)
+        self._early: dict[tuple[int, int], dict] = {}
         self._hold_spread([index for index in update_order if index in self._updatable])
         self.chosen = {"piece_elements": largest, "buffers": buffers, "pool_bytes": buffers * largest * 4,
                        "pieces_in_flight": buffers // self._per_piece, "pieces_held": len(self._held),
@@ -307,7 +309,6 @@ class NvmeOptimizerState:
         self.swapper = Swapper(self.store, self.pool, None, self.handle, make_handle(aio))
         self._fresh: dict[int, torch.Tensor] = {}  # unit -> its gradient, no accumulator: used by its update
         self._sq: dict[int, torch.Tensor] = {}  # unit -> squared norm of its final gradient
-        self._early: dict[tuple[int, int], list] = {}  # (unit, piece) -> fetch handles issued before the update
         self._ready: list[int] = []  # units in the order their gradients became final, not yet updated
         self._order: list[int] = []  # this step's order of final gradients
         # The previous step's order (before the first, the expected one): what `_read_ahead` follows.
@@ -467,7 +468,7 @@ class NvmeOptimizerState:
         held = set(pieces) - {pieces[(j + 1) * len(pieces) // streamed - 1] for j in range(streamed)}
         # Pieces held no longer let go of their buffers now, before the new ones take theirs: the
         # pool holds no more pieces than it can while the others stream.
-        for key in [key for key in getattr(self, "_early", {}) if key in self._held and key not in held]:
+        for key in [key for key in self._early if key in self._held and key not in held]:
             self._give_back(list(self._early.pop(key).values()))
         self._held = held
 
