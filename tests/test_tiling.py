@@ -301,3 +301,46 @@ def test_peak_rss_with_a_256k_vocabulary_against_untiled(tmp_path):
     untiled = [_peak_rss(tmp_path, v, 128, 0) for v in (16384, 131072)]
     assert tiled[1] - tiled[0] <= _activation_bound(16, 131072 - 16384), tiled
     assert untiled[1] - untiled[0] > 8 * (131072 - 16384) * 128 * 4 // 2, untiled  # half of 8 fp32 copies
+
+
+class _BiasedMLP(nn.Module):
+    """fc1 (64 x 32 with a bias) is tiled at tile_size 1000; `hf` gives it Hugging Face's
+    `_init_weights(module)`, which knows nn.Linear and nothing of tiles."""
+
+    def __init__(self, hf: bool):
+        super().__init__()
+        self.fc1 = nn.Linear(32, 64)
+        self.fc2 = nn.Linear(64, 8)
+        if hf:
+            self._init_weights = self._hf_init
+
+    def _hf_init(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                nn.init.constant_(module.bias, 0.25)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x))).square().mean()
+
+
+@pytest.mark.parametrize("hf", [True, False])
+def test_the_bias_of_a_linear_tiled_under_init_is_initialised(hf):
+    """A Linear with a bias, built under infinity.Init and tiled: its bias sits on the tiled
+    module, which neither `_init_weights` (isinstance nn.Linear) nor `reset_parameters` knew, so
+    `initialize` refused it as uninitialised (bench_gpu.py's GPT at dim 4096 hit it on a GPU)."""
+    torch.manual_seed(0)
+    with infinity.Init():
+        model = _BiasedMLP(hf)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 3, "tile_size": 1000}}
+    engine, *_ = infinity.initialize(model, config=cfg)
+    assert isinstance(engine.module.fc1, TiledLinear)
+    state = engine.consolidated_state_dict()
+    engine.close()
+    bias = state["fc1.bias"]
+    if hf:
+        assert torch.equal(bias, torch.full((64,), 0.25))
+    else:  # nn.Linear.reset_parameters: uniform in +-1/sqrt(fan_in)
+        assert bias.abs().max() <= 32 ** -0.5 and bias.std() > 0.05
+    assert state["fc1.weight"].isfinite().all() and state["fc1.weight"].std() > 0

@@ -6,7 +6,8 @@ Inside `with infinity.Init():` modules are created on the meta device (torch's o
 model of any size costs no memory. `initialize` then builds it one unit at a time
 (`DeferredInit.materialize`): the modules that hold the unit's parameters get real host memory,
 filled with NaN; the model's own initialisation runs on them (a Hugging Face model's
-`_init_weights(module)`, else the module's `reset_parameters()`); the unit's shard is cut and
+`_init_weights(module)`, else the module's `reset_parameters()`; a tiled Linear's bias through an
+nn.Linear stand-in, since neither knows the tiled module); the unit's shard is cut and
 handed to its tiers, and the unit's memory is freed before the next unit is built. Peak host
 memory is about one unit plus the tiers' pools. A parameter that nothing initialised is still
 NaN, and that is an error naming it, never a silent garbage weight. Buffers of modules that hold
@@ -131,13 +132,15 @@ class DeferredInit:
                 p.copy_(value)
 
     def _initialise(self, module: nn.Module, fresh: list[tuple[str, torch.Tensor]]) -> None:
+        stand_in = getattr(module, "init_stand_in", None)  # a tiled Linear (zero/tiling.py): its bias
+        target = stand_in() if stand_in is not None else module
         with torch.no_grad():
             if self._init is not None:
-                self._init(module)
-            elif hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-            elif hasattr(module, "_reset_parameters"):  # nn.MultiheadAttention
-                module._reset_parameters()  # noqa: SLF001
+                self._init(target)
+            elif hasattr(target, "reset_parameters"):
+                target.reset_parameters()
+            elif hasattr(target, "_reset_parameters"):  # nn.MultiheadAttention
+                target._reset_parameters()  # noqa: SLF001
         for name, t in fresh:
             if t.is_floating_point() and torch.isnan(t).any():
                 where = self.names.get(id(module), type(module).__name__)

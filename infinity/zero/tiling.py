@@ -217,6 +217,15 @@ class TiledLinear(_Tiled):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, tiles={len(self.tiles)}"
 
+    def init_stand_in(self) -> nn.Linear:
+        """An nn.Linear of the original shape whose weight is on meta and whose bias is this
+        module's: what a model's `_init_weights(module)` or `reset_parameters()` initialises in
+        place of the tiled module, which neither knows ([Note: deferred initialisation] in
+        zero/init.py). The tiles' rows are initialised as Linears of their own."""
+        shell = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
+        shell.bias = self.bias
+        return shell
+
 
 class TiledEmbedding(_Tiled):
     """An nn.Embedding whose weight is row tiles; a lookup calls only the tiles it needs."""
