@@ -526,3 +526,42 @@ def test_a_wait_cut_off_by_an_interrupt_is_reported_not_a_key_error(tmp_path):
     handle._engine.wait(rid)  # noqa: SLF001
     handle.close()  # no KeyError
     assert handle.num_pending == 0
+
+
+_BLOCKED_READ = """
+import os, signal, sys, time
+from infinity.io import AsyncIOHandle, aligned_empty
+fifo = sys.argv[1]
+writer = os.open(fifo, os.O_RDWR)  # a writer exists: opening it to read does not block
+handle = AsyncIOHandle(engine="io_uring", queue_depth=1)
+buf = aligned_empty(4096)
+rid = handle.submit_read(buf, fifo)
+print("waiting", flush=True)
+try:
+    handle.wait(rid)
+    print("returned", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", handle.done(rid), flush=True)
+os.write(writer, b"x" * 4096)  # the read can end now, and is waited for again
+handle.wait(rid)
+print("read", bytes(buf[:2].numpy()), flush=True)
+"""
+
+
+@pytest.mark.skipif("io_uring" not in available_engines(), reason="io_uring is refused here")
+def test_a_signal_reaches_python_while_a_wait_blocks(tmp_path):
+    """A read of a pipe that nothing writes to never ends on its own: Ctrl-C in the waiting main
+    thread raises KeyboardInterrupt there (the engine used to wait in C++ with signals held back,
+    so that only kill -9 ended it), the read goes on, and waiting again gives its outcome."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    child = subprocess.Popen([sys.executable, "-c", _BLOCKED_READ, str(fifo)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "waiting"
+        time.sleep(0.3)  # inside wait(), blocked on the pipe
+        child.send_signal(2)
+        out, _ = child.communicate(timeout=30)
+    finally:
+        child.kill()
+        child.communicate()
+    assert out.split("\n")[:2] == ["interrupted False", "read b'xx'"], out

@@ -119,8 +119,17 @@ class IoUring final : public Backend {
     close(fd_);
   }
 
+  // [Note: a failed submission takes its entries back]
+  // Without SQPOLL the kernel consumes submission entries only inside io_uring_enter, and
+  // advances the ring's head past each one it takes. So after every submit() the ring holds no
+  // entry: what the kernel took is in flight (and completes, with its result or -errno), and
+  // what it did not take is taken back by moving the tail back to the head. A failed enter()
+  // leaves nothing behind to go out with a later one, pointing at memory the caller has since
+  // reused: the caller knows of every piece exactly what happened to it.
   int submit(Piece* const* pieces, int n) override {
+    const unsigned head = __atomic_load_n(sq_head_, __ATOMIC_ACQUIRE);
     unsigned tail = *sq_tail_;
+    n = std::min<int>(n, static_cast<int>(sq_entries_ - (tail - head)));
     for (int i = 0; i < n; ++i) {
       const Piece* p = pieces[i];
       unsigned index = tail & sq_mask_;
@@ -136,16 +145,18 @@ class IoUring final : public Backend {
       ++tail;
     }
     __atomic_store_n(sq_tail_, tail, __ATOMIC_RELEASE);
-    unsubmitted_ += n;
-    int r = enter(0, 0);
-    // Entries the kernel did not consume stay in the ring and go with the next enter().
-    return r < 0 && r != -EAGAIN && r != -EBUSY ? r : n;
+    int r = enter(static_cast<unsigned>(n), 0, 0);
+    const unsigned taken = __atomic_load_n(sq_head_, __ATOMIC_ACQUIRE) - head;
+    if (taken < static_cast<unsigned>(n)) __atomic_store_n(sq_tail_, head + taken, __ATOMIC_RELEASE);
+    if (taken > 0) return static_cast<int>(taken);
+    // EBUSY: completions must be reaped before the kernel takes more; the caller tries again.
+    return r == -EBUSY ? -EAGAIN : std::min(r, 0);
   }
 
   int reap(int min_nr, int max_nr, Completion* out) override {
     int count = drain(max_nr, out);
     while (count < min_nr) {
-      int r = enter(min_nr - count, IORING_ENTER_GETEVENTS);
+      int r = enter(0, static_cast<unsigned>(min_nr - count), IORING_ENTER_GETEVENTS);
       if (r < 0 && r != -EAGAIN && r != -EBUSY) return r;
       count += drain(max_nr - count, out + count);
     }
@@ -178,7 +189,9 @@ class IoUring final : public Backend {
 
     char* sq = static_cast<char*>(sq_ring_);
     char* cq = static_cast<char*>(cq_ring_);
+    sq_head_ = reinterpret_cast<unsigned*>(sq + p.sq_off.head);
     sq_tail_ = reinterpret_cast<unsigned*>(sq + p.sq_off.tail);
+    sq_entries_ = p.sq_entries;
     sq_mask_ = *reinterpret_cast<unsigned*>(sq + p.sq_off.ring_mask);
     sq_array_ = reinterpret_cast<unsigned*>(sq + p.sq_off.array);
     cq_head_ = reinterpret_cast<unsigned*>(cq + p.cq_off.head);
@@ -194,13 +207,10 @@ class IoUring final : public Backend {
     return false;
   }
 
-  int enter(int min_complete, unsigned flags) {
+  int enter(unsigned to_submit, unsigned min_complete, unsigned flags) {
     for (;;) {
-      long r = syscall(__NR_io_uring_enter, fd_, unsubmitted_, min_complete, flags, nullptr, 0);
-      if (r >= 0) {
-        unsubmitted_ -= static_cast<unsigned>(r);
-        return static_cast<int>(r);
-      }
+      long r = syscall(__NR_io_uring_enter, fd_, to_submit, min_complete, flags, nullptr, 0);
+      if (r >= 0) return static_cast<int>(r);
       if (errno != EINTR) return neg_errno();
     }
   }
@@ -221,12 +231,13 @@ class IoUring final : public Backend {
   }
 
   int fd_;
-  unsigned unsubmitted_ = 0;
   void* sq_ring_ = nullptr;
   void* cq_ring_ = nullptr;
   size_t sq_bytes_ = 0, cq_bytes_ = 0, sqes_bytes_ = 0;
   struct io_uring_sqe* sqes_ = nullptr;
+  unsigned* sq_head_ = nullptr;  // advanced by the kernel past each entry it consumes
   unsigned* sq_tail_ = nullptr;
+  unsigned sq_entries_ = 0;
   unsigned* sq_array_ = nullptr;
   unsigned sq_mask_ = 0;
   unsigned* cq_head_ = nullptr;

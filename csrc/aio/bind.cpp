@@ -57,17 +57,25 @@ PYBIND11_MODULE(_aio, m) {
           "wait",
           [](Engine& e, uint64_t id) {
             Status status;
-            bool found;
+            Engine::Wait outcome;
             {
               py::gil_scoped_release release;
-              found = e.wait(id, &status);
+              // Signal handlers run while it waits (Ctrl-C, SIGTERM): only in the main thread,
+              // where PyErr_CheckSignals runs them; elsewhere it returns 0 at once.
+              outcome = e.wait(id, &status, [] {
+                py::gil_scoped_acquire gil;
+                return PyErr_CheckSignals() != 0;
+              });
             }
-            if (!found) throw py::key_error("unknown or already completed request " + std::to_string(id));
+            if (outcome == Engine::Wait::kInterrupted) throw py::error_already_set();
+            if (outcome == Engine::Wait::kUnknown)
+              throw py::key_error("unknown or already completed request " + std::to_string(id));
             return py::make_tuple(status.error, status.error_offset, status.finished_s);
           },
           py::arg("id"),
           "Blocks until the request completes; returns (errno or 0, failing offset, time.monotonic()\n"
-          "seconds at completion).")
+          "seconds at completion). A signal handler that raises while it waits (KeyboardInterrupt)\n"
+          "raises here; the request goes on and can be waited for again.")
       .def("done", &Engine::done, py::arg("id"),
            "Whether the request has completed, so that wait() returns at once (never blocks).")
       .def("pending", &Engine::pending);

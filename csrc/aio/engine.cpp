@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -142,12 +143,25 @@ class Worker {
       for (Chunk& c : fresh) expand(c);
 
       if (config_.overlap_events || in_flight_ == 0) submit_ready();
-      if (in_flight_ == 0) continue;
+      if (in_flight_ == 0) {
+        if (!ready_.empty()) pause();  // the kernel took nothing (EAGAIN): try again shortly
+        continue;
+      }
       int min_nr = config_.overlap_events ? 1 : in_flight_;
       int n = backend_->reap(min_nr, config_.queue_depth, completions.data());
-      if (n < 0) n = 0;  // interrupted reap: every piece is still owned by the kernel; retry
+      if (n < 0) {  // a failed reap: every piece is still the kernel's and completes later
+        pause();
+        continue;
+      }
       for (int i = 0; i < n; ++i) complete(completions[i].piece, completions[i].result);
     }
+  }
+
+  // A millisecond's rest before trying the kernel again, so that a refusal that lasts (a full
+  // queue, a failing syscall) does not spin a core the compute threads need.
+  static void pause() {
+    struct timespec ms = {0, 1000000};
+    nanosleep(&ms, nullptr);
   }
 
   // Cuts a chunk into pieces: buffered partial pages at an unaligned start or end, and the
@@ -207,10 +221,10 @@ class Worker {
         batch[n++] = s;
       }
       if (n == 0) continue;
-      int taken = backend_->submit(batch, n);
+      int taken = backend_->submit(batch, n);  // what it did not take was not sent
       if (taken < 0) {
         if (taken == -EAGAIN || taken == -EINTR) taken = 0;
-        else {
+        else {  // the submission failed: its pieces fail, once, and their slots are free
           for (int i = 0; i < n; ++i) {
             batch[i]->chunk->request->fail(-taken, batch[i]->offset);
             release(batch[i]);
@@ -397,17 +411,23 @@ std::shared_ptr<Request> Engine::find(uint64_t id) const {
   return it == requests_.end() ? nullptr : it->second;
 }
 
-bool Engine::wait(uint64_t id, Status* status) {
+Engine::Wait Engine::wait(uint64_t id, Status* status, const std::function<bool()>& interrupted) {
   std::shared_ptr<Request> req = find(id);
-  if (!req) return false;
+  if (!req) return Wait::kUnknown;
   {
     std::unique_lock<std::mutex> lock(req->mu);
-    req->done_cv.wait(lock, [&] { return req->done; });
+    while (!req->done_cv.wait_for(lock, std::chrono::milliseconds(20), [&] { return req->done; })) {
+      if (!interrupted) continue;
+      lock.unlock();  // the check may take other locks (Python's)
+      const bool stop = interrupted();
+      lock.lock();
+      if (stop && !req->done) return Wait::kInterrupted;
+    }
     *status = req->status;
   }
   std::lock_guard<std::mutex> lock(mu_);
   requests_.erase(id);
-  return true;
+  return Wait::kDone;
 }
 
 bool Engine::done(uint64_t id) const {

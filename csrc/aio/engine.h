@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -97,8 +98,9 @@ struct Completion {
 class Backend {
  public:
   virtual ~Backend() = default;
-  // Queues `n` pieces (at most 64) and returns how many the kernel took, or -errno. The pieces
-  // must stay at their addresses until reaped.
+  // Queues `n` pieces (at most 64) and returns how many the kernel took (the first ones), or
+  // -errno when it took none. A piece not taken was not sent and never will be: the caller
+  // submits it again or fails it. Pieces taken must stay at their addresses until reaped.
   virtual int submit(Piece* const* pieces, int n) = 0;
   // Waits for at least `min_nr` completions; returns how many were written to `out` (at most
   // `max_nr`), or -errno. Every submitted piece completes (with its result or -errno).
@@ -146,8 +148,12 @@ class Engine {
   // be opened (nothing is queued then). `direct` tells whether O_DIRECT is in use.
   int64_t submit(Op op, char* buf, size_t nbytes, const std::string& path, int64_t offset,
                  bool* direct);
-  // Blocks until request `id` completes; false if `id` is unknown (already waited for).
-  bool wait(uint64_t id, Status* status);
+  enum class Wait : uint8_t { kDone, kInterrupted, kUnknown };
+  // Blocks until request `id` completes (kDone, `status` filled). While it waits it asks
+  // `interrupted` every few milliseconds; when that says stop, it returns kInterrupted and the
+  // request goes on, to be waited for again (so a signal reaches the caller's thread while the
+  // disk is slow or stuck). kUnknown if `id` is unknown (already waited for).
+  Wait wait(uint64_t id, Status* status, const std::function<bool()>& interrupted = nullptr);
   // Whether request `id` has completed (wait() would not block); false if `id` is unknown.
   bool done(uint64_t id) const;
   // Ids of requests not yet waited for, oldest first.
