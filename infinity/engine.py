@@ -251,6 +251,8 @@ class Engine(ConfigGetters, ModuleSurface):
                 self.policy.begin_pass(last=self._expected_boundary())
         args, kwargs = self.accelerator.move((args, kwargs))  # inputs go where the model computes
         try:
+            if opens:
+                self.fetcher.ready_persistent()  # [Note: persistent units' updates] in zero/step_policy.py
             with TIMELINE.span("forward", "phase"):
                 out = self.module(*args, **kwargs)
         except BaseException:  # the pass is over: nothing will run its backward
@@ -796,8 +798,11 @@ class Engine(ConfigGetters, ModuleSurface):
         module cannot be used afterwards: their parameters' values are gone with the tiers."""
         if not self.lifecycle.close():  # delivers the signals held, while the engine is still open
             return
-        with deferred_signals():  # what arrives now waits for the cleanup ([Note: signals during cleanup])
-            self._close()
+        with deferred_signals() as arrived:  # what arrives now waits for the cleanup ([Note: signals during cleanup])
+            try:
+                self._close()
+            finally:  # before the handlers run: a save they try says why there is nothing to save
+                self.lifecycle.signals_in_close = list(arrived)
 
     @property
     def closed(self) -> bool:

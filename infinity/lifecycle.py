@@ -49,6 +49,7 @@ whether the values are those of a step:
 from __future__ import annotations
 
 import enum
+import signal
 
 from infinity.signals import SignalGate
 
@@ -249,7 +250,11 @@ class Lifecycle:
 
     def check_open(self) -> None:
         if self.phase is Phase.CLOSED:
-            raise RuntimeError(CLOSED_MESSAGE)
+            late = "".join(f"; {signal.Signals(n).name} arrived during engine.close() and its handler ran once the "
+                           "close was done, with nothing left to save or train" for n in self.signals_in_close[:1])
+            raise RuntimeError(CLOSED_MESSAGE + late)
+
+    signals_in_close: list[int] = []  # held signals that arrived during the cleanup ([Note: signals during cleanup])
 
     def close(self) -> bool:
         """True the first time: the caller releases the tiers. The signals held go back first."""

@@ -174,13 +174,14 @@ class SignalGate:
 
 
 @contextlib.contextmanager
-def deferred_signals() -> Iterator[None]:
+def deferred_signals() -> Iterator[list[int]]:
     """Every held signal that arrives inside the block acts when it ends, whatever its
-    disposition ([Note: signals during cleanup]). In the main thread only."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    disposition ([Note: signals during cleanup]); the block is given the list of those that
+    arrived so far. In the main thread only."""
     arrived: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield arrived
+        return
     saved: dict[int, object] = {}
     try:
         for signum in HELD:  # a handler pending now runs here, before anything is removed
@@ -189,7 +190,7 @@ def deferred_signals() -> Iterator[None]:
                 continue
             saved[signum] = handler
             signal.signal(signum, lambda signum, frame: arrived.append(signum))
-        yield
+        yield arrived
     finally:
         for signum, handler in saved.items():
             signal.signal(signum, handler)

@@ -89,14 +89,16 @@ class Job:
             assert time.monotonic() < deadline, f"{what}:\n{self.log.read_text()[-4000:]}"
             time.sleep(0.01)
 
-    def round(self, spec: str, queue_depth: int = 1, tries: int = STEPS + 4, timeout: float = 90) -> dict:
+    def round(self, spec: str, queue_depth: int = 1, tries: int = STEPS + 4, timeout: float = 90,
+              **settings) -> dict:
         """Trains a new engine with `spec` (strace's -e inject=...) from once it is built until it
         has trained; returns its result.json, with the state read back as "final". Fails the test
-        if the round does not end within `timeout` seconds."""
+        if the round does not end within `timeout` seconds. `settings`: the round's engine,
+        persistence and phase (tests/fault_job.py)."""
         if self.child is None:
             self._start()
         deadline = time.monotonic() + timeout
-        _put(self._path("round"), json.dumps({"queue_depth": queue_depth, "tries": tries}))
+        _put(self._path("round"), json.dumps({"queue_depth": queue_depth, "tries": tries, **settings}))
         tracer = None
         try:
             self._await(self._path("ready"), deadline, "the engine was not built")
@@ -117,6 +119,9 @@ class Job:
                 result = json.load(f)
             if result["state"] == "read":
                 result["final"] = torch.load(self._path("state") + ".pt")
+            if os.path.exists(self._path("export") + ".json"):
+                with open(self._path("export") + ".json") as f:
+                    result["export"] = json.load(f)
             self.r += 1
             return result
         except BaseException:
@@ -127,11 +132,11 @@ class Job:
                 tracer.kill()
                 tracer.wait()
 
-    def reference(self, timeout: float = 120) -> dict[int, dict[str, torch.Tensor]]:
+    def reference(self, timeout: float = 120, **settings) -> dict[int, dict[str, torch.Tensor]]:
         """A round without failures: {k: the state after k steps}."""
         if self.child is None:
             self._start()
-        _put(self._path("round"), json.dumps({"reference": True}))
+        _put(self._path("round"), json.dumps({"reference": True, **settings}))
         self._await(self._path("result") + ".json", time.monotonic() + timeout, "the reference did not end")
         states = {k: torch.load(self._path(f"state_{k}") + ".pt") for k in range(1, STEPS + 1)}
         self.r += 1
@@ -168,23 +173,32 @@ def reference(job):
     return job.reference()
 
 
-def _check(result: dict, reference: dict, spec: str, complete: bool = True) -> str:
+@pytest.fixture(scope="module")
+def reference_persistent(job):
+    """The same with the default persistence threshold, under which the model is one unit."""
+    return job.reference(persistence="default")
+
+
+def _check(result: dict, reference: dict, spec: str, complete: bool = True, silent: bool = False) -> str:
     """The job's outcome is one of the two allowed; returns which. `complete`: a job that did not
-    refuse applied every step (else it may have run out of tries, each of them an I/O error)."""
+    refuse applied every step (else it may have run out of tries, each of them an I/O error).
+    `silent`: the failed call may be one the engine tries again unseen (a reap of completions,
+    whose pieces are still the kernel's), so no error need reach the job."""
     events = result["events"]
     errors = [e for e in events if e[0] in ("step error", "save error", "state error")]
-    assert errors, f"{spec}: no error reached the job: the injection missed"
+    assert errors or silent, f"{spec}: no error reached the job: the injection missed"
     for kind, name, message in errors:
         # An I/O error (naming the file and offset), or a refusal: never a leaked buffer's
         # TimeoutError, or an error of the error path (release of what was never fetched).
         assert name in ("OSError", "RuntimeError"), (spec, kind, name, message)
         assert name == "RuntimeError" or "Input/output error" in message, (spec, message)
     assert result["buffers_in_use"] == [0, 0], (spec, result["buffers_in_use"])
+    assert result["files_left"] == [], (spec, result["files_left"])
     refused = [i for i, e in enumerate(events) if e[0] in ("step error", "save error") and REFUSAL in e[2]]
     if refused:  # from the first refusal on, nothing is stepped or saved
-        after = events[refused[0]:]
-        assert all(e[0] in ("step error", "save error", "state error") for e in after), (spec, after)
-        assert all(REFUSAL in e[2] for e in after if e[0] == "save error"), (spec, after)
+        after = events[refused[0]:]  # (an export of the checkpoint, not the engine, may still be written)
+        assert all(e[0].endswith(" error") for e in after), (spec, after)
+        assert all(REFUSAL in e[2] for e in after if e[0] in ("save error", "16bit error")), (spec, after)
         return "refused"
     applied = result["applied"]
     assert applied == STEPS or not complete and applied > 0, (spec, events)
@@ -208,6 +222,65 @@ def _check(result: dict, reference: dict, spec: str, complete: bool = True) -> s
 ])
 def test_real_kernel_errors_in_a_clipped_run(job, reference, spec, outcome):
     assert _check(job.round(spec), reference, spec) == outcome
+
+
+# The default engine (io_uring on any recent kernel), at the default queue depth: a failed
+# io_uring_enter used to leave its entries in the ring, sent with the next one over buffers already
+# given back (each of these four points hung before the fix). Odd calls of the I/O thread submit,
+# even ones mostly reap.
+@pytest.mark.parametrize("when,phase", [(1, "train"), (3, "train"), (1, "save"), (3, "state")])
+def test_real_io_uring_errors(job, reference, when, phase):
+    spec = f"io_uring_enter:error=EIO:when={when}"
+    result = job.round(spec, engine="io_uring", phase=phase, queue_depth=8)
+    assert _check(result, reference, spec, silent=phase != "train" or when % 2 == 0) in ("exact", "refused")
+
+
+@pytest.mark.parametrize("spec", ["io_submit:error=EIO:when=3", "io_getevents:error=EIO:when=4"])
+def test_real_kernel_aio_errors(job, reference, spec):
+    _check(job.round(spec, engine="aio"), reference, spec, silent="getevents" in spec)
+
+
+def test_a_read_error_in_a_persistent_units_update_inside_step(job, reference_persistent):
+    """The default persistence threshold: every unit of this model stays gathered and is updated
+    inside `step()`. A failed optimizer read there used to leave the unit released for good (every
+    later forward: "'weight' must be 2-D"); now the retry reads again and applies the step once."""
+    spec = "pread64:error=EIO:when=2"
+    result = job.round(spec, persistence="default")
+    assert _check(result, reference_persistent, spec, silent=True) == "exact"
+    warned = [w for w in result["warnings"] if "persistent unit" in w and "Input/output error" in w]
+    assert warned or any(e[0] != "ok" for e in result["events"]), f"{spec}: the injection missed"
+
+
+def test_io_errors_inside_an_export(job, reference):
+    """save_16bit_model and consolidate with one failed io_uring_enter each way in: an export
+    either raises (leaving no file under its name) or is whole, equal to the one written after."""
+    spec = "io_uring_enter:error=EIO:when=2+2"
+    result = job.round(spec, engine="io_uring", phase="export", queue_depth=8)
+    assert not [e for e in result["events"] if e[0].endswith(" left")], result["events"]
+    assert all(v in (None, True) for v in result["export"].values()), result["export"]
+    assert any(e[0].endswith("error") for e in result["events"]), f"{spec}: the injection missed"
+    _check(result, reference, spec, silent=True)  # the engine after it: exact, or refusing
+
+
+@pytest.mark.slow
+def test_real_io_uring_errors_at_many_points(job, reference):
+    outcomes = {}
+    for phase, points in (("train", (2, 5, 6, 12, 30, "9+20", "15+")), ("save", (1, 5, 9)),
+                          ("state", (3, 16, 45))):
+        for when in points:
+            spec = f"io_uring_enter:error=EIO:when={when}"
+            periodic = "+" in str(when)
+            result = job.round(spec, engine="io_uring", phase=phase, queue_depth=8,
+                               tries=40 if periodic else STEPS + 4)
+            outcomes[(phase, spec)] = _check(result, reference, spec, complete=not periodic, silent=True)
+    assert "exact" in outcomes.values(), outcomes
+
+
+@pytest.mark.slow
+def test_persistent_units_at_many_points(job, reference_persistent):
+    for when in (3, 5, 8, 12, 16, 20, 30, 45, 60):
+        spec = f"pread64:error=EIO:when={when}"
+        _check(job.round(spec, persistence="default"), reference_persistent, spec, silent=True)
 
 
 @pytest.mark.slow

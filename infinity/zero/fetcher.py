@@ -78,6 +78,16 @@ class Fetcher:
         self.in_step = True
         self._prefetched = set()  # reads started by `prefetch_next_step` are the tier's: it serves them
 
+    def ready_persistent(self) -> None:
+        """Before a forward: each persistent unit whose update waits (one that failed in `step()`)
+        is updated, and one that a failed update left released is gathered again ([Note:
+        persistent units' updates] in step_policy.py)."""
+        for u in self.units:
+            if u.persistent:
+                self.updates.run(u)
+                if u.state is UnitState.RELEASED:
+                    self._gather(u)
+
     def release_idle(self) -> None:
         """Releases every gathered unit that is neither persistent nor in use."""
         for u in self.units:

@@ -38,7 +38,7 @@ the fp16 loss scaling and the optimizer tier) and read by the engine, the policy
                 is pending until just before its next use ([Note: updates after the norm]).
 
 Persistent units are updated in `step()` in every mode: their gathered copies are in use while
-autograd runs and during the next forward. Which units' gradients skip the accumulator and in
+autograd runs and during the next forward ([Note: persistent units' updates]). Which units' gradients skip the accumulator and in
 which order the first step is expected to update units follow from the mode too
 (`gradients_used_at_once`, `expected_update_order`).
 
@@ -107,6 +107,19 @@ update is pending raise, saying to restore a checkpoint) until a load replaces a
     (the tiers' `damage()`): its bytes are gone.
 A failed read outside an update (a parameter fetch, a checkpoint's read) changes nothing: the
 step or save is abandoned and may be tried again.
+
+[Note: persistent units' updates]
+Persistent units have no hooks: they are gathered once and stay so. In AT_NEXT_USE `step()` leaves
+their updates waiting like every other unit's (the same hyper-parameters, step count and clip
+coefficient), first in the order, and runs them at once. One that fails on a read is PARTIAL as
+at a next use: `step()` logs it and returns (the step is taken: its norm, count and
+hyper-parameters are fixed, and its gradients were consumed), and the failed update and those
+after it resume before the next forward (`Fetcher.ready_persistent`), which raises if the read
+fails again; so going on gives the numbers of a run without the failure, where raising from
+`step()` would have the caller repeat a step that was taken. An update that cannot resume damages
+the state and `step()` raises, as for any unit. A persistent unit that a failed update left
+released is gathered again before the next forward, so that a refusing engine says so instead of
+running a layer without its weights.
 """
 
 from __future__ import annotations
@@ -432,16 +445,29 @@ class StepPolicy:
                 log.info("step %d: gradient overflow, skipped; loss scale now %g", step_number, self.scaler.scale)
         else:
             left = [u for u in units if u.index not in self._updated]
-            at_next_use = self.mode is UpdateMode.AT_NEXT_USE
-            later = [u for u in left if not u.persistent] if at_next_use else []
-            now = [u for u in left if u.persistent] if at_next_use else left
-            for u in self.optim_state.step_order(now):
-                self._update(u, grad_scale, "step")
-            if later:  # [Note: updates after the norm]
+            if self.mode is not UpdateMode.AT_NEXT_USE:
+                for u in self.optim_state.step_order(left):
+                    self._update(u, grad_scale, "step")
+            elif left:  # [Note: updates after the norm]
+                now = self.optim_state.step_order([u for u in left if u.persistent])
+                later = self._next_forward_order([u for u in left if not u.persistent])
                 self._begin_update()
-                self.updates.leave(self._next_forward_order(later), self._hypers, self.optimizer.step_count,
-                                   grad_scale)
+                self.updates.leave(now + later, self._hypers, self.optimizer.step_count, grad_scale)
+                self._update_persistent(now, step_number)
         return StepOutcome(grad_norm, not overflow, self._updated_in_backward)
+
+    def _update_persistent(self, units: list[Unit], step_number: int) -> None:
+        """Runs the waiting updates of the persistent units now ([Note: persistent units' updates])."""
+        for u in units:
+            try:
+                self.updates.run(u)
+            except OSError as e:
+                if self.broken is not None:  # not resumable: steps refuse from now on
+                    raise
+                log.warning("step %d: the update of persistent unit %d failed part way (%s); the step is taken, "
+                            "and the update resumes from where it failed before the next forward (which raises "
+                            "if it fails again)", step_number, u.index, e)
+                return  # the others wait with it: the disk just failed
 
     def _begin_update(self) -> None:
         if self._hypers is None:  # the step's first update
@@ -458,8 +484,8 @@ class StepPolicy:
                 unit, self._hypers, self.optimizer.step_count, grad_scale, target))
         except BaseException as e:  # [Note: failed updates]
             self.optim_state.mark_damaged(unit, f"the update of unit {unit.index} in {where} failed "
-                                                f"({type(e).__name__}: {e}) after {len(self._updated)} other units "
-                                                "took the step")
+                                                f"({type(e).__name__}: {e}) when {len(self._updated)} other units "
+                                                "had taken the step and it may have taken part of it")
             raise
         self._updated.add(unit.index)
 
