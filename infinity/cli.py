@@ -14,6 +14,7 @@ left on disk).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -106,6 +107,11 @@ def _check_finetune_arguments(parser: argparse.ArgumentParser, args: argparse.Na
     if args.save_total_limit is not None and not args.save:
         parser.error("--save-total-limit: keeps the newest checkpoints under --save; give --save DIR too")
     if args.config:
+        try:  # read before the data and the model are
+            with open(args.config, encoding="utf-8") as f:
+                json.load(f)
+        except ValueError as e:  # UnicodeDecodeError (a binary file) and JSONDecodeError are ValueErrors
+            parser.error(f"--config {args.config}: not a JSON file ({e})")
         given = [flag for flag, value in (("--lr", args.lr), ("--batch", args.batch), ("--offload", args.offload))
                  if value is not None]
         if given:

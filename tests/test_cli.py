@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import pytest
 
@@ -41,6 +42,8 @@ def test_finetune_names_an_unknown_preset(tmp_path, capsys):
 @pytest.mark.parametrize("extra,said", [
     (["--data", "/no/such.txt"], "--data /no/such.txt: not a file"),
     (["--config", "/no/such.json"], "--config /no/such.json: not a file"),
+    (["--config", "BIN"], "not a JSON file"),  # a model's weights given as the config
+    (["--config", "BAD"], "--config"),
     (["--model", "/no/such/model"], "--model /no/such/model: not a directory"),
     (["--config", "CFG", "--lr", "1e-3", "--batch", "2"], "--lr, --batch: only set the built-in config"),
     (["--lr", "-1"], "argument --lr: expected a positive number, got -1"),
@@ -48,12 +51,18 @@ def test_finetune_names_an_unknown_preset(tmp_path, capsys):
     (["--save", "CKPT", "--save-total-limit", "0"], "argument --save-total-limit: expected a positive integer")])
 def test_finetune_bad_paths_and_conflicts_are_refused_before_any_work(tmp_path, capsys, extra, said):
     (tmp_path / "ds.json").write_text("{}")
-    named = {"CFG": str(tmp_path / "ds.json"), "CKPT": str(tmp_path / "ckpt")}
+    (tmp_path / "model.pt").write_bytes(b"\x80\x02PK" + bytes(range(256)))
+    (tmp_path / "bad.json").write_text('{"train_batch_size": 4,')
+    named = {"CFG": str(tmp_path / "ds.json"), "CKPT": str(tmp_path / "ckpt"), "BIN": str(tmp_path / "model.pt"),
+             "BAD": str(tmp_path / "bad.json")}
     argv = ["finetune", "--nvme-path", str(tmp_path)] + [named.get(a, a) for a in extra]
     with pytest.raises(SystemExit) as exit_:
         infinity_main(argv)
     assert exit_.value.code == 2
-    assert said in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert said in err and "codec" not in err.split(":")[0]
+    if "BIN" in extra or "BAD" in extra:  # the option and the file named
+        assert f"--config {named[extra[-1]]}: not a JSON file" in err
 
 
 def test_finetune_data_shorter_than_a_sequence_is_an_error_not_a_traceback(tmp_path, capsys):
@@ -89,11 +98,32 @@ def test_sweep_writes_a_config_block_the_engine_reads(tmp_path, capsys):
     assert "GB/s" in capsys.readouterr().out
 
 
-def test_sweep_refuses_a_bad_directory(tmp_path):
-    with pytest.raises(SystemExit, match="not a directory"):
-        sweep_main(["--nvme-path", str(tmp_path / "missing"), "--quick"])
-    with pytest.raises(SystemExit, match="GiB free"):
-        sweep_main(["--nvme-path", str(tmp_path), "--io-size", "1000T"])
+def _read_only_mount(tmp_path) -> str | None:
+    """A read-only file system at tmp_path/ro (root alone passes os.access there), or None."""
+    target = tmp_path / "ro"
+    target.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(target)], capture_output=True)
+    return str(target) if done.returncode == 0 else None
+
+
+def test_sweep_refuses_a_bad_directory_or_size_as_a_bad_value(tmp_path, capsys):
+    """Exit 2 and one line naming the flag, as for every other bad value (these exited 1)."""
+    (tmp_path / "file").write_text("x")
+    cases = [(str(tmp_path / "missing"), [], "--nvme-path", "not a directory"),
+             (str(tmp_path / "file"), [], "--nvme-path", "not a directory"),
+             (str(tmp_path), ["--io-size", "1T"], "--io-size", "GiB free")]
+    read_only = _read_only_mount(tmp_path)
+    if read_only is not None:
+        cases.append((read_only, [], "--nvme-path", "cannot create a file there"))
+    try:
+        for path, extra, flag, said in cases:
+            with pytest.raises(SystemExit) as exit_:
+                sweep_main(["--nvme-path", path, "--quick", *extra])
+            err = capsys.readouterr().err
+            assert exit_.value.code == 2 and flag in err and said in err and len(err.strip().splitlines()) == 1, err
+    finally:
+        if read_only is not None:
+            subprocess.run(["umount", read_only], check=True)
 
 
 @pytest.mark.parametrize("argv, named", [

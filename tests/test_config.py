@@ -288,6 +288,11 @@ def test_aio_block_size_must_be_positive() -> None:
     raises(with_key(MINIMAL, "aio.block_size", 0), ValueError, "aio.block_size: expected a size")
 
 
+def test_aio_block_size_is_whole_pages_as_aio_bench_sweep_says() -> None:
+    raises(with_key(MINIMAL, "aio.block_size", 1000), ValueError, "aio.block_size: expected a whole number of pages")
+    assert load_config(with_key(MINIMAL, "aio.block_size", 262144)).aio.block_size == 262144
+
+
 # --- unknown, unimplemented and "auto" keys
 
 @pytest.mark.parametrize(("path", "suggestion"), [

@@ -203,6 +203,9 @@ def _read(config: Any) -> Any:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise FileNotFoundError(f"config: no such file: {path}") from None
+    except UnicodeDecodeError as error:  # a binary file (a model's weights given as the config)
+        raise ValueError(f"config: {path}: not a JSON file (byte {error.object[error.start]:#04x} at offset "
+                         f"{error.start} is not UTF-8 text)") from None
     try:
         return json.loads(text, object_pairs_hook=_without_duplicates)
     except ValueError as error:  # json.JSONDecodeError is a ValueError

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 import logging
@@ -520,7 +521,8 @@ class AIOConfig:
     _PATH: ClassVar[str] = "aio"
 
     block_size: int = _spec(_size, minimum=1, default=1_048_576)
-    """Bytes per I/O request a transfer is split into."""
+    """Bytes per I/O request a transfer is split into: whole pages, as aio_bench_sweep measures
+    them (the engine cuts requests at the page, so 1000 would be read as 4096)."""
     queue_depth: int = _spec(_int, minimum=1, default=8)
     """Requests each worker keeps in flight."""
     thread_count: int = _spec(_int, minimum=1, default=1)
@@ -539,6 +541,10 @@ class AIOConfig:
 
     def __post_init__(self) -> None:
         _validate(self)
+        page = os.sysconf("SC_PAGE_SIZE")
+        if self.block_size % page:
+            raise ValueError(f"{self._PATH}.block_size: expected a whole number of pages (a multiple of {page} "
+                             f"bytes, where the engine cuts its requests), got {self.block_size}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

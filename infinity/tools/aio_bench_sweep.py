@@ -32,6 +32,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 
 import psutil
 from tqdm import tqdm
@@ -73,15 +74,19 @@ def _grid(args: argparse.Namespace) -> list[Setting]:
         pick["overlap_events"], pick["engines"])]
 
 
-def _check_target(directory: str, io_size: int) -> None:
+def _check_target(parser: argparse.ArgumentParser, directory: str, io_size: int) -> None:
+    """Before any work: a bad --nvme-path, or an --io-size its disk cannot hold, is a bad value
+    (exit 2, one line), as every other flag's is."""
     if not os.path.isdir(directory):
-        raise SystemExit(f"aio_bench_sweep: --nvme-path {directory}: not a directory")
-    if not os.access(directory, os.W_OK):
-        raise SystemExit(f"aio_bench_sweep: --nvme-path {directory}: not writable")
+        parser.error(f"argument --nvme-path {directory}: not a directory")
+    try:  # a try, not os.access: root passes that on a read-only mount
+        tempfile.TemporaryFile(dir=directory).close()
+    except OSError as e:
+        parser.error(f"argument --nvme-path {directory}: cannot create a file there ({e.strerror})")
     free = shutil.disk_usage(directory).free
     if free < io_size + (64 << 20):
-        raise SystemExit(f"aio_bench_sweep: --nvme-path {directory}: needs {io_size / 2**30:.2f} GiB "
-                         f"for --io-size plus 64 MiB headroom, {free / 2**30:.2f} GiB free")
+        parser.error(f"argument --io-size: {directory} needs {io_size / 2**30:.2f} GiB for it plus 64 MiB "
+                     f"headroom, and has {free / 2**30:.2f} GiB free")
 
 
 def _plot(results: list[Measured], path: str) -> None:
@@ -225,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     ops = [op for op, on in (("read", args.read), ("write", args.write)) if on] or ["read", "write"]
     if args.remember and len(ops) < 2:
         p.error("--remember: the engine's choice needs reads and writes measured (leave out --read / --write)")
-    _check_target(args.nvme_path, io_size)
+    _check_target(p, args.nvme_path, io_size)
     _check_sizes(p, args, io_size)
     grid = _grid(args)
 
