@@ -17,7 +17,8 @@ imports and the build), runs the round's phase under the tracer, writes trained.
 detached.r, finishes, reads the final state back into state.r.pt and writes result.r.json.
 The phase is what runs while the tracer injects: "train" (the whole training, the default),
 "save" (one save_checkpoint after SAVE_AT steps trained without the tracer; the rest trains once
-it left), "state" (reading the state back after training without it), "export"
+it left), "load" (loading the checkpoint of step SAVE_AT, again once the tracer left if that
+failed, then the rest of the training), "state" (reading the state back after training without it), "export"
 (`save_16bit_model` and `infinity.consolidate` of the step-SAVE_AT checkpoint, then the same once
 the tracer left: export.r.json says whether the files written under the fault were whole); the
 last two end with a save, which tells whether the engine goes on or refuses.
@@ -198,9 +199,9 @@ def one_round(nvme: str, control: str, r: int, steps: int, settings: dict) -> No
     WARNINGS.messages.clear()
     phase = settings.get("phase", "train")
     result: dict = {"events": [], "applied": 0}
-    if phase in ("save", "state", "export"):  # trained without the tracer first
-        result = train(engine, SAVE_AT if phase == "save" else steps, steps, ckpt, save_at=None if phase == "save"
-                       else SAVE_AT)
+    if phase in ("save", "state", "export", "load"):  # trained without the tracer first
+        result = train(engine, SAVE_AT if phase in ("save", "load") else steps, steps, ckpt,
+                       save_at=None if phase == "save" else SAVE_AT)
     put(path("ready"), str(os.getpid()))
     wait_for(path("go"))
     if phase == "train":
@@ -211,6 +212,12 @@ def one_round(nvme: str, control: str, r: int, steps: int, settings: dict) -> No
             result["events"].append(["saved"])
         except Exception as e:  # noqa: BLE001
             result["events"].append(["save error", *describe(e)])
+    elif phase == "load":
+        try:
+            engine.load_checkpoint(ckpt, tag=f"step{SAVE_AT}")
+            result["events"].append(["loaded"])
+        except Exception as e:  # noqa: BLE001
+            result["events"].append(["load error", *describe(e)])
     else:
         if phase == "state":
             read_state(engine, result, None)
@@ -223,7 +230,9 @@ def one_round(nvme: str, control: str, r: int, steps: int, settings: dict) -> No
             result["events"].append(["save error", *describe(e)])
     put(path("trained"))
     wait_for(path("detached"))
-    if phase == "save":  # the rest of the training, as a job goes on after a failed save
+    if phase == "load" and result["events"][-1][0] == "load error":  # a job loads again, then goes on
+        engine.load_checkpoint(ckpt, tag=f"step{SAVE_AT}")
+    if phase in ("save", "load"):  # the rest of the training, as a job goes on after a failed save
         result = train(engine, steps, settings["tries"], ckpt, applied=result["applied"], events=result["events"],
                        save_at=None)
     if phase == "export":  # the same again without faults: what a whole export holds

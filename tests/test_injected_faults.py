@@ -185,7 +185,7 @@ def _check(result: dict, reference: dict, spec: str, complete: bool = True, sile
     `silent`: the failed call may be one the engine tries again unseen (a reap of completions,
     whose pieces are still the kernel's), so no error need reach the job."""
     events = result["events"]
-    errors = [e for e in events if e[0] in ("step error", "save error", "state error")]
+    errors = [e for e in events if e[0] in ("step error", "save error", "state error", "load error")]
     assert errors or silent, f"{spec}: no error reached the job: the injection missed"
     for kind, name, message in errors:
         # An I/O error (naming the file and offset), or a refusal: never a leaked buffer's
@@ -228,7 +228,7 @@ def test_real_kernel_errors_in_a_clipped_run(job, reference, spec, outcome):
 # io_uring_enter used to leave its entries in the ring, sent with the next one over buffers already
 # given back (each of these four points hung before the fix). Odd calls of the I/O thread submit,
 # even ones mostly reap.
-@pytest.mark.parametrize("when,phase", [(1, "train"), (3, "train"), (1, "save"), (3, "state")])
+@pytest.mark.parametrize("when,phase", [(1, "train"), (3, "train"), (1, "save"), (3, "state"), (3, "load")])
 def test_real_io_uring_errors(job, reference, when, phase):
     spec = f"io_uring_enter:error=EIO:when={when}"
     result = job.round(spec, engine="io_uring", phase=phase, queue_depth=8)
@@ -266,7 +266,7 @@ def test_io_errors_inside_an_export(job, reference):
 def test_real_io_uring_errors_at_many_points(job, reference):
     outcomes = {}
     for phase, points in (("train", (2, 5, 6, 12, 30, "9+20", "15+")), ("save", (1, 5, 9)),
-                          ("state", (3, 16, 45))):
+                          ("state", (3, 16, 45)), ("load", (1, 2, 5, 9))):
         for when in points:
             spec = f"io_uring_enter:error=EIO:when={when}"
             periodic = "+" in str(when)

@@ -28,6 +28,7 @@ until that process ends, which errs on the safe side.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import socket
@@ -216,6 +217,9 @@ def read_extent(handle: AsyncIOHandle, path: str, offset: int, nbytes: int, crc:
     try:
         handle.read(buffer, path, offset)
     except OSError as e:
+        if e.errno not in (errno.ENODATA, errno.ENOENT):  # the disk failed (EIO): not the checkpoint's fault
+            raise OSError(e.errno, f"{path}: cannot read {what} ({nbytes} bytes at offset {offset}): {e.strerror}; "
+                          "nothing was loaded from it", path) from None
         raise CheckpointError(f"{path}: cannot read {what} ({nbytes} bytes at offset {offset}): {e.strerror or e}; "
                               "the file is missing or shorter than the manifest says") from None
     if zlib.crc32(buffer.numpy()) != crc:
