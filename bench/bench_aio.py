@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import torch
 
 from infinity.io import AsyncIOHandle, aligned_empty
-from infinity.tools.aio_bench_sweep import parse_size
+from infinity.apps.tools.aio_bench_sweep import parse_size
 
 OPS = ("write", "read")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

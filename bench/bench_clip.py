@@ -110,7 +110,7 @@ class PlainTorch:
 def run_rounds(args, gpt, cfg, work: str) -> dict:
     """Interleaved steps of every engine: per engine, its step times, bytes moved, waits, losses."""
     import infinity
-    from infinity.timeline import TIMELINE
+    from infinity.device.timeline import TIMELINE
 
     engines = {}
     runs = {name: {"times": [], "moved_bytes": [], "waits": [], "losses": []} for name, _, _ in ENGINES}

@@ -37,7 +37,7 @@ def _spread(xs: list[float]) -> dict:
 
 def copies(args) -> dict:
     from infinity.device.cuda import CudaDevice
-    from infinity.tiers.pool import BufferPool
+    from infinity.offload.pool import BufferPool
 
     size = args.copy_mib << 20
     dev = CudaDevice()
@@ -74,7 +74,7 @@ def copies(args) -> dict:
 
 def _gpt(args, meta: bool):
     import infinity
-    from infinity.models.gpt import GPT, GPTConfig
+    from infinity.apps.models.gpt import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, dim=args.dim, layers=args.layers, heads=args.dim // 128)
     torch.manual_seed(0)

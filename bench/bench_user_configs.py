@@ -35,7 +35,7 @@ starting with a different one; the first step of each is a warm-up. Ratios are t
 (the engine's step over max(floors) of that round), then the median (min-max).
 The cases without an aio section measure the disk in the run, into a fresh cache (the setting
 each engine used is in --output): a setting cached at a busy moment is not reused.
---trace-dir writes a timeline ([Note: the timeline] in infinity/timeline.py) of each NVMe
+--trace-dir writes a timeline ([Note: the timeline] in infinity/device/timeline.py) of each NVMe
 engine's last step.
 """
 
@@ -176,7 +176,7 @@ def io_floor(num_params: int, disks: list[dict]) -> dict:
 def run_rounds(args, gpt, model_cfg, work: str) -> tuple[dict, dict]:
     """Interleaved steps of every case: per case its step times, bytes moved and waits."""
     import infinity
-    from infinity.timeline import TIMELINE
+    from infinity.device.timeline import TIMELINE
 
     engines, configs = {}, {}
     runs = {c: {"times": [], "moved_bytes": [], "waits": [], "compute_wait_s": [], "losses": []} for c in args.cases}

@@ -16,7 +16,7 @@ from gpt import TinyGPT, batches, config
 from infinity.config import AIOConfig, load_config
 from infinity.io import autotune
 from infinity.io.autotune import Measured, Setting
-from infinity.tools import aio_bench_sweep
+from infinity.apps.tools import aio_bench_sweep
 
 OLD = 1_000_000_000  # a time stamp (2001) no write made during the test can leave behind
 

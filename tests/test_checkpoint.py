@@ -330,7 +330,7 @@ def _train_llama(engine, steps=2):
 def test_consolidate_loads_with_from_pretrained_and_gives_the_engines_logits(tmp_path, tie):
     from gpt import config
 
-    from infinity.cli import main
+    from infinity.apps.cli import main
     cfg = config(3, "nvme", "nvme")
     for s in ("offload_param", "offload_optimizer"):
         cfg["zero_optimization"][s].update(nvme_path=str(tmp_path), buffer_count=9)
@@ -526,7 +526,7 @@ def test_no_checkpoint_of_a_half_updated_state(tmp_path):
     with pytest.raises(OSError, match="injected"):
         engine.step()
     engine.optim_state.update = update
-    # Two units took step 2, the others not ([Note: failed updates] in infinity/zero/step_policy.py).
+    # Two units took step 2, the others not ([Note: failed updates] in infinity/engine/step_policy.py).
     with pytest.raises(RuntimeError, match=r"unit 2 in step failed .*restore the run from a checkpoint"):
         engine.save_checkpoint(tmp_path / "ckpt")
     assert not (tmp_path / "ckpt" / "global_step1").exists()
@@ -774,7 +774,7 @@ def test_export_replaces_another_models_config(tmp_path):
 
 
 def test_consolidate_refuses_an_out_dir_that_is_a_file_or_inside_the_checkpoint(tmp_path, capsys):
-    from infinity.cli import main
+    from infinity.apps.cli import main
     _llama_checkpoint(tmp_path).close()
     tag = tmp_path / "ckpt" / "global_step2"
     (tmp_path / "data.txt").write_text("user data")
@@ -796,7 +796,7 @@ def test_finetune_export_merges_lora_adapters_tile_by_tile(tmp_path, tile_size):
     (no adapter tensors, no base_layer names) and computes what the engine computed."""
     from gpt import config
 
-    from infinity.finetune import add_lora, export_model
+    from infinity.apps.finetune import add_lora, export_model
     model = _llama(tie=True)
     wrapped = add_lora(model, 4)
     engine, *_ = infinity.initialize(model, config=config(3, "cpu", "cpu", lr=1e-2, tile_size=tile_size))
@@ -823,7 +823,7 @@ def test_finetune_export_reads_adapters_ahead_when_their_unit_comes_after_the_we
 
     from torch import nn
 
-    from infinity.finetune import add_lora, export_model
+    from infinity.apps.finetune import add_lora, export_model
 
     class Root(nn.Module):  # the layers are the blocks; q_proj (and so its adapters) is the root's
         def __init__(self):
@@ -865,8 +865,8 @@ def test_consolidate_merges_lora_adapters_into_the_weights(tmp_path, capsys, til
     from gpt import config
 
     from infinity.checkpoint.export import consolidate
-    from infinity.cli import main
-    from infinity.finetune import add_lora
+    from infinity.apps.cli import main
+    from infinity.apps.finetune import add_lora
     model = _llama(tie=False)
     wrapped = add_lora(model, 4)
     scale = model.get_submodule(wrapped[0]).scale

@@ -1,4 +1,4 @@
-"""DeepSpeed's activation checkpointing API (infinity.checkpointing) against torch's own
+"""DeepSpeed's activation checkpointing API (infinity.deepspeed.checkpointing) against torch's own
 checkpoint: the same gradients bit for bit, the recompute really run, the inputs really held in
 host memory (and the device tensor really let go) with cpu_checkpointing, their copies ordered on
 the asynchronous test device, and the engine on NVMe training through it as plain PyTorch does."""
@@ -209,7 +209,7 @@ def test_profile_logs_forward_and_recompute_times(caplog):
     checkpointing.configure(profile=True)
     with caplog.at_level(logging.INFO, logger="infinity"):
         _grads("ours")
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("infinity.checkpointing: ")]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("infinity.deepspeed.checkpointing: ")]
     assert sum(" forward " in line and line.endswith(" ms") for line in lines) == 3
     assert sum(" recompute " in line and line.endswith(" ms") for line in lines) == 3
 
@@ -339,7 +339,7 @@ def test_deepspeed_checkpointing_is_this_module_under_the_alias():
         infinity.as_deepspeed()
         import deepspeed
         from deepspeed.checkpointing import checkpoint
-        import infinity.checkpointing as ours
+        import infinity.deepspeed.checkpointing as ours
         deepspeed.checkpointing.configure(None, partition_activations=True, checkpoint_in_cpu=True)
         print(json.dumps([deepspeed.checkpointing.checkpoint is ours.checkpoint, checkpoint is ours.checkpoint,
                           ours.is_configured(), ours._STATE.config.cpu_checkpointing]))

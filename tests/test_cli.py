@@ -8,10 +8,10 @@ import subprocess
 
 import pytest
 
-from infinity.cli import main as infinity_main
+from infinity.apps.cli import main as infinity_main
 from infinity.config import load_config
-from infinity.tools.aio_bench_sweep import main as sweep_main
-from infinity.tools.aio_bench_sweep import parse_size
+from infinity.apps.tools.aio_bench_sweep import main as sweep_main
+from infinity.apps.tools.aio_bench_sweep import parse_size
 
 
 def test_finetune_a_preset_on_nvme_runs_and_cleans_up(tmp_path, capsys):
@@ -160,10 +160,10 @@ def test_clean_lists_and_removes_what_a_killed_run_left(tmp_path, capsys):
     import subprocess
     import sys
 
-    body = ("import sys, time; from infinity.tiers.store import NvmeStore; "
+    body = ("import sys, time; from infinity.offload.store import NvmeStore; "
             "s = NvmeStore(sys.argv[1], {'param': {0: 1 << 20}}, job_id='killed'); print(s.directory, flush=True); "
             "time.sleep(60)")
-    from infinity.tiers.store import NvmeStore
+    from infinity.offload.store import NvmeStore
 
     def killed_run() -> str:
         with subprocess.Popen([sys.executable, "-c", body, str(tmp_path)], stdout=subprocess.PIPE, text=True,

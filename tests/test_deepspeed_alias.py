@@ -1,4 +1,4 @@
-"""`deepspeed` meaning infinity where asked for (infinity.alias): nowhere without the opt-in;
+"""`deepspeed` meaning infinity where asked for (infinity.deepspeed._alias): nowhere without the opt-in;
 after `infinity.as_deepspeed()`, under `python -m infinity.deepspeed` and in the ranks `infinity
 run` starts, with the metadata transformers and accelerate check; and the adapters behind
 DeepSpeed's names, each against the real thing (torch's optimizers and collectives, the
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import infinity
-from infinity.cli import main as infinity_main
+from infinity.apps.cli import main as infinity_main
 from infinity.deepspeed import comm
 from infinity.deepspeed.__main__ import main as boot
 from infinity.deepspeed.accelerator import get_accelerator
@@ -85,7 +85,7 @@ def test_turning_it_on_after_deepspeed_was_imported_is_an_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
     with pytest.raises(RuntimeError, match="the module deepspeed is imported already"):
         infinity.as_deepspeed()
-    assert not infinity.alias.is_active()
+    assert not infinity.deepspeed._alias.is_active()
 
 
 SURFACES = """
@@ -99,7 +99,7 @@ from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES, WarmupLR
 from deepspeed.utils import logger, safe_get_full_fp32_param
 from deepspeed.utils.logging import log_dist
-import infinity, infinity.deepspeed, infinity.lr_schedules, infinity.optim, infinity.utils
+import infinity, infinity.deepspeed, infinity.optim.lr_schedules, infinity.optim, infinity.deepspeed.utils.full_values
 try:
     import deepspeed.launcher  # DeepSpeed has it, infinity does not: missing, not faked
     missing = False
@@ -124,10 +124,10 @@ print(json.dumps({
     # Init: infinity's, creating the process group first as DeepSpeed's does
     "zero": issubclass(deepspeed.zero.Init, infinity.Init) and pp.ZeroParamStatus is deepspeed.zero.ZeroParamStatus,
     "ops": DeepSpeedCPUAdam is infinity.optim.DeepSpeedCPUAdam and issubclass(FusedAdam, torch.optim.Adam),
-    "lr": WarmupLR is infinity.lr_schedules.WarmupLR and "WarmupLR" in VALID_LR_SCHEDULES,
+    "lr": WarmupLR is infinity.optim.lr_schedules.WarmupLR and "WarmupLR" in VALID_LR_SCHEDULES,
     "comm": dist.get_rank is torch.distributed.get_rank and dist.all_reduce is torch.distributed.all_reduce
             and dist.init_distributed is infinity.init_distributed,
-    "utils": safe_get_full_fp32_param is infinity.utils.safe_get_full_fp32_param
+    "utils": safe_get_full_fp32_param is infinity.deepspeed.utils.full_values.safe_get_full_fp32_param
              and logger is logging.getLogger("infinity") and deepspeed.utils.logging.log_dist is log_dist,
     "accelerator": [get_accelerator() is deepspeed.get_accelerator(), get_accelerator().device_name()],
 }))
@@ -250,7 +250,7 @@ def test_boot_errors_are_one_line_and_status_2(tmp_path, monkeypatch, capsys, ar
         boot([str(tmp_path / "job.py") if a == "JOB" else a for a in argv])
     assert exit_.value.code == 2
     assert said in capsys.readouterr().err
-    assert not infinity.alias.is_active()
+    assert not infinity.deepspeed._alias.is_active()
 
 
 # ---- the adapters ------------------------------------------------------------------------------------------
@@ -363,7 +363,7 @@ def test_logger_is_the_engines_and_log_dist_names_the_rank(caplog):
 
 
 def test_lr_schedule_names_are_the_classes():
-    import infinity.lr_schedules as schedules
+    import infinity.optim.lr_schedules as schedules
 
     assert VALID_LR_SCHEDULES == ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
     assert all(getattr(schedules, name).__name__ == name for name in VALID_LR_SCHEDULES)

@@ -17,8 +17,8 @@ from gpt import TinyGPT, batches, config, engine_run
 import infinity
 from infinity.device import AsyncTestDevice, CpuDevice, make_device
 from infinity.optim.functional import AdamHyper
-from infinity.zero.optim_shards import ResidentOptimizerState
-from infinity.zero.param_shards import ResidentParams
+from infinity.offload.optimizer.memory import ResidentOptimizerState
+from infinity.offload.params.memory import ResidentParams
 from infinity.zero.unit import Unit
 
 SOURCE = pathlib.Path(infinity.__file__).parent

@@ -11,7 +11,7 @@ import torch
 
 import infinity
 from gpt import TinyGPT, batches, config
-from infinity.zero import nvme_optim
+from infinity.offload.optimizer import nvme as nvme_optim
 from test_tiers_faults import FaultyHandle
 
 
@@ -77,7 +77,7 @@ def test_one_failed_transfer_of_optimizer_state(tmp_path, clip, op, monkeypatch)
 def test_a_non_finite_norm_skips_the_step_as_deepspeeds_zero3_does(tmp_path, caplog, check):
     """bf16.check_grad_overflow (default true, as in DeepSpeed 0.19.8): a step whose global
     gradient norm is nan is skipped, in fp32 too; false applies it."""
-    from infinity.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+    from infinity.deepspeed.utils.full_values import safe_get_full_fp32_param, safe_set_full_fp32_param
 
     torch.manual_seed(0)
     model = TinyGPT()

@@ -1,4 +1,4 @@
-"""DeepSpeed's engine getters (infinity/engine_getters.py): each answers what the config in
+"""DeepSpeed's engine getters (infinity/engine/getters.py): each answers what the config in
 force says, under DeepSpeed's method name, on a real engine."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """initialize's client optimizer and LR scheduler, combined as DeepSpeed combines them
-([Note: client optimizer and scheduler] in infinity/entry.py), checked by the weights they train
+([Note: client optimizer and scheduler] in infinity/engine/initialize.py), checked by the weights they train
 against plain PyTorch."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR, OneCycleLR, StepLR
 
 import infinity
-from infinity.lr_schedules import WarmupLR
+from infinity.optim.lr_schedules import WarmupLR
 from infinity.optim.cpu_adam import DeepSpeedCPUAdam
 
 BASE = {"train_batch_size": 2, "gradient_clipping": 0.0}

@@ -11,10 +11,10 @@ import torch
 
 import infinity
 from gpt import TinyGPT, config
-from infinity.cli import main as infinity_main
+from infinity.apps.cli import main as infinity_main
 from infinity.config import ZeroConfig, load_config
-from infinity.models import PRESETS, param_count, preset
-from infinity.tools.estimate import (
+from infinity.apps.models import PRESETS, param_count, preset
+from infinity.apps.tools.estimate import (
     Machine,
     ModelSize,
     UnitSize,
@@ -249,7 +249,7 @@ def test_bad_input_is_an_argparse_error_naming_the_argument(argv, named, says, c
 
 _PEAK = r"""
 import sys
-from infinity.cli import main
+from infinity.apps.cli import main
 code = main(sys.argv[1:])
 status = open("/proc/self/status").read()
 print("VmHWM", next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM")) * 1024)
@@ -273,7 +273,7 @@ def test_the_finetune_peak_is_predicted_within_15_percent(tmp_path, lora):
     import subprocess
     import sys
     extra = ["--lora", str(lora)] if lora else []
-    est = subprocess.run([sys.executable, "-m", "infinity.cli", "estimate", "--model", "llama-125m", "--gpus", "0",
+    est = subprocess.run([sys.executable, "-m", "infinity.apps.cli", "estimate", "--model", "llama-125m", "--gpus", "0",
                           "--tokens-per-step", "512", "--nvme-path", str(tmp_path), *extra],
                          capture_output=True, text=True, check=True)
     predicted = _peak_line(est.stdout)

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from infinity.cli import main
+from infinity.apps.cli import main
 
 
 def test_default_job_runs_and_shows_the_table(capsys, tmp_path):
@@ -34,7 +34,7 @@ def test_trace_writes_a_timeline_of_the_steps(tmp_path):
     forward and a backward phase per step, the optimizer state's reads (the first updates run in
     step 2's forward) and the parameters' write-back (the default config keeps parameters cached in
     host memory: no reads); its optimizer pool holds the whole state, so that is never written
-    back ([Note: the pool is a budget] in zero/nvme_optim.py)."""
+    back ([Note: the pool is a budget] in offload/optimizer/nvme.py)."""
     trace = tmp_path / "t" / "trace.json"
     nvme = tmp_path / "nvme"
     nvme.mkdir()
@@ -121,7 +121,7 @@ def job(tmp_path):
 def start_job(argv: list[str], nvme, stderr=subprocess.DEVNULL) -> subprocess.Popen:
     """`infinity finetune` in a process of its own, returned once its NVMe stores are open."""
     # Run from the NVMe directory: a checkout's root would shadow the installed package (CI).
-    proc = subprocess.Popen([sys.executable, "-m", "infinity.cli", *argv], stdout=subprocess.DEVNULL, cwd=nvme,
+    proc = subprocess.Popen([sys.executable, "-m", "infinity.apps.cli", *argv], stdout=subprocess.DEVNULL, cwd=nvme,
                             stderr=stderr, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while len(glob.glob(f"{nvme}/**/rank0.lock", recursive=True)) < 2:  # parameters and optimizer state
@@ -271,8 +271,8 @@ def test_the_built_in_config_is_sized_by_the_largest_unit_and_the_machine_not_th
     vocabulary get the same pools (the embedding and head are tiles no larger than a layer);
     the gradient accumulators take what the budget leaves, and the budget follows the machine."""
     import infinity
-    from infinity.finetune import TILE_SIZE, _default_config, largest_unit_numel
-    from infinity.models.llama import Llama
+    from infinity.apps.finetune import TILE_SIZE, _default_config, largest_unit_numel
+    from infinity.apps.models.llama import Llama
 
     def preset(vocab: int) -> dict:
         return {"vocab_size": vocab, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 2,

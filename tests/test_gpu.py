@@ -189,7 +189,7 @@ def test_resume_on_the_gpu_is_bit_identical(model, tmp_path):
 def test_gpu_memory_holds_units_not_the_model(tmp_path):
     """Parameters and optimizer on NVMe: the GPU holds activations and a few units, not the
     model's parameters, gradients and Adam state as plain PyTorch does."""
-    from infinity.models.gpt import GPT, GPTConfig
+    from infinity.apps.models.gpt import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=512, seq_len=64, dim=512, layers=16, heads=8)
     torch.manual_seed(0)

@@ -32,7 +32,7 @@ def test_cifar10_deepspeed_example_trains(tmp_path, flags):
     shutil.copy(JOB, script)
     record = tmp_path / "record.json"
     # cwd outside the checkout: its source tree (no compiled extensions) would shadow the installed package
-    proc = subprocess.run([sys.executable, "-m", "infinity.cli", "run", "--num_gpus", "1", "--master_port",
+    proc = subprocess.run([sys.executable, "-m", "infinity.apps.cli", "run", "--num_gpus", "1", "--master_port",
                            str(_free_port()), str(script), "--deepspeed", "--epochs", "1", "--num-samples", "480",
                            "--log-interval", "10", "--record", str(record), *flags],
                           cwd=tmp_path, capture_output=True, text=True, timeout=900,

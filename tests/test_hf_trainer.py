@@ -84,7 +84,7 @@ def _finish(proc: subprocess.Popen, what: str) -> None:
 def _infinity_run(tmp_path: Path, args: list[str], config: dict, num_gpus: int = 1,
                   script: Path = JOB) -> subprocess.Popen:
     (tmp_path / "ds.json").write_text(json.dumps(config))
-    return _start([sys.executable, "-m", "infinity.cli", "run", "--num_gpus", str(num_gpus), "--master_port",
+    return _start([sys.executable, "-m", "infinity.apps.cli", "run", "--num_gpus", str(num_gpus), "--master_port",
                    str(_free_port()), str(tmp_path / script.name), *args, "--deepspeed", str(tmp_path / "ds.json")],
                   tmp_path)
 
@@ -110,7 +110,7 @@ def _compare_runs(plain: Path, ours: Path, *, steps: int) -> dict:
     DeepSpeed's WarmupLR; the saved weights agree and load with from_pretrained."""
     a = json.loads((plain / "record.json").read_text())
     b = json.loads((ours / "record.json").read_text())
-    assert a["deepspeed"] is False and b["deepspeed"] is True and b["engine"] == "infinity.engine"
+    assert a["deepspeed"] is False and b["deepspeed"] is True and b["engine"] == "infinity.engine.engine"
     assert [s["step"] for s in a["steps"]] == [s["step"] for s in b["steps"]] == list(range(1, steps + 1))
     for x, y in zip(a["steps"], b["steps"]):
         assert abs(x["loss"] - y["loss"]) <= 1e-5, (x, y)

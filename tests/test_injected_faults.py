@@ -1,5 +1,5 @@
 """I/O errors must never hang a step or apply an update twice ([Note: failed updates] in
-infinity/zero/step_policy.py): after an error reaches the user, either the engine refuses to go on
+infinity/engine/step_policy.py): after an error reaches the user, either the engine refuses to go on
 (steps and saves raise, saying to restore a checkpoint) or going on gives masters and moments
 bit-identical to a run without the failure.
 
@@ -22,7 +22,7 @@ import torch
 
 import infinity
 from gpt import TinyGPT, batches, config
-from infinity.zero.step_policy import UpdateState
+from infinity.engine.step_policy import UpdateState
 from test_tiers_faults import FaultyHandle
 
 HERE = os.path.dirname(__file__)

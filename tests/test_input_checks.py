@@ -47,14 +47,14 @@ def assert_one_line_naming(done: subprocess.CompletedProcess, flag: str, said: s
 def test_sweep_refuses_bad_values_in_one_line_before_any_work(tmp_path, argv, flag, said):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    done = run_tool("infinity.tools.aio_bench_sweep", ["--nvme-path", str(nvme), "--quick", *argv], tmp_path)
+    done = run_tool("infinity.apps.tools.aio_bench_sweep", ["--nvme-path", str(nvme), "--quick", *argv], tmp_path)
     assert_one_line_naming(done, flag, said)
     assert done.returncode == 2
     assert os.listdir(nvme) == []
 
 
 def test_sweep_refuses_an_io_size_beyond_memory_before_writing(tmp_path, monkeypatch, capsys):
-    from infinity.tools import aio_bench_sweep
+    from infinity.apps.tools import aio_bench_sweep
 
     monkeypatch.setattr(aio_bench_sweep, "_memory_available", lambda: 64 << 20)
     with pytest.raises(SystemExit) as exit_:
@@ -67,7 +67,7 @@ def test_sweep_refuses_an_io_size_beyond_memory_before_writing(tmp_path, monkeyp
 
 
 def test_sweep_refuses_an_engine_this_kernel_lacks(tmp_path, monkeypatch, capsys):
-    from infinity.tools import aio_bench_sweep
+    from infinity.apps.tools import aio_bench_sweep
 
     monkeypatch.setattr(aio_bench_sweep, "available_engines", lambda: ["aio", "psync"])
     with pytest.raises(SystemExit) as exit_:
@@ -79,7 +79,7 @@ def test_sweep_refuses_an_engine_this_kernel_lacks(tmp_path, monkeypatch, capsys
 
 
 def test_sweep_grid_falls_back_to_psync_where_it_is_the_only_engine(monkeypatch):
-    from infinity.tools import aio_bench_sweep
+    from infinity.apps.tools import aio_bench_sweep
 
     monkeypatch.setattr(aio_bench_sweep, "available_engines", lambda: ["psync"])
     args = argparse.Namespace(quick=False, block_sizes=None, queue_depths=None, threads=None, single_submit=None,
@@ -94,7 +94,7 @@ def finetune(tmp_path, *argv: str) -> subprocess.CompletedProcess:
     nvme = tmp_path / "nvme"
     nvme.mkdir(exist_ok=True)
     (tmp_path / "data.txt").write_text("def f(x):\n    return x + 1\n\n" * 40)
-    return run_tool("infinity.cli", ["finetune", "--data", str(tmp_path / "data.txt"), "--steps", "1",
+    return run_tool("infinity.apps.cli", ["finetune", "--data", str(tmp_path / "data.txt"), "--steps", "1",
                                      "--sample-tokens", "0", "--nvme-path", str(nvme), *argv], tmp_path)
 
 
@@ -132,9 +132,9 @@ def test_finetune_refuses_a_sample_beyond_learned_positions(tmp_path):
 
 
 def test_finetune_size_checks_pass_what_fits():
-    from infinity.data import ByteTokenizer
-    from infinity.finetune import DEFAULT_MODEL, check_model_sizes
-    from infinity.models.presets import preset
+    from infinity.apps.data import ByteTokenizer
+    from infinity.apps.finetune import DEFAULT_MODEL, check_model_sizes
+    from infinity.apps.models.presets import preset
 
     class Args:
         model, config, batch, seq_len, lora, sample_tokens = None, None, 4, 1024, 128, 48

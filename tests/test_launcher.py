@@ -13,9 +13,9 @@ from collections import OrderedDict
 
 import pytest
 
-from infinity.cli import main as infinity_main
-from infinity.launcher import _plan, add_arguments
-from infinity.launcher.hosts import limit, parse_hostfile, parse_node_specs, select
+from infinity.apps.cli import main as infinity_main
+from infinity.apps.launcher import _plan, add_arguments
+from infinity.apps.launcher.hosts import limit, parse_hostfile, parse_node_specs, select
 
 POOL = OrderedDict(w0=[0, 1, 2, 3], w1=[0, 1, 2, 3])
 

@@ -1,4 +1,4 @@
-"""Lightning on infinity (infinity.lightning), each against plain Lightning on the same module
+"""Lightning on infinity (infinity.integrations.lightning.strategy), each against plain Lightning on the same module
 (strategy="auto", torch's checkpoint, CPU, fp32): the seed page's module trained with parameters
 and optimizer state on NVMe, activation checkpointing on the host, accumulation and clipping;
 Lightning checkpoints in infinity's format (`test(ckpt_path=)` in the same process, `fit(ckpt_path=)`
@@ -26,7 +26,7 @@ pl = pytest.importorskip("lightning.pytorch")
 
 import infinity  # noqa: E402
 from infinity import checkpointing  # noqa: E402
-from infinity.lightning import (InfinityFabricStrategy, InfinityPrecision, InfinityStrategy,  # noqa: E402
+from infinity.integrations.lightning.strategy import (InfinityFabricStrategy, InfinityPrecision, InfinityStrategy,  # noqa: E402
                                 convert_zero_checkpoint_to_fp32_state_dict)
 
 pytestmark = [
@@ -271,11 +271,11 @@ def test_the_engine_computes_on_the_device_lightning_chose(monkeypatch):
 
 
 def test_without_lightning_the_import_names_the_extra(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", "import sys; sys.modules['lightning'] = None; import infinity.lightning"],
+    proc = subprocess.run([sys.executable, "-c", "import sys; sys.modules['lightning'] = None; import infinity.integrations.lightning.strategy"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)  # not the checkout: see below
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1] == (
-        "ModuleNotFoundError: infinity.lightning needs Lightning: pip install \"infinity[lightning]\"")
+        "ModuleNotFoundError: infinity.integrations.lightning.strategy needs Lightning: pip install \"infinity[lightning]\"")
 
 
 # ---- checkpoints --------------------------------------------------------------------------------
@@ -306,7 +306,7 @@ def test_model_checkpoint_then_test_with_ckpt_path_in_the_same_process(tmp_path)
 
 def test_test_with_ckpt_path_on_a_new_model_beside_the_fitted_one(tmp_path):
     """A second engine of the process on the same nvme_path ([Note: stores of one process] in
-    infinity/tiers/store.py), while the fitted model's engine still holds its files there."""
+    infinity/offload/store.py), while the fitted model's engine still holds its files there."""
     _, plain_trainer, plain_saver = _fit_two_epochs_saving_each("auto", False, tmp_path / "plain")
     expected = plain_trainer.test(SeedModel(ours=False), ckpt_path=plain_saver.best_model_path, dataloaders=_data(),
                                   verbose=False)
@@ -501,7 +501,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 import torch.utils.checkpoint as torch_checkpoint
 from infinity import checkpointing
-from infinity.lightning import InfinityStrategy
+from infinity.integrations.lightning.strategy import InfinityStrategy
 
 class Model(pl.LightningModule):
     def __init__(self, ours):
@@ -582,7 +582,7 @@ def test_conversion_holds_one_unit_in_memory_at_a_time(tmp_path):
     engine.close()
     script = (
         "import sys\n"
-        "from infinity.lightning_file import convert_checkpoint\n"
+        "from infinity.integrations.lightning.single_file import convert_checkpoint\n"
         "base = [int(x.split()[1]) * 1024 for x in open('/proc/self/status') if x.startswith('RssAnon:')][0]\n"
         "convert_checkpoint(sys.argv[1], sys.argv[2])\n"
         "print(base)\n")

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import infinity
 from infinity.config import load_config
-from infinity.lr_schedules import (
+from infinity.optim.lr_schedules import (
     LRRangeTest,
     OneCycle,
     WarmupCosineLR,

@@ -1,5 +1,5 @@
 """`offload_optimizer.max_in_cpu` and "auto" ([Note: host memory before the disk] in
-infinity/zero/host_budget.py): the state of the units kept in host memory never touches the disk,
+infinity/offload/placement.py): the state of the units kept in host memory never touches the disk,
 the numbers are those of everything on NVMe to the bit, and "auto" budgets from free memory."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 import infinity
 from gpt import TinyGPT, batches, config, engine_run
 from infinity.config import load_config
-from infinity.zero.host_budget import resolve_max_in_cpu, units_in_memory
-from infinity.zero.optim_shards import ResidentOptimizerState
+from infinity.offload.placement import resolve_max_in_cpu, units_in_memory
+from infinity.offload.optimizer.memory import ResidentOptimizerState
 
 STEPS = 4
 
@@ -158,7 +158,7 @@ def test_auto_keeps_the_whole_state_where_it_fits_without_the_optimizer_pool(tmp
     """A state that fits in what is free only once the optimizer's NVMe pool (48 pieces here) is
     not kept back is kept whole: no NVMe tier, so no pool, is made then. A byte less, and the
     margin with the pool applies again, keeping less than all of it."""
-    from infinity.zero.host_budget import OPTIMIZER_BYTES, _margin
+    from infinity.offload.placement import OPTIMIZER_BYTES, _margin
     (tmp_path / "nvme").mkdir()
     cfg = _config(tmp_path / "nvme", "auto")
     cfg["zero_optimization"]["offload_optimizer"]["buffer_count"] = 48

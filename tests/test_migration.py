@@ -139,7 +139,7 @@ def test_a_deepspeed_script_runs_with_only_the_import_changed(tmp_path):
 
 
 def test_the_training_loader_shuffles_each_pass_as_deepspeeds_does():
-    from infinity.compat import TrainingDataLoader
+    from infinity.deepspeed._compat import TrainingDataLoader
 
     data = list(range(20))
     loader = TrainingDataLoader(data, 5, rank=0, world_size=1)
@@ -177,7 +177,7 @@ def test_init_distributed_and_add_config_arguments():
 
 def test_deepspeeds_submodules_are_there_after_the_import_alone(tmp_path):
     """`import infinity as deepspeed` then `deepspeed.utils.safe_get_full_fp32_param(p)` and
-    `deepspeed.zero.Init`: a fresh interpreter (any other test imports infinity.utils itself),
+    `deepspeed.zero.Init`: a fresh interpreter (any other test imports infinity.deepspeed.utils.full_values itself),
     run outside the checkout, whose root would shadow the installed package."""
     code = "import infinity as deepspeed; deepspeed.utils.safe_get_full_fp32_param; deepspeed.zero.Init"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)

@@ -146,7 +146,7 @@ def test_a_closed_engine_says_so(tmp_path):
 
 
 def test_a_second_engine_on_the_same_path_opens_beside_the_first(tmp_path):
-    """[Note: stores of one process] in infinity/tiers/store.py."""
+    """[Note: stores of one process] in infinity/offload/store.py."""
     engines = []
     for _ in range(2):
         torch.manual_seed(0)

@@ -169,7 +169,7 @@ def test_gradients_beyond_max_grad_in_cpu_spill_to_nvme(tmp_path, model, gas, bu
 def test_pieces_cut_a_shard_evenly_without_slivers():
     """Every piece takes a whole pool buffer per kind: a sliver left after cutting at
     sub_group_size wastes them ([Note: cutting pieces])."""
-    from infinity.zero.nvme_optim import PIECE_ALIGN, cut_pieces
+    from infinity.offload.optimizer.nvme import PIECE_ALIGN, cut_pieces
 
     for numel in (1, 1000, 4096, 4097, 50_343_936, 65_536_000, 3 * 2 ** 20 + 5, 10 ** 9 + 7):
         for target in (4096, 2.5e7, 1e9):
@@ -300,7 +300,7 @@ def test_every_step_moves_the_bytes_the_layout_predicts(tmp_path, spill, pool):
         assert report["nvme_write_bytes"] == sum(shard_bytes.values())
         state = sum((16 if spill else 12) * u.shard_numel for u in engine.units)
         # Pieces the optimizer's pool holds from step to step are written, never read again
-        # ([Note: the pool is a budget] in zero/nvme_optim.py).
+        # ([Note: the pool is a budget] in offload/optimizer/nvme.py).
         tier = engine.optim_state
         held = sum(tier._pieces[index][k][1] for index, k in tier._held)
         # A piece fetched again for the next step while its write is in flight reads nothing
@@ -400,7 +400,7 @@ def test_host_memory_stays_within_budgets(tmp_path):
     # (measured here: the NVMe run peaks about 14 bytes a parameter lower). Both runs share
     # model, data, activations and allocator, so the rest cancels out. Require 12 bytes a
     # parameter beyond the pools (the cache keeps its shards in pool buffers: [Note: cache memory]
-    # in infinity/tiers/cache.py): holding the optimizer state, or the gradients on top of the
+    # in infinity/offload/cache.py): holding the optimizer state, or the gradients on top of the
     # freed weights, in memory would fail it.
     bound = runs["memory"]["peak"] - 12 * m["params"] + m["pools"]
     assert m["peak"] <= bound, runs

@@ -1,6 +1,6 @@
 """The NVMe optimizer tier treats buffer_count x sub_group_size as a memory budget and cuts it
 into the pieces that keep its pipeline deep ([Note: the pool is a budget] in
-infinity/zero/nvme_optim.py): DeepSpeed's knobs get a deep pipeline in the same bytes, bench/'s
+infinity/offload/optimizer/nvme.py): DeepSpeed's knobs get a deep pipeline in the same bytes, bench/'s
 tuned knobs are left as they are, and the numbers of a step do not depend on the cut."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 
 import infinity
 from gpt import TinyGPT, batches, config, engine_run
-from infinity.zero import nvme_optim
-from infinity.zero.nvme_optim import PIPELINE_DEPTH, choose_pieces, cut_pieces
+from infinity.offload.optimizer import nvme as nvme_optim
+from infinity.offload.optimizer.nvme import PIPELINE_DEPTH, choose_pieces, cut_pieces
 
 M = 1_000_000
 
@@ -191,7 +191,7 @@ def test_held_pieces_are_written_back_before_the_pool_lets_go_of_them(tmp_path):
     DeepSpeed's) writes the master and must keep the moments the steps made, which then exist
     nowhere but in the pool. After more steps the numbers are those of a pool that writes every
     piece each step."""
-    from infinity.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param
+    from infinity.deepspeed.utils.full_values import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param
 
     torch.manual_seed(0)
     model = TinyGPT(layers=2, d=64)

@@ -156,7 +156,7 @@ def test_a_kill_at_any_rename_of_an_export_leaves_the_old_model_or_the_new_one(t
     without it: old aside, new in; a kill between leaves no directory, and the next export or
     `infinity clean` puts the old one back. `in_place`: out_dir cannot be replaced (a mount
     point): the old index is withdrawn first, so a kill leaves nothing loadable, never a mix."""
-    from infinity.cli import main
+    from infinity.apps.cli import main
     base, old, new = two_states
     runs = tmp_path / "runs"
     runs.mkdir()
@@ -393,7 +393,7 @@ engine.save_checkpoint(ckpt, tag="second" if where == "latest" else where)
 
 KILLED_LOCK = r"""
 import os, signal, sys
-from infinity.tiers import lock
+from infinity.offload import lock
 link = os.link
 def die(src, dst):
     link(src, dst)
@@ -437,7 +437,7 @@ def test_the_next_save_removes_what_a_killed_save_left_and_nothing_of_a_live_wri
 
 
 def test_infinity_clean_finds_what_killed_saves_and_stores_left(tmp_path, capsys):
-    from infinity.cli import main
+    from infinity.apps.cli import main
     ckpt = tmp_path / "ckpt"
     engine = _engine()
     _steps(engine, 1)
@@ -469,7 +469,7 @@ def test_infinity_clean_finds_what_killed_saves_and_stores_left(tmp_path, capsys
 
 
 def test_clean_leaves_a_private_lock_name_of_a_live_writer(tmp_path):
-    from infinity.tiers.lock import remove_stale
+    from infinity.offload.lock import remove_stale
     job = tmp_path / "infinity-job"
     job.mkdir()
     mine = job / f"rank0.lock.{socket.gethostname()}.{os.getpid()}.tmp"

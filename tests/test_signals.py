@@ -1,5 +1,5 @@
 """Signals that race the engine ([Note: where a held handler may run], [Note: signals during
-cleanup] in infinity/signals.py, [Note: workers block signals] in csrc/aio/quiet_thread.h).
+cleanup] in infinity/engine/signals.py, [Note: workers block signals] in csrc/aio/quiet_thread.h).
 Each race is made deterministic by sending the signal from the point where it used to go wrong."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import infinity
-from infinity.signals import deferred_signals
+from infinity.engine.signals import deferred_signals
 
 HERE = os.path.dirname(__file__)
 
@@ -143,7 +143,7 @@ CLOSE_UNDER_A_SIGNAL = """
 import os, signal, sys
 sys.path.insert(0, sys.argv[1])
 import torch, infinity
-import infinity.tiers.lock as lock
+import infinity.offload.lock as lock
 from gpt import TinyGPT, batches, config
 how = sys.argv[3]
 if how == "handler":  # a preemption handler that saves: too late once close() has begun

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from infinity.tiers.cache import HostCache
+from infinity.offload.cache import HostCache
 
 
 def forward_backward(n: int) -> list[int]:

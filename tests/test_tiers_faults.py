@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from infinity.io import AsyncIOHandle
-from infinity.tiers.pool import BufferPool
-from infinity.tiers.state import ShardState
-from infinity.tiers.store import NvmeStore
-from infinity.tiers.swapper import Swapper
+from infinity.offload.pool import BufferPool
+from infinity.offload.state import ShardState
+from infinity.offload.store import NvmeStore
+from infinity.offload.swapper import Swapper
 
 SIZES = {k: 8192 + 1000 * k for k in range(4)}
 
@@ -120,7 +120,7 @@ def test_a_failed_write_invalidates_only_its_shard(rig, mode):
 
 def test_a_lost_write_is_named_until_the_shard_is_written_again(rig):
     """`lost()`: what the engine asks before it goes on ([Note: failed updates] in
-    infinity/zero/step_policy.py). A failed read loses nothing; a failed write loses its shard's
+    infinity/engine/step_policy.py). A failed read loses nothing; a failed write loses its shard's
     bytes, reported or not, until a new write of it succeeds, which also makes its failure moot
     for `flush` (a load that rewrites the state is not refused for an old failure)."""
     swapper, handle, data = rig
@@ -252,9 +252,9 @@ def test_a_read_past_the_end_of_a_truncated_file(rig):
 
 FULL_DISK = """
     import json, resource, signal, sys, torch
-    from infinity.tiers.pool import BufferPool
-    from infinity.tiers.store import NvmeStore
-    from infinity.tiers.swapper import Swapper
+    from infinity.offload.pool import BufferPool
+    from infinity.offload.store import NvmeStore
+    from infinity.offload.swapper import Swapper
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
     sizes = {k: 65536 for k in range(4)}
     with NvmeStore(sys.argv[1], {"param": sizes}, job_id="full") as store:

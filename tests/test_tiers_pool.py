@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from infinity.io import PAGE_SIZE
-from infinity.tiers.pool import BufferPool
+from infinity.offload.pool import BufferPool
 
 
 def test_buffers_are_exact_views_of_aligned_memory():

@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from infinity.io import AsyncIOHandle
-from infinity.tiers.cache import HostCache
-from infinity.tiers.pool import BufferPool
-from infinity.tiers.state import ShardState
-from infinity.tiers.store import NvmeStore
-from infinity.tiers.swapper import Swapper
+from infinity.offload.cache import HostCache
+from infinity.offload.pool import BufferPool
+from infinity.offload.state import ShardState
+from infinity.offload.store import NvmeStore
+from infinity.offload.swapper import Swapper
 
 
 def overlap(a: int, n: int, b: int, m: int) -> bool:

@@ -17,7 +17,7 @@ import textwrap
 import pytest
 
 from infinity.io import PAGE_SIZE
-from infinity.tiers.store import MiB, NvmeStore, default_job_id
+from infinity.offload.store import MiB, NvmeStore, default_job_id
 
 LAYOUT = {"param": {0: 5000, 1: 3 * MiB, 2: 100}, "exp_avg": {"a": 8192}}
 
@@ -46,7 +46,7 @@ def stop(child: subprocess.Popen, signum: int = signal.SIGKILL) -> str:
 
 OPEN_AND_SLEEP = """
     import sys, time
-    from infinity.tiers.store import NvmeStore
+    from infinity.offload.store import NvmeStore
     store = NvmeStore(sys.argv[1], {"param": {0: 4096}}, job_id=sys.argv[2])
     print(store.directory, flush=True)
     time.sleep(120)
@@ -120,7 +120,7 @@ def test_two_stores_never_share_a_directory(root):
 
 OPEN_TWO_AND_SLEEP = """
     import sys, time
-    from infinity.tiers.store import NvmeStore
+    from infinity.offload.store import NvmeStore
     stores = [NvmeStore(sys.argv[1], {"param": {0: 4096}}, job_id=sys.argv[2]) for _ in range(2)]
     print(*(s.directory for s in stores), flush=True)
     time.sleep(120)
@@ -213,7 +213,7 @@ def test_exit_paths_in_one_child(root):
     # checkpoint from them: [Note: cleanup on exit]); the normal exit after it removes them.
     body = """
         import os, signal, sys
-        from infinity.tiers.store import NvmeStore
+        from infinity.offload.store import NvmeStore
         signal.signal(signal.SIGTERM, lambda *a: print("user handler", flush=True))
         store = NvmeStore(sys.argv[1], {"param": {0: 4096}}, job_id="a")
         pid = os.fork()
@@ -237,7 +237,7 @@ def test_exit_paths_in_one_child(root):
 
 def test_keep(root, caplog):
     store = NvmeStore(root, LAYOUT, job_id="ckpt", keep=True)
-    with caplog.at_level(logging.WARNING, logger="infinity.tiers.store"):
+    with caplog.at_level(logging.WARNING, logger="infinity.offload.store"):
         store.close()
         store.close()  # idempotent
     message = f"kept {store.directory} (keep=True); remove it when it is no longer needed"

@@ -10,11 +10,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from infinity.io import AsyncIOHandle
-from infinity.tiers.cache import HostCache
-from infinity.tiers.pool import BufferPool
-from infinity.tiers.state import ShardState
-from infinity.tiers.store import NvmeStore
-from infinity.tiers.swapper import Swapper
+from infinity.offload.cache import HostCache
+from infinity.offload.pool import BufferPool
+from infinity.offload.state import ShardState
+from infinity.offload.store import NvmeStore
+from infinity.offload.swapper import Swapper
 
 SIZES = {0: 5000, 1: 12288, 2: 1, 3: 9000}
 

@@ -19,7 +19,7 @@ unit. A checkpoint's manifest lists each tiled weight's tiles (`tiles`), which i
 `consolidate`, without the model, knows them.
 
 [Note: LoRA adapters in a checkpoint]
-A checkpoint of `infinity finetune --lora` (infinity.finetune.LoRALinear) holds each adapted
+A checkpoint of `infinity finetune --lora` (infinity.apps.finetune.LoRALinear) holds each adapted
 projection as `M.base_layer.weight` (frozen; `M.weight` before the projection could be tiled),
 perhaps in tiles, beside `M.lora_A` [r, in] and `M.lora_B` [out, r], and the module adds
 B @ A * scale to what the projection gives. A model directory has no place for the
@@ -243,7 +243,7 @@ def lora_merges(manifest: Manifest, lora_scale: float | None,
 
 def model_config(module) -> bytes | None:
     """config.json for `from_pretrained`: a Hugging Face model's own, or what `save_config` of
-    infinity.models.llama.Llama writes; None for other models."""
+    infinity.apps.models.llama.Llama writes; None for other models."""
     hf_config = getattr(module, "config", None)
     if hasattr(module, "save_config"):
         with tempfile.TemporaryDirectory() as tmp:

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 from infinity.checkpoint import files
 from infinity.checkpoint.layout import LATEST
-from infinity.tiers.lock import disk_bytes
+from infinity.offload.lock import disk_bytes
 
 _ASIDE = re.compile(r"\.(?P<name>.+)\.old-(?P<writer>.+)")
 _PATTERNS = (  # (pattern, what it is, whether it is a directory)

@@ -45,7 +45,7 @@ from infinity.checkpoint.save import (
     read_latest,
 )
 from infinity.io import AsyncIOHandle
-from infinity.zero.nvme_io import make_handle
+from infinity.offload.nvme_io import make_handle
 
 log = logging.getLogger("infinity")
 

@@ -1,5 +1,5 @@
 """What checkpointing needs of an engine: `Checkpointable`, the one view of it that `save`,
-`load`, `export` and `pretrained` take. The engine implements it (infinity/engine.py), and a
+`load`, `export` and `pretrained` take. The engine implements it (infinity/engine/engine.py), and a
 test implements it with plain tensors (tests/test_checkpoint_protocol.py), so this package can
 be read and tested without the engine, and imports nothing of it.
 

@@ -38,7 +38,7 @@ from infinity.checkpoint.layout import (
 from infinity.checkpoint.protocol import Checkpointable, TrainingState
 from infinity.checkpoint.safetensors_io import StreamWriter
 from infinity.zero import dist as zdist
-from infinity.zero.nvme_io import make_handle
+from infinity.offload.nvme_io import make_handle
 from infinity.zero.tiling import tiled_weights
 
 log = logging.getLogger("infinity")

@@ -233,7 +233,7 @@ def _auto_paths(value: Any, path: str) -> list[str]:
     return []
 
 
-# "auto" that infinity resolves itself ([Note: host memory before the disk] in zero/host_budget.py).
+# "auto" that infinity resolves itself ([Note: host memory before the disk] in offload/placement.py).
 _OWN_AUTO = frozenset({"zero_optimization.offload_param.max_in_cpu", "zero_optimization.offload_optimizer.max_in_cpu"})
 
 
@@ -374,7 +374,7 @@ def _parse_root(raw: Any, world_size: int) -> InfinityConfig:
 
 
 def parse_activation_checkpointing(raw: Any) -> ActivationCheckpointingConfig:
-    """The `activation_checkpointing` section alone (`infinity.checkpointing.configure` reads
+    """The `activation_checkpointing` section alone (`infinity.deepspeed.checkpointing.configure` reads
     only it from a DeepSpeed config, as DeepSpeed's does); null is the defaults."""
     return _parse_section({} if raw is None else raw, ActivationCheckpointingConfig._PATH,
                           ActivationCheckpointingConfig)

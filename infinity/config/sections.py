@@ -363,7 +363,7 @@ def _scheduler_type(value: Any, path: str) -> str:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SchedulerConfig:
-    """The learning-rate schedule (section `scheduler`); see `infinity.lr_schedules`."""
+    """The learning-rate schedule (section `scheduler`); see `infinity.optim.lr_schedules`."""
 
     _PATH: ClassVar[str] = "scheduler"
 
@@ -400,7 +400,7 @@ class OffloadParamConfig:
     """Elements per host buffer (raised to the largest unit shard, with a warning)."""
     max_in_cpu: int | str = _spec(_size_or_auto, default=1_000_000_000)
     """Parameter elements kept cached in host memory when offloading to NVMe; "auto": as many as
-    the host's free memory allows ([Note: host memory before the disk] in zero/host_budget.py)."""
+    the host's free memory allows ([Note: host memory before the disk] in offload/placement.py)."""
     pin_memory: bool = _spec(_bool, default=True)
     """Page-lock the host buffers (pinned with a GPU, mlocked without): asynchronous device copies
     and faster O_DIRECT. false leaves them pageable."""
@@ -434,7 +434,7 @@ class OffloadOptimizerConfig:
     max_in_cpu: int | str = _spec(_size_or_auto, default=0)
     """(infinity) Optimizer-state elements (fp32 master, exp_avg, exp_avg_sq) kept in host memory
     with device "nvme", whole units at a time; the others' state lives on NVMe. "auto": as many as
-    the host's free memory allows ([Note: host memory before the disk] in zero/host_budget.py)."""
+    the host's free memory allows ([Note: host memory before the disk] in offload/placement.py)."""
     max_grad_in_cpu: int = _spec(_size, default=1_000_000_000)
     """(infinity) fp32 gradient elements kept in host memory with device "nvme" while they
     accumulate for the step; the gradients of the units beyond it spill to the NVMe store. Not
@@ -550,7 +550,7 @@ class AIOConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TraceConfig:
     """A timeline of some steps, written as Chrome trace JSON (section `trace`, infinity's own;
-    [Note: the timeline] in infinity/timeline.py)."""
+    [Note: the timeline] in infinity/device/timeline.py)."""
 
     _PATH: ClassVar[str] = "trace"
 
@@ -647,7 +647,7 @@ def _steps_per_print(value: Any, path: str) -> int | None:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ActivationCheckpointingConfig:
     """DeepSpeed's activation checkpointing settings (section `activation_checkpointing`), read by
-    `infinity.checkpointing` ([Note: the keys without model parallelism] there), plus infinity's
+    `infinity.deepspeed.checkpointing` ([Note: the keys without model parallelism] there), plus infinity's
     own spill of checkpointed inputs to NVMe ([Note: checkpointed inputs on NVMe] there)."""
 
     _PATH: ClassVar[str] = "activation_checkpointing"
@@ -708,7 +708,7 @@ class InfinityConfig:
     """Checkpoints kept by save_checkpoint."""
     activation_checkpointing: ActivationCheckpointingConfig | None = _spec(
         _optional(_instance), ActivationCheckpointingConfig, default=None)
-    """What `infinity.checkpointing` does with checkpointed inputs: `initialize` configures it
+    """What `infinity.deepspeed.checkpointing` does with checkpointed inputs: `initialize` configures it
     with this section, as `checkpointing.configure(deepspeed_config=...)` would; None (no such
     section) leaves it as it is."""
     data_types: DataTypesConfig = _spec(_instance, DataTypesConfig, factory=DataTypesConfig)

@@ -1,6 +1,6 @@
 """`python -m infinity.deepspeed [--add-local-rank] [-m] SCRIPT [ARGS...]`: runs a training
 script (with -m, a module, as `python -m` would) with `deepspeed` meaning infinity
-([Note: the deepspeed alias] in infinity.alias). ARGS reach the script untouched;
+([Note: the deepspeed alias] in infinity.deepspeed._alias). ARGS reach the script untouched;
 `--add-local-rank` puts `--local_rank=$LOCAL_RANK` before them, as DeepSpeed's launcher does
 (`infinity run` starts every rank this way under torchrun).
 
@@ -14,7 +14,7 @@ import os
 import runpy
 import sys
 
-from infinity.alias import as_deepspeed
+from infinity.deepspeed._alias import as_deepspeed
 
 USAGE = "usage: python -m infinity.deepspeed [--add-local-rank] [-m] SCRIPT [ARGS...]"
 _OPTIONS = ("--add-local-rank", "-m", "--module")

@@ -13,7 +13,7 @@ from torch.distributed import (P2POp, ReduceOp, all_gather, all_gather_into_tens
                                get_rank, get_world_size, irecv, is_available, is_initialized, isend, monitored_barrier,
                                new_group, recv, reduce, reduce_scatter, reduce_scatter_tensor, scatter, send)
 
-from infinity.compat import init_distributed
+from infinity.deepspeed._compat import init_distributed
 
 __all__ = ["P2POp", "ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce",
            "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast", "broadcast_object_list",

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import signal
 from typing import Any, NamedTuple
 
 import torch
 from torch.utils import _pytree as pytree
+
+# The signals a user's preemption handler listens for: the engine holds them during a step
+# ([Note: signals at step boundaries] in infinity/engine/signals.py) and every thread of ours
+# but the main one blocks them, so that the kernel hands them to the main thread.
+HELD = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
+             if hasattr(signal, name))
 
 
 class InFlight(NamedTuple):

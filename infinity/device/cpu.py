@@ -11,8 +11,7 @@ import weakref
 
 import torch
 
-from infinity.device.base import Device, InFlight
-from infinity.signals import HELD
+from infinity.device.base import HELD, Device, InFlight
 
 GARBAGE = 0xFF  # every byte: NaN in fp32, bf16 and fp16
 

@@ -35,9 +35,9 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from infinity.timeline import TIMELINE
+from infinity.device.timeline import TIMELINE
 from infinity.config import ZeroConfig
-from infinity.zero.protocols import ParamTier
+from infinity.offload.protocols import ParamTier
 from infinity.zero.unit import Unit, UnitState
 
 

@@ -36,7 +36,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
-from infinity.timeline import TIMELINE
+from infinity.device.timeline import TIMELINE
 from infinity.zero.fetcher import Fetcher
 from infinity.zero.unit import Unit
 

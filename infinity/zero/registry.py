@@ -1,7 +1,7 @@
 """Which engine and unit own a parameter, and `GatheredParameters` built on it.
 
 A weak, identity-keyed map instead of attributes on nn.Parameter (see STYLE.md). The owner is
-seen through `UnitOwner`, the few calls this module and `infinity.utils` make, never as the
+seen through `UnitOwner`, the few calls this module and `infinity.deepspeed.utils.full_values` make, never as the
 Engine itself.
 """
 

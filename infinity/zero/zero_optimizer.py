@@ -52,7 +52,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._run_pending: Callable[[], None] = lambda: None  # until bound: nothing waits
 
     def bind(self, tier, units, set_params, run_pending: Callable[[], None]) -> None:
-        """The optimizer tier (infinity.zero.protocols.OptimizerTier) holding the state of `units`,
+        """The optimizer tier (infinity.offload.protocols.OptimizerTier) holding the state of `units`,
         `set_params(unit, master)`, which makes a unit's compute-dtype values the masters', and
         `run_pending()`, which runs the updates that wait for their units' next use ([Note: a
         unit's update] in step_policy.py): the state is read and replaced after them."""

@@ -1,8 +1,8 @@
-"""`deepspeed.runtime.lr_schedules`: infinity's schedules (DeepSpeed's numbers, infinity/lr_schedules.py),
+"""`deepspeed.runtime.lr_schedules`: infinity's schedules (DeepSpeed's numbers, infinity/optim/lr_schedules.py),
 the names accelerate checks a scheduler's type against (`VALID_LR_SCHEDULES`), and the names of the
 `scheduler.params` keys, which scripts use to build a config section or a schedule's keyword arguments."""
 
-from infinity.lr_schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
+from infinity.optim.lr_schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 LR_RANGE_TEST = "LRRangeTest"
 ONE_CYCLE = "OneCycle"

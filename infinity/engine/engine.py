@@ -1,0 +1,827 @@
+"""The training engine: DeepSpeed's forward / backward / step over ZeRO units (`initialize`,
+which builds it from DeepSpeed's arguments, is in infinity/engine/initialize.py).
+
+The engine is the DeepSpeed surface (the getters, state dicts, DeepSpeed's helpers);
+what happens in a step is the step policy's ([Note: one step] in infinity/engine/step_policy.py),
+where each unit's bytes are is the tiers', and every copy between host and device is the device
+layer's ([Note: in-flight copies] in infinity/device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from infinity.checkpoint.protocol import TrainingState
+from infinity.config import InfinityConfig
+from infinity.device import Device, make_device
+from infinity.optim.lr_schedules import build_scheduler
+from infinity.engine.getters import ConfigGetters
+from infinity.engine.module_face import ModuleSurface, named_state
+from infinity.engine.lifecycle import Health, Lifecycle, Phase
+from infinity.engine.signals import SignalGate, deferred_signals
+from infinity.device.timeline import TIMELINE
+from infinity.zero import dist as zdist
+from infinity.zero.fetcher import Fetcher
+from infinity.offload.placement import resolve_max_in_cpu
+from infinity.zero.hooks import UnitHooks
+from infinity.zero.init import DeferredInit, is_deferred
+from infinity.zero.loss_scaler import LossScaler
+from infinity.offload.nvme_io import with_measured_aio
+from infinity.offload.optimizer.memory import ResidentOptimizerState
+from infinity.offload.params.memory import ResidentParams
+from infinity.zero.partitioner import UnitPolicy, plan_units
+from infinity.zero.registry import register_units
+from infinity.engine.report import StepReport
+from infinity.engine.step_policy import (PendingUpdates, StepPolicy, UpdateMode, choose_update_mode,
+                                       expected_update_order, gradients_used_at_once)
+from infinity.zero.tiling import tile_model
+from infinity.zero.unit import Unit, UnitState
+from infinity.zero.zero_optimizer import ZeroOptimizer
+
+log = logging.getLogger("infinity")
+
+
+def _param_groups(model: nn.Module, model_parameters: Any, optimizer: Any, inference: bool) -> list[dict]:
+    """What trains, in which groups: a client optimizer's own groups, as in DeepSpeed
+    (`model_parameters` only builds the optimizer of the config); none for inference."""
+    if optimizer is not None:
+        return list(optimizer.param_groups)
+    if inference:
+        return []
+    if model_parameters is None:
+        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        return [dict(g, params=list(g["params"])) for g in items]
+    return [{"params": items}]
+
+
+class Engine(ConfigGetters, ModuleSurface):
+    """Wraps a module; forward, backward and step run ZeRO stage 3 (or 1/2) with offload."""
+
+    def __init__(self, model: nn.Module, config: InfinityConfig, *, model_parameters: Any = None,
+                 optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None,
+                 units: UnitPolicy = None, accelerator: Device | None = None):
+        measured = config.aio.tune
+        self.config = config = with_measured_aio(config)  # [Note: the disk tunes itself] in io/autotune.py
+        self.accelerator = accelerator or make_device()  # every stream, event and copy ([Note: in-flight copies])
+        self.rank, self.world_size = zdist.init_distributed(nccl=self.accelerator.name == "cuda")
+        self.device = self.accelerator.compute
+        self.module = model
+        self.dtype = config.compute_dtype
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._grad_norm: float | None = None
+        self._step_applied = False
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary's, until the step
+        # The caller sets the boundary after each forward (accelerate): forwards expect it from the
+        # count of passes instead ([Note: the boundary of a pass] in engine/step_policy.py).
+        self._boundary_after_forward = False
+        self._counted_in_accumulation = 0  # micro-steps step() counted in the accumulation under way
+        self.global_samples = 0  # samples over all ranks in the steps taken (DeepSpeed's counter)
+        self.training_dataloader: Any = None  # initialize(training_data=...)'s loader
+        self._values_cache: dict[int, torch.Tensor] | None = None  # [Note: state dict values]
+        # [Note: engine lifecycle] in infinity/engine/lifecycle.py; [Note: signals at step boundaries] in infinity/engine/signals.py
+        self.lifecycle = Lifecycle(SignalGate(agree=self._agree_on_signals if self.world_size > 1 else None))
+        self.last_checkpoint: dict[str, Any] | None = None  # path, bytes, seconds, gbps of the last save
+        self._tracing = False  # recording the timeline for config.trace ([Note: the timeline])
+        self._trace_from = 0  # the first step recorded; 0 until the timeline starts (once per engine)
+        # Without an optimizer (none passed, no config section) the engine is for inference, as
+        # DeepSpeed's: every parameter is frozen and backward is an error.
+        self.inference = optimizer is None and config.optimizer is None
+        groups = _param_groups(model, model_parameters, optimizer, self.inference)
+        if config.zero.stage == 3:  # before the groups are read: the tiles train in the weight's place
+            tile_model(model, config.zero.tile_size, groups)
+        self.optimizer = ZeroOptimizer(groups, config.optimizer, optimizer)
+        self.lr_scheduler = lr_scheduler
+        if lr_scheduler is None and config.scheduler is not None:
+            self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
+        self.scaler = LossScaler(config.fp16) if config.fp16.enabled else None
+
+        zero = config.zero
+        self.units, modules = self._build_units(model, groups, units)
+        auto_budgets = [section for section in ("offload_param", "offload_optimizer")
+                        if getattr(config.zero, section).max_in_cpu == "auto"]
+        self.config = config = resolve_max_in_cpu(config, self.units)  # [Note: host memory before the disk]
+        self.params = self._param_tier()
+        self.optim_state = self._optimizer_tier()
+        self.chosen = self._choices(measured, auto_budgets)
+        # Decided once, read by the tiers and the policy ([Note: update modes] in engine/step_policy.py).
+        self.update_mode = self._update_mode(self.optim_state.updates_can_wait)
+        deferred = DeferredInit(model) if is_deferred(model) else None  # [Note: deferred initialisation]
+        for u in self.units:
+            if deferred is not None:
+                deferred.materialize([s.param for s in u.slots])
+            shard = u.initial_shard()
+            if u.trainable:  # [Note: frozen parameters] in unit.py: no optimizer state
+                self.optim_state.add(u, shard[:u.train_shard_numel])
+            self.params.add(u, shard)
+            u.bind_params()
+            del shard
+        if deferred is not None:
+            deferred.finish()
+        self.updates = PendingUpdates(self.params, self.optim_state)  # [Note: a unit's update] in engine/step_policy.py
+        self.optimizer.bind(self.optim_state, self.units, self._set_trainable_values, self.updates.run_all)
+        self.trainable_numel = sum(s.numel for u in self.units for s in u.slots if s.group >= 0)
+        self.frozen_numel = sum(s.numel for u in self.units for s in u.slots if s.group < 0)
+        self.fetcher = Fetcher(self.units, self.params, zero, self.updates)
+        self.policy = StepPolicy(self.units, self.params, self.optim_state, self.fetcher, self.updates, self.optimizer,
+                                 self.accelerator, mode=self.update_mode, clip=config.gradient_clipping, scaler=self.scaler,
+                                 skip_nonfinite=config.bf16.check_grad_overflow)
+        self.hooks = UnitHooks(self.units, modules, self.fetcher, self.policy.on_unit_grads,
+                               outside_backward=self._backward_outside_engine)
+        self.report = StepReport(wall_clock_breakdown=config.wall_clock_breakdown,
+                                 steps_per_print=config.steps_per_print, rank=self.rank)
+        for u in self.units:
+            if u.persistent:
+                self.fetcher.acquire(u)
+        self.fetcher.begin_step()
+        for module in model.modules():  # buffers; parameters are empty until gathered
+            for name, buf in module.named_buffers(recurse=False):
+                module._buffers[name] = self.accelerator.move(buf)  # noqa: SLF001 (what Module.to does)
+        register_units(self, self.units)
+        self._owner = {id(s.param): (u, s) for u in self.units for s in u.slots}
+        self._state_dict_hooks = self._hook_state_dict(model)
+        log.info("infinity: %d units, %d trainable and %d frozen parameters", len(self.units),
+                 self.trainable_numel, self.frozen_numel)
+
+    # ---- construction ---------------------------------------------------------------------
+
+    def _build_units(self, model: nn.Module, groups: list[dict], policy: UnitPolicy):
+        zero = self.config.zero
+        # [Note: frozen parameters] in unit.py: outside every group, or not requiring grad.
+        group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"] if p.requires_grad}
+        threshold = zero.stage3_param_persistence_threshold if zero.stage == 3 else 0
+        plans, persistent = plan_units(model, policy, threshold)
+        for name, p in model.named_parameters():
+            if not p.is_floating_point():
+                raise TypeError(f"parameter {name}: only floating-point parameters can be partitioned, got {p.dtype}")
+        units: list[Unit] = []
+        modules: list[list[nn.Module]] = []
+        every_unit_persists = zero.stage < 3  # stages 1/2: parameters stay whole on the device
+
+        def add(name, params, unit_modules, persists):
+            entries = [(n, p, group_of.get(id(p), -1)) for n, p in params]
+            units.append(Unit(len(units), name, entries, self.dtype, self.device, self.rank, self.world_size,
+                              persistent=persists))
+            modules.append([] if persists else unit_modules)
+
+        for plan in plans:
+            if plan.params:
+                add(plan.name, plan.params, plan.modules, every_unit_persists)
+        if persistent:
+            add("<persistent>", persistent, [], True)
+        return units, modules
+
+    def _param_tier(self):
+        offload = self.config.zero.offload_param
+        if offload.device == "nvme":
+            from infinity.offload.params.nvme import NvmeParams
+            return NvmeParams(self.accelerator, offload, self.config.aio, rank=self.rank, units=self.units,
+                              prefetch_numel=self.config.zero.stage3_prefetch_bucket_size)
+        return ResidentParams(self.accelerator, offload=offload.device == "cpu")
+
+    def _optimizer_tier(self):
+        offload = self.config.zero.offload_optimizer
+        if offload.device == "nvme" and any(u.trainable for u in self.units):  # else no state, no files
+            from infinity.offload.optimizer.nvme import NvmeOptimizerState
+            from infinity.offload.optimizer.split import split_by_budget
+            # The mode wherever some state is on NVMe: a tier whose updates can wait holds it.
+            mode = self._update_mode(NvmeOptimizerState.updates_can_wait)
+            at_once = gradients_used_at_once(self.units, mode, self.config.batch.gradient_accumulation_steps)
+            order = expected_update_order(self.units, mode)
+            # [Note: host memory before the disk] in offload/placement.py: max_in_cpu elements stay in memory.
+            return split_by_budget(self.accelerator, offload.max_in_cpu, [u for u in self.units if u.trainable], order,
+                                   lambda units: NvmeOptimizerState(
+                                       self.accelerator, offload, self.config.aio, self.config.zero.sub_group_size,
+                                       rank=self.rank, units=units, mode=mode, no_accumulator=at_once,
+                                       update_order=order))
+        return ResidentOptimizerState(self.accelerator, on_device=offload.device == "none",
+                                      units=[u for u in self.units if u.trainable])
+
+    def _choices(self, aio_measured: bool, auto_budgets: list[str]) -> dict[str, Any]:
+        """What the engine sized itself within the config's budgets, for users and reports: the
+        disk's measured aio setting, the optimizer pipeline ([Note: the pool is a budget] in
+        offload/optimizer/nvme.py), "auto" budgets resolved ([Note: host memory before the disk])."""
+        chosen: dict[str, Any] = {}
+        aio = self.config.aio
+        if aio_measured and not aio.tune:
+            chosen["aio"] = {"block_size": aio.block_size, "queue_depth": aio.queue_depth,
+                             "thread_count": aio.thread_count, "engine": aio.engine}
+        pipeline = getattr(getattr(self.optim_state, "disk", self.optim_state), "chosen", None)
+        if pipeline is not None:
+            chosen["offload_optimizer"] = pipeline
+        for section in auto_budgets:
+            chosen[f"{section}.max_in_cpu"] = getattr(self.config.zero, section).max_in_cpu
+        return chosen
+
+    def _update_mode(self, updates_can_wait: bool) -> UpdateMode:
+        """[Note: update modes] in engine/step_policy.py, for an optimizer tier whose updates can
+        wait for the next use or not."""
+        return choose_update_mode(clip=self.config.gradient_clipping, loss_scaling=self.scaler is not None,
+                                  updates_can_wait=updates_can_wait)
+
+    @property
+    def update_in_backward(self) -> bool:
+        """Whether units are updated during backward ([Note: update modes] in engine/step_policy.py)."""
+        return self.update_mode is UpdateMode.IN_BACKWARD
+
+    # ---- the training loop ----------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        training = torch.is_grad_enabled()  # a training pass: its backward will follow
+        opens = self.lifecycle.begin_forward(training)  # holds the signals first ([Note: engine lifecycle])
+        if opens:
+            self.fetcher.begin_step()
+            if training:
+                self.hooks.reset_backward()
+                self._maybe_start_trace()
+                self.policy.begin_pass(last=self._expected_boundary())
+        args, kwargs = self.accelerator.move((args, kwargs))  # inputs go where the model computes
+        try:
+            if opens:
+                self.fetcher.ready_persistent()  # [Note: persistent units' updates] in engine/step_policy.py
+            with TIMELINE.span("forward", "phase"):
+                out = self.module(*args, **kwargs)
+        except BaseException:  # the pass is over: nothing will run its backward
+            if opens or self.lifecycle.in_pass:
+                self.fetcher.end_step()
+                self.hooks.reset_backward()
+                self.lifecycle.forward_failed()
+            raise
+        if opens and not training:  # evaluation: no backward will end this pass
+            self.fetcher.end_step()
+        self.report.add_time("forward", time.perf_counter() - t0)
+        return out
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of `loss` scaled for accumulation (unless `scale_wrt_gas` is false) and by the
+        fp16 loss scale; reduces gradients. Returns the loss as scaled for accumulation, as
+        DeepSpeed does."""
+        self.lifecycle.check_open()
+        if self.inference:
+            if self.lifecycle.in_pass:
+                self._discard_pass("backward without an optimizer")
+            raise RuntimeError("engine.backward: this engine has no optimizer (the config has no 'optimizer' section "
+                               "and none was passed to initialize), so it is for inference; give one to train")
+        self.lifecycle.begin_backward(self.config.batch.gradient_accumulation_steps)
+        self.policy.confirm_boundary(self.is_gradient_accumulation_boundary())  # [Note: the boundary of a pass]
+        t0 = time.perf_counter()
+        gas_scale = 1.0 / self.config.batch.gradient_accumulation_steps if scale_wrt_gas else 1.0
+        scale = gas_scale
+        if self.scaler is not None:
+            scale *= self.scaler.scale
+        try:
+            with TIMELINE.span("backward", "phase"), self.hooks.running_backward():
+                (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+                self.hooks.finish_backward()
+        except BaseException:
+            self._discard_pass("backward failed")
+            raise
+        self.fetcher.end_step()
+        self.policy.end_backward()
+        self.lifecycle.end_backward(boundary=self.policy.last_micro)
+        self.report.add_time("backward", time.perf_counter() - t0)
+        return loss * gas_scale if gas_scale != 1.0 else loss
+
+    def _abandon_backward(self, what: str) -> None:
+        """The accumulation is abandoned: the next micro-step starts a new one, and nothing of
+        this pass (gradients in flight, state read ahead) holds a buffer."""
+        self.optim_state.abort_pass()
+        self.hooks.reset_backward()
+        for unit in self.units:  # what autograd accumulated before the failure, not handed on yet
+            for slot in unit.slots:
+                slot.param.grad = None
+        if dropped := self.policy.passes:
+            log.warning("infinity: %s; the %d earlier micro-batches of this accumulation are discarded, and the "
+                        "next micro-batch starts a new one", what, dropped)
+        self.micro_steps -= self._counted_in_accumulation
+        self._counted_in_accumulation = 0
+        if self.update_in_backward and self.policy.last_micro:
+            self.lifecycle.step_failed("a backward that updates units as their gradients are final failed")
+        self.policy.abandon()
+
+    def _discard_pass(self, what: str) -> None:
+        """A backward that failed, or was refused before anything of it was reduced or updated:
+        the pass ends and the micro-batch is discarded."""
+        self._abandon_backward(what)
+        self.fetcher.end_step()
+        self.lifecycle.backward_failed()
+
+    def _backward_outside_engine(self) -> None:
+        """Called by the hooks at the first parameter gradient of a backward that
+        `engine.backward` did not start (`loss.backward()`): nothing has been reduced or
+        updated yet, so the micro-batch is discarded whole and the error says what to call."""
+        self._discard_pass("a backward ran outside engine.backward()")
+        raise RuntimeError("a backward through the engine's model ran outside engine.backward() (loss.backward()?): "
+                           "call engine.backward(loss), which scales the loss for gradient accumulation and fp16 and "
+                           "hands each unit's gradients to the partitioned optimizer; this micro-batch is discarded")
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the micro-step under way (from its forward to its `step()`) ends an
+        accumulation, as DeepSpeed counts: `micro_steps` counts `step()` calls, so this is True
+        from the last micro-batch's forward until its step, unless
+        `set_gradient_accumulation_boundary` decided."""
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.config.batch.gradient_accumulation_steps == 0
+
+    def _expected_boundary(self) -> bool:
+        """What a training forward expects its backward to find ([Note: the boundary of a pass])."""
+        if self._boundary_after_forward:
+            return (self.policy.passes + 1) % self.config.batch.gradient_accumulation_steps == 0
+        return self.is_gradient_accumulation_boundary()
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Overrides the count: whether the micro-step under way (or, between micro-steps, the
+        next one) ends an accumulation. accelerate calls it with its `sync_gradients` after each
+        forward, before the backward, which is where the boundary takes effect ([Note: the
+        boundary of a pass] in engine/step_policy.py)."""
+        if not isinstance(is_boundary, bool):
+            raise TypeError(f"is_boundary: expected a bool, got {is_boundary!r}")
+        if self.lifecycle.set_boundary(is_boundary, used=self.policy.last_micro):
+            self._boundary_after_forward = True
+        self._boundary_override = is_boundary
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Ends the micro-step: at an accumulation boundary applies the update (and steps the
+        LR scheduler, with `lr_kwargs` as keyword arguments); counts the micro-step always."""
+        applies = self.lifecycle.begin_step()
+        try:
+            if applies:
+                self._step(lr_kwargs)
+        except BaseException as e:
+            self.lifecycle.end_step(ok=False, why=f"step {self.global_steps + 1} failed ({type(e).__name__}: {e})")
+            raise
+        finally:
+            self.micro_steps += 1
+            self._counted_in_accumulation = 0 if applies else self._counted_in_accumulation + 1
+        if applies:
+            self.lifecycle.end_step(ok=True)  # held signal handlers run now ([Note: signals at step boundaries])
+
+    def _agree_on_signals(self, arrived: set[int]) -> set[int]:
+        """The signals any rank received ([Note: signals at step boundaries]); all ranks call it."""
+        from infinity.engine.signals import HELD
+        flags = torch.tensor([float(s in arrived) for s in HELD])
+        flags = self.accelerator.move(flags)
+        zdist.all_reduce_max(flags)
+        return {s for s, f in zip(HELD, self.accelerator.host(flags).tolist()) if f}
+
+    def _step(self, lr_kwargs: dict | None = None) -> None:
+        t0 = time.perf_counter()
+        try:
+            with TIMELINE.span("step", "phase"):
+                outcome = self.policy.step(self.global_steps)
+        finally:  # a failed step is abandoned: the next micro-step starts a new accumulation
+            self._boundary_override = None
+        self._step_applied = outcome.applied
+        if not self.updates:  # every shard has its new values
+            self.fetcher.prefetch_next_step()
+        if outcome.applied:
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        else:
+            self.skipped_steps += 1
+        self._grad_norm = outcome.grad_norm
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self.report.add_time("step", time.perf_counter() - t0)
+        waits = TIMELINE.take_waits()
+        facts = {"waits": waits, "compute_wait_s": sum(waits.values()), "grad_norm": outcome.grad_norm, "loss_scale": self.get_loss_scale(), "lr": self.get_lr(),
+                 "peak_live_numel": self.fetcher.peak_live_numel,
+                 "units_updated_in_backward": outcome.updated_in_backward,
+                 "trainable_params": self.trainable_numel, "frozen_params": self.frozen_numel,
+                 **self.params.io_stats(), **{f"optimizer_{k}": v for k, v in self.optim_state.io_stats().items()}}
+        self.report.finish_step(self.global_steps, facts, {"gather": self.fetcher.gather_seconds,
+                                                           "reduce": self.hooks.reduce_seconds})
+        trace = self.config.trace
+        if self._tracing and self.global_steps >= self._trace_from + trace.steps - 1:
+            self._write_trace()
+
+    def _maybe_start_trace(self) -> None:
+        trace = self.config.trace
+        # At start_step, or at the first step after it where a resumed run begins.
+        if (trace.path is not None and not self._trace_from and self.policy.first_micro
+                and self.global_steps + 1 >= trace.start_step):
+            TIMELINE.start()
+            self._tracing = True
+            self._trace_from = self.global_steps + 1
+
+    def _write_trace(self) -> None:
+        """Writes the steps recorded so far ([Note: the timeline])."""
+        self._tracing = False
+        events = TIMELINE.stop()
+        path = str(self.config.trace.path) + (f".rank{self.rank}" if self.rank else "")
+        TIMELINE.write(path, events, self.rank)
+        log.info("infinity: timeline of steps %d-%d written to %s (open it in https://ui.perfetto.dev)",
+                 self._trace_from, self.global_steps, path)
+
+    # ---- checkpoints and export ([Note: checkpoint layout] in infinity/checkpoint/layout.py) --------
+
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's save_checkpoint: `save_dir/tag` (default `global_step<N>`), then `latest`
+        names it; every rank calls it. Crash-safe ([Note: publishing a checkpoint] in
+        infinity/checkpoint/files.py); `last_checkpoint` says what it cost.
+        exclude_frozen_parameters: the frozen parameters' values are not saved, and a load keeps
+        the model's own (Hugging Face's Trainer asks for this with PEFT models)."""
+        from infinity.checkpoint.save import save_checkpoint
+        with self._held_signals():
+            self.last_checkpoint = save_checkpoint(self, save_dir, tag, client_state, save_latest,
+                                                   exclude_frozen_parameters)
+        return True
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, dict | None]:
+        """DeepSpeed's load_checkpoint: the tag `latest` names by default; returns (checkpoint
+        directory, client_state), or (None, None) when `load_dir` has no `latest`. Any world size
+        and offload placement loads any checkpoint of the same model ([Note: re-sharding]).
+        custom_load_fn (DeepSpeed's hook for loading a whole module state dict) has nothing to
+        call here, where a rank never holds the whole state: it must be None."""
+        if custom_load_fn is not None:
+            raise ValueError("load_checkpoint: custom_load_fn is not supported: the values are loaded shard by "
+                             "shard, never as one module state dict; pass None")
+        from infinity.checkpoint.load import load_checkpoint
+        with self._held_signals():
+            return load_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
+                                   load_optimizer_states=load_optimizer_states,
+                                   load_lr_scheduler_states=load_lr_scheduler_states,
+                                   load_module_only=load_module_only)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """The weights as the model computes with them (bf16/fp16, or fp32), in Hugging Face's
+        safetensors layout in `save_dir`; every rank calls it, rank 0 writes."""
+        from infinity.checkpoint.export import save_16bit_model
+        self.updates.run_all()  # [Note: a unit's update] in engine/step_policy.py
+        with self._held_signals():
+            return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    @contextlib.contextmanager
+    def _held_signals(self):
+        """A save or load runs whole: a handler (one that saves, too) waits for its end, and a
+        second save or load from inside it is refused ([Note: engine lifecycle])."""
+        self.lifecycle.begin_checkpoint()
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            self.lifecycle.end_checkpoint(ok)
+
+    def check_step_boundary(self, what: str, replaces_all: bool = False) -> None:
+        """Raises unless the engine is between steps (what checkpoints read and write);
+        `replaces_all`: a load of every value, which mends a half-updated state."""
+        self.lifecycle.check_open()
+        if not replaces_all:  # a failed write, or an update that cannot resume ([Note: failed updates] in step_policy.py)
+            self.policy.check_intact(what)
+        self.lifecycle.check_between_steps(what, replaces_all)
+        self.updates.run_all()  # [Note: a unit's update] in engine/step_policy.py
+
+    def _check_sound(self, what: str) -> None:
+        """Half-updated or half-loaded values are exported as little as saved."""
+        self.policy.check_intact(what)
+        if self.lifecycle.health is not Health.SOUND:
+            self.check_step_boundary(what)
+
+    def mark_broken(self, why: str, *, until_load: bool = False) -> None:
+        """The values may be half-updated: no checkpoint is taken until a step or a load succeeds
+        (`until_load`: a load; a step on half-loaded values does not mend them)."""
+        if until_load:
+            self.lifecycle.part_loaded(why)
+        else:
+            self.lifecycle.step_failed(why)
+
+    def after_load(self) -> None:
+        """New values were loaded: nothing of the step before them carries over."""
+        self.lifecycle.loaded()
+        self.policy.reset_accumulation()
+        self._counted_in_accumulation = 0
+        self._grad_norm = None
+        self._values_cache = None
+
+    # ---- the checkpoint protocol ([Note: the checkpoint protocol] in infinity/checkpoint/protocol.py) ----
+    # Beside check_step_boundary, mark_broken, after_load and the full_* values: all checkpoint/ sees.
+
+    def training_state(self) -> TrainingState:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        return TrainingState(self.global_steps, self.skipped_steps, self.global_samples, self.micro_steps,
+                             optimizer={"step_count": self.optimizer.step_count, "param_groups": groups},
+                             lr_scheduler=getattr(self.lr_scheduler, "state_dict", lambda: None)(),
+                             loss_scaler=self.scaler.state_dict() if self.scaler is not None else None,
+                             device_rng=self.accelerator.rng_state())
+
+    def load_training_state(self, state: TrainingState) -> None:
+        self.global_steps, self.skipped_steps = state.global_steps, state.skipped_steps
+        self.global_samples, self.micro_steps = state.global_samples, state.micro_steps
+        if state.optimizer is not None:
+            self.optimizer.step_count = state.optimizer["step_count"]
+            for group, saved in zip(self.optimizer.param_groups, state.optimizer["param_groups"]):
+                group.update(saved)
+        if state.lr_scheduler is not None and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state.lr_scheduler)
+        if state.loss_scaler is not None and self.scaler is not None:
+            self.scaler.load_state_dict(state.loss_scaler)
+        if state.device_rng is not None:
+            self.accelerator.set_rng_state(state.device_rng)
+
+    def flush_shards(self) -> None:
+        self.optim_state.flush()
+        self.params.flush()
+
+    def read_optimizer_shard(self, unit: Unit, kind: str) -> torch.Tensor:
+        return self.optim_state.read(unit, kind)
+
+    def read_param_shard(self, unit: Unit) -> torch.Tensor:
+        return self.params.host_copy(unit)
+
+    def write_optimizer_shards(self, unit: Unit, values: dict[str, torch.Tensor]) -> None:
+        self.optim_state.load_state(unit, values)
+
+    def write_param_shard(self, unit: Unit, shard: torch.Tensor) -> None:
+        self.params.replace(unit, shard)
+
+    @contextlib.contextmanager
+    def replacing_shards(self):
+        gathered = [u for u in self.units if u.state is UnitState.GATHERED]  # persistent ones, stages 1/2
+        for u in gathered:
+            u.to_released()
+        try:
+            yield
+        finally:
+            for u in gathered:
+                u.to_gathered(self.params.fetch(u))
+                self.params.done(u)
+
+    def peak_gathered_bytes(self) -> int:
+        """The most bytes of gathered units this rank's device has held at once (for reports)."""
+        return self.fetcher.peak_live_numel * self.dtype.itemsize
+
+    # ---- DeepSpeed's engine surface -------------------------------------------------------
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    def zero_grad(self) -> None:
+        for p in self.module.parameters():
+            p.grad = None
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler else 1.0
+
+    def get_mom(self) -> list[Any]:
+        """Each param group's Adam betas (DeepSpeed's name)."""
+        return [g["betas"] for g in self.optimizer.param_groups]
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.world_size
+
+    def destroy(self) -> None:
+        """DeepSpeed's name for `close()`."""
+        self.close()
+
+    # DeepSpeed's getters of the config are in infinity/engine/getters.py (ConfigGetters).
+    def was_step_applied(self) -> bool:
+        """Whether the last `step()` at an accumulation boundary updated the parameters (False
+        when fp16 overflow skipped it)."""
+        return self._step_applied
+
+    @property
+    def global_rank(self) -> int:
+        return self.rank
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's: gives back the memory of every gathered unit not in use (kept for reuse or
+        read ahead); persistent ones stay. The next use gathers them again."""
+        self.lifecycle.check_open()
+        self.fetcher.release_idle()
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step (before clipping; None before the first)."""
+        return self._grad_norm
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """zero_optimization.stage3_gather_16bit_weights_on_model_save: whether a framework's
+        save_model may gather the whole 16-bit state dict (accelerate asks before it calls
+        `_zero3_consolidated_16bit_state_dict`, and refuses to save weights when false)."""
+        return self.config.zero.stage3_gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+        """DeepSpeed's: the module's state dict in the compute dtype on rank 0 (an empty dict on
+        the others), parameters and persistent buffers under every name they have (tied weights
+        as one tensor, a tiled weight whole). Streamed one unit at a time: the unit is gathered, its values copied to
+        the host, and its full buffer dropped before the next. All ranks call it."""
+        self._check_sound("_zero3_consolidated_16bit_state_dict")
+        values: dict[int, torch.Tensor] = {}
+        for u in self.units:
+            slots = [s for s in u.slots if not (exclude_frozen_parameters and s.group < 0)]
+            if slots:
+                full = self.full_compute_values(u)
+                values.update({id(s.param): u.param_values(full, s).clone() for s in slots if self.rank == 0})
+                del full
+        return named_state(self.module, values, keep_unlisted=False) if self.rank == 0 else {}
+
+    # ---- full values of partitioned parameters --------------------------------------------
+
+    def _local_fp32(self, unit: Unit) -> torch.Tensor:
+        """This rank's shard in fp32: the masters of the trainable part, the compute-dtype values
+        of the frozen part (frozen parameters have no master)."""
+        self.updates.run(unit)  # [Note: a unit's update] in engine/step_policy.py
+        shard = torch.empty(unit.shard_numel, dtype=torch.float32)
+        parts = unit.split(shard)
+        if unit.trainable:
+            parts.train.copy_(self.optim_state.master(unit))
+        if unit.frozen_shard_numel:
+            parts.frozen.copy_(unit.split(self.params.host_copy(unit)).frozen)
+        return shard
+
+    def _gather_full(self, unit: Unit, shard: torch.Tensor) -> torch.Tensor:
+        """Every rank's `shard` of the unit, as a full flat buffer on the CPU (all ranks call it)."""
+        shard = self.accelerator.move(shard)
+        full = torch.empty(unit.padded_numel, dtype=shard.dtype, device=self.device)
+        return self.accelerator.host(unit.gather_into(full, unit.split(shard)))
+
+    def full_compute_values(self, unit: Unit) -> torch.Tensor:
+        """The unit's full flat buffer in the compute dtype on the CPU; all ranks call it."""
+        self.updates.run(unit)  # [Note: a unit's update] in engine/step_policy.py
+        return self._gather_full(unit, self.params.host_copy(unit))
+
+    def full_fp32_values(self, unit: Unit) -> torch.Tensor:
+        """The unit's full flat buffer in fp32 on the CPU (masters where trainable); all ranks call it."""
+        return self._gather_full(unit, self._local_fp32(unit))
+
+    def full_optimizer_values(self, unit: Unit, kind: str) -> torch.Tensor | None:
+        """The unit's full flat buffer (fp32, CPU, the trainable region filled) of one kind of
+        optimizer state: "master", "exp_avg", "exp_avg_sq", or "grad" (the accumulated gradient,
+        between the backward that ends an accumulation and `step()`). None for a unit without
+        trainable parameters, or a gradient no longer kept. All ranks call it."""
+        self.updates.run(unit)  # [Note: a unit's update] in engine/step_policy.py
+        if not unit.trainable:
+            return None
+        if kind == "grad":
+            if self.update_in_backward:
+                raise RuntimeError(
+                    "safe_get_full_grad: the gradients were used by the update during backward and are not "
+                    "kept (gradient_clipping is 0 and fp16 is off); set gradient_clipping > 0 to keep them "
+                    "until step()")
+            local = self.optim_state.grad(unit) if self.lifecycle.grads_final else None
+            if local is None:
+                return None
+            local = local / self.get_loss_scale()
+        elif kind == "master":
+            local = self.optim_state.master(unit)
+        else:
+            local = self.optim_state.state(unit)[kind]
+        shard = torch.zeros(unit.shard_numel, dtype=torch.float32)
+        unit.split(shard).train.copy_(local)
+        return self._gather_full(unit, shard)
+
+    def gather_for_user(self, unit: Unit) -> None:
+        self.updates.run(unit)  # [Note: a unit's update] in engine/step_policy.py
+        unit.to_gathered(self.params.fetch(unit), fresh=True)  # views may outlive the release
+        self.params.done(unit)
+
+    def release_for_user(self, unit: Unit) -> None:
+        unit.to_released()
+
+    def set_unit_values(self, unit: Unit, shard: torch.Tensor) -> None:
+        self.updates.run(unit)  # [Note: a unit's update] in engine/step_policy.py
+        shard = self.accelerator.host(shard)
+        if unit.trainable:  # the values were written in the compute dtype; fp32 keeps them exactly
+            self.optim_state.set_master(unit, unit.split(shard).train.to(torch.float32))
+        self.policy.write_params(unit, new_shard=shard)
+
+    def _set_trainable_values(self, unit: Unit, master: torch.Tensor) -> None:
+        """The trainable part of the unit's shard becomes `master` (this rank's, fp32) rounded."""
+        self.updates.run(unit)  # [Note: a unit's update] in engine/step_policy.py
+        shard = self.params.host_copy(unit)
+        unit.split(shard).train.copy_(master)
+        self.policy.write_params(unit, new_shard=shard)
+
+    def set_fp32_values(self, unit: Unit, full: torch.Tensor) -> None:
+        """Makes `full` (the unit's full flat buffer in fp32, identical on every rank) the unit's
+        values: fp32 masters of the trainable part, compute-dtype shard of both parts."""
+        self.updates.run(unit)  # [Note: a unit's update] in engine/step_policy.py
+        shard = unit.local_shard(full.to(torch.float32).cpu())
+        if unit.trainable:
+            self.optim_state.set_master(unit, unit.split(shard).train.clone())
+        self.policy.write_params(unit, new_shard=shard.to(unit.dtype))
+
+    def _hook_state_dict(self, model: nn.Module) -> list:
+        """`state_dict()` of the module or any submodule holds the real values ([Note: state dict
+        values]); the hooks go on every module that holds parameters below it."""
+        keep_vars: list[bool] = []  # one entry per module whose state_dict() is running
+
+        def before(module, prefix, keep):
+            self._check_sound("state_dict()")
+            released = [p for p in module.parameters(recurse=False)
+                        if id(p) in self._owner and self._owner[id(p)][0].state is UnitState.RELEASED]
+            if self.world_size > 1 and not keep and released:  # gathered ones (GatheredParameters) are whole
+                raise RuntimeError(
+                    f"state_dict(): the model's parameters are partitioned over {self.world_size} ranks and "
+                    "no rank holds them whole; call engine.consolidated_state_dict() on every rank (rank 0 "
+                    "gets the full fp32 state dict), or gather them with infinity.GatheredParameters")
+            keep_vars.append(keep)
+
+        def after(module, state_dict, prefix, local_metadata):
+            if not keep_vars.pop():
+                for name, param in module.named_parameters(recurse=False):
+                    if id(param) in self._owner and prefix + name in state_dict:
+                        state_dict[prefix + name] = self._param_value(param)
+            if not keep_vars:
+                self._values_cache = None  # the outermost call is done: drop the copies
+
+        handles = []
+        for m in model.modules():
+            if any(True for _ in m.parameters()):
+                handles += [m.register_state_dict_pre_hook(before), m.register_state_dict_post_hook(after)]
+        return handles
+
+    def _param_value(self, param: nn.Parameter) -> torch.Tensor:
+        """[Note: state dict values]
+        A released parameter is an empty tensor, so `state_dict()` would hold 0-element tensors.
+        Its hooks put in each parameter's real value instead: a CPU copy in the compute dtype,
+        gathered one unit at a time; the copies are kept until the outermost call returns, so a
+        tied parameter comes out as one tensor under both names. With several ranks no rank holds
+        a released unit whole and `state_dict()` raises, naming what works; inside
+        `GatheredParameters` every rank holds them, and it returns them."""
+        if self._values_cache is None:
+            self._values_cache = {}
+        if id(param) not in self._values_cache:
+            unit, _ = self._owner[id(param)]
+            if unit.state is UnitState.GATHERED:
+                full = self.accelerator.host(unit.full)
+            else:
+                full = self.full_compute_values(unit)
+            self._values_cache.update({id(s.param): unit.param_values(full, s).clone() for s in unit.slots})
+        return self._values_cache[id(param)]
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full fp32 state dict on CPU, gathered unit by unit, on rank 0 (empty elsewhere),
+        under the module's state_dict names (a tiled weight whole)."""
+        self._check_sound("consolidated_state_dict")
+        full_values: dict[int, torch.Tensor] = {}
+        for u in self.units:
+            full = self.full_fp32_values(u)
+            if self.rank == 0:
+                for s in u.slots:
+                    full_values[id(s.param)] = u.param_values(full, s).clone()
+        return named_state(self.module, full_values, keep_unlisted=True) if self.rank == 0 else {}
+
+    def close(self) -> None:
+        """Releases the tiers (removes NVMe files unless asked to keep them). The engine and its
+        module cannot be used afterwards: their parameters' values are gone with the tiers."""
+        if not self.lifecycle.close():  # delivers the signals held, while the engine is still open
+            return
+        with deferred_signals() as arrived:  # what arrives now waits for the cleanup ([Note: signals during cleanup])
+            try:
+                self._close()
+            finally:  # before the handlers run: a save they try says why there is nothing to save
+                self.lifecycle.signals_in_close = list(arrived)
+
+    @property
+    def closed(self) -> bool:
+        return self.lifecycle.phase is Phase.CLOSED
+
+    def _close(self) -> None:
+        if self._tracing:  # closed before the last recorded step: what was recorded
+            self._write_trace()
+        elif self.config.trace.path is not None and not self._trace_from:
+            log.warning("infinity: trace.path %s: nothing recorded, the engine closed at step %d, before "
+                        "trace.start_step %d", self.config.trace.path, self.global_steps, self.config.trace.start_step)
+        self.hooks.remove()
+        for h in self._state_dict_hooks:
+            h.remove()
+        try:
+            self.params.close()
+        finally:  # a write failure raised by the first still leaves the second's files removed
+            self.optim_state.close()
+
+        def refuse(module, args):
+            self.lifecycle.check_open()
+        self.module.register_forward_pre_hook(refuse)

@@ -1,0 +1,153 @@
+"""What the engine, the fetcher and the hooks need from a parameter tier and an optimizer tier.
+
+`ResidentParams` (infinity.offload.params.memory) and `NvmeParams` (infinity.offload.params.nvme) are
+parameter tiers; `ResidentOptimizerState` (infinity.offload.optimizer.memory) and `NvmeOptimizerState`
+(infinity.offload.optimizer.nvme) are optimizer tiers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+import torch
+
+from infinity.device import InFlight
+from infinity.zero.unit import ShardParts, Unit
+
+if TYPE_CHECKING:
+    from infinity.optim.functional import AdamHyper
+
+
+class ParamTier(Protocol):
+    """What the fetcher and the optimizer need from a parameter tier."""
+
+    def add(self, unit: Unit, values: torch.Tensor) -> None:
+        """Takes ownership of the unit's first shard values (fp32, host)."""
+
+    def prefetch(self, unit: Unit) -> bool:
+        """Starts moving the shard toward the device and returns at once: True if a transfer
+        was issued for the next `fetch`, False if none could be (one pending, or no buffer)."""
+
+    def ready(self, unit: Unit) -> bool:
+        """Whether `fetch(unit)` would not block the host (its prefetch has arrived in host
+        memory; a host -> device copy may still be in flight, which `fetch` orders on the
+        device, not on the host); never blocks."""
+
+    def fetch(self, unit: Unit) -> ShardParts:
+        """The shard on the compute device, ready for the compute issued from now on (waits
+        for a prefetch in flight); valid until `done`."""
+
+    def done(self, unit: Unit) -> None:
+        """The gathered unit has copied what `fetch` handed out: host buffers behind it go back
+        once the device's copy has read them, never under it."""
+
+    def drop_prefetched(self) -> None:
+        """Forgets prefetches not fetched (the schedule changed, or the step ended)."""
+
+    def set_schedule(self, order: list[int]) -> None:
+        """The recorded order of unit uses, for eviction by next use."""
+
+    def flush(self) -> None:
+        """Waits for writes of new values in flight; raises if one failed."""
+
+    def update_target(self, unit: Unit, on_device: bool) -> torch.Tensor:
+        """A tensor of `train_shard_numel` elements in the compute dtype, on the compute device
+        when `on_device` (the optimizer's state lives there) else in host memory, that the
+        optimizer fills with the new trainable part of the shard (the frozen part never changes);
+        the tier takes it back at `commit` and hands it out again only once what `commit`
+        started has finished reading it."""
+
+    def commit(self, unit: Unit) -> None:
+        """The new values in `update_target(unit)` are final: make them the shard's trainable part."""
+
+    def replace(self, unit: Unit, shard: torch.Tensor) -> None:
+        """Makes `shard` (host, compute dtype, both parts) the unit's shard, at once."""
+
+    def host_copy(self, unit: Unit) -> torch.Tensor:
+        """A host tensor with the shard's current values (for checkpoints)."""
+
+    def io_stats(self) -> dict[str, float]:
+        """NVMe traffic since the last call, for the step report (empty without NVMe)."""
+
+    def damage(self) -> str | None:
+        """Why the shards are not those of any step (a write of new values failed), or None."""
+
+    def close(self) -> None: ...
+
+
+class OptimizerTier(Protocol):
+    """fp32 master, exp_avg, exp_avg_sq and gradient accumulator of the trainable part of each
+    unit's shard."""
+
+    on_device: bool  # the state lives on the compute device: `update`'s `out` must be there too
+    # Whether updates after the norm may wait for each unit's next use, which then calls
+    # `set_pending` and `drop_pending` ([Note: update modes] in step_policy.py).
+    updates_can_wait: ClassVar[bool]
+
+    def add(self, unit: Unit, master: torch.Tensor) -> None:
+        """Takes the unit's first fp32 master values (host)."""
+
+    def accumulate(self, unit: Unit, grad_shard: torch.Tensor, first: bool, last: bool = False) -> InFlight | None:
+        """Adds a reduced gradient shard (on the compute device) into the fp32 accumulator
+        (`first`: replaces it); `last`: the final micro-step's, so the unit's state may start
+        moving for the step. Returns the copy that reads `grad_shard`, if one is in flight: the
+        caller waits for it (`Device.wait_compute`) before it overwrites that memory."""
+
+    def begin_pass(self, last: bool) -> None:
+        """A training forward starts; `last`: its micro-step ends an accumulation (its gradients are final)."""
+
+    def step_order(self, units: list[Unit]) -> list[Unit]:
+        """The order in which to update `units` (those whose state is read already first)."""
+
+    def finish_step(self) -> None:
+        """The step's updates are done (or it was abandoned): what it read ahead or kept goes back."""
+
+    def abort_pass(self) -> None:
+        """A backward failed: gradients in flight are dropped, buffers given back."""
+
+    def flush(self) -> None:
+        """Completes the previous step's writes, raising a failed one."""
+
+    def grad_sq(self, unit: Unit) -> torch.Tensor:
+        """Squared 2-norm of the unit's final gradient ([Note: gradient norm by rows]), on the host."""
+
+    def update(self, unit: Unit, hypers: list["AdamHyper"], step: int, grad_scale: float,
+               out: torch.Tensor) -> None:
+        """One Adam step of the unit's shard, writing the new values in `out`'s dtype into `out`
+        (`ParamTier.update_target(unit, on_device)`)."""
+
+    def master(self, unit: Unit) -> torch.Tensor:
+        """A host copy of the unit's fp32 master."""
+
+    def set_master(self, unit: Unit, values: torch.Tensor) -> None: ...
+    def state(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """Host copies of master, exp_avg and exp_avg_sq."""
+
+    def read(self, unit: Unit, kind: str) -> torch.Tensor:
+        """The unit's fp32 "master", "exp_avg" or "exp_avg_sq" in host memory (a copy, or the
+        tier's own tensor where it lives there: read it before the next update)."""
+
+    def grad(self, unit: Unit) -> torch.Tensor | None:
+        """A host copy of the unit's accumulated fp32 gradient, if one is kept."""
+
+    def load_state(self, unit: Unit, state: dict[str, torch.Tensor]) -> None:
+        """Makes the given kinds of `state` (host fp32; any of master, exp_avg, exp_avg_sq) the unit's;
+        all three end the unit's damage."""
+
+    def mark_damaged(self, unit: Unit, why: str) -> None:
+        """The unit's state is not that of any step (an update abandoned part way)."""
+
+    def damage(self) -> str | None:
+        """Why the state is not that of any step (a damaged unit, a failed write), or None."""
+
+    def set_pending(self, order: list[int]) -> None:
+        """These units' updates wait for their next use and run in this order (`updates_can_wait`
+        tiers only): the tier may start reading their state now."""
+
+    def drop_pending(self) -> None:
+        """Forgets the updates waiting for the next forward (they will not run), and their reads ahead."""
+
+    def io_stats(self) -> dict[str, float]:
+        """NVMe traffic since the last call, for the step report (empty without NVMe)."""
+
+    def close(self) -> None: ...

@@ -1,0 +1,649 @@
+"""`Swapper`: moves shards between their NVMe extents and host buffers, asynchronously.
+
+Each shard is a `Shard` record (shard.py) whose state the swapper moves on ([Note: shard life
+cycle] in shard.py); what it moved is counted in a `SwapCounters` (stats.py).
+
+[Note: transfer ordering]
+What the states guarantee, and how:
+  * A shard being written is never read from its old bytes: a fetch during a write waits for
+    the write and keeps its buffer (no read at all); a read is only ever issued from NVME.
+  * Two writes of one shard are never in flight together (the second waits for the first), so
+    the last write issued is the one on disk.
+  * A shard being read is handed out only by `wait`, after the read completed; a buffer under a
+    transfer goes back to the pool only after the transfer was waited for.
+  * A failed write makes the shard INVALID: its bytes are never read back as if they were good,
+    and `lost()` names it until a write of it succeeds (new bytes replace the lost ones, so its
+    failure is then no longer one for `flush` to raise). A failed read changes nothing on disk:
+    the shard is NVME again, its buffer back in the pool, and fetching it again retries.
+
+[Note: completing transfers]
+Each I/O request is waited for by exactly one thread (a handle's request ids are single-use):
+the thread that wants a transfer finished marks the shard `completing`, waits with the lock
+released, then moves the shard on; any other thread that needs it meanwhile waits on the
+condition variable for the state to change. Errors are recorded on the shard and raised to
+whoever waits for that transfer (`wait`), and write errors nobody waited for by `flush`, so
+that an unrelated fetch that only reaped a failed write to free its buffer does not raise.
+
+[Note: lending bytes under a write]
+A holder that only reads the bytes (the parameter tier copying a unit's new values to the
+device) may take them while their write is still in flight: `wait(handle, lend=True)` hands out
+the buffer at once instead of waiting for the write, as the bytes in memory are the newest and
+both the disk and the holder only read them. If that write then fails, the shard is INVALID as
+usual, but its buffer stays out of the pool ("parked") until every lent holder has released it,
+so it is never reused under a reader; their releases end those loans without raising. A holder
+that changes the bytes in place must not borrow them (the write would read torn bytes).
+
+[Note: buffers under pressure]
+When no pool buffer is free, the swapper first drops the cached shard the cache would evict
+first (free at once: cached shards are always clean), then finishes the oldest write in flight
+whose buffer nobody holds, and only then waits for a release by another thread, at most
+`timeout` seconds (the pool's error names buffer_count and buffer_size).
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+from collections.abc import Collection, Hashable
+from typing import Protocol
+
+import torch
+from torch.profiler import record_function
+
+from infinity.device.timeline import TIMELINE
+
+from infinity.offload._messages import config_key
+from infinity.offload.cache import HostCache
+from infinity.offload.pool import BufferPool
+from infinity.offload.shard import FetchHandle, Shard, ShardKey, Transfer, WriteHandle
+from infinity.offload.state import ShardState
+from infinity.offload.stats import DirectionStats, SwapCounters, SwapStats
+from infinity.offload.store import Extent, NvmeStore
+
+# The handles (shard.py) and the stats (stats.py) stay importable from here, where they were defined before.
+__all__ = [
+    "DirectionStats",
+    "FetchHandle",
+    "IOHandle",
+    "ShardKey",
+    "SwapStats",
+    "Swapper",
+    "Transfer",
+    "WriteHandle",
+]
+
+
+class IOHandle(Protocol):
+    """What the swapper needs of an I/O handle (`infinity.io.AsyncIOHandle`, or a test's wrapper)."""
+
+    def submit_read(self, buffer: torch.Tensor, path: str, offset: int = 0) -> int: ...
+    def submit_write(self, buffer: torch.Tensor, path: str, offset: int = 0) -> int: ...
+    def wait(self, request: int | None = None) -> int: ...
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"src: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(
+            f"src: expected a contiguous CPU tensor, got one on {tensor.device} (contiguous: {tensor.is_contiguous()})"
+        )
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+class Swapper:
+    """Moves the shards of one store between NVMe and the buffers of one pool.
+
+    Args:
+        store: where the shards live on NVMe.
+        pool: the host buffers transfers go through (sized for the store's largest shard).
+        cache: keeps idle shards in host memory ([Note: eviction policy] in cache.py); its keys
+            are `(kind, key)` pairs. None keeps nothing.
+        handle: the I/O handle; default: the store's.
+        write_handle: a second handle for writes; default: `handle`. Each handle serves its
+            requests in order, so with one handle a read the compute thread waits for can sit
+            behind writes nobody waits for; with two, reads never queue behind writes.
+        read_delay_s: test hook: every read completes no sooner than this many seconds after it
+            was issued (a slow disk, without blocking the caller that issued it).
+        timeout: seconds to wait for a pool buffer before giving up ([Note: buffers under pressure]).
+
+    Thread-safe: one lock guards the shards ([Note: completing transfers]), so any thread may
+    fetch, wait and release.
+    Typical use: `h = fetch(kind, key)` ahead of time; `buf = wait(h)` when needed; change
+    `buf` in place if wanted; `release(kind, key, dirty=True)` writes it back.
+    """
+
+    _shards: dict[ShardKey, Shard]
+    _writes: dict[ShardKey, Shard]  # shards with a write in flight, oldest first
+    _unreported: list[OSError]  # failed writes nobody has waited for ([Note: completing transfers])
+    _lost: dict[ShardKey, OSError]  # INVALID shards (or rewritten, not yet done): why their bytes are gone
+    _counters: SwapCounters  # what moved, for `stats`
+
+    def __init__(
+        self,
+        store: NvmeStore,
+        pool: BufferPool,
+        cache: HostCache | None = None,
+        handle: IOHandle | None = None,
+        write_handle: IOHandle | None = None,
+        *,
+        read_delay_s: float = 0.0,
+        timeout: float | None = 60.0,
+    ) -> None:
+        if not isinstance(store, NvmeStore):
+            raise TypeError(f"store: expected an NvmeStore, got {type(store).__name__}")
+        if not isinstance(pool, BufferPool):
+            raise TypeError(f"pool: expected a BufferPool, got {type(pool).__name__}")
+        if cache is not None and not isinstance(cache, HostCache):
+            raise TypeError(f"cache: expected a HostCache or None, got {type(cache).__name__}")
+        largest = max(store.extent(kind, key).nbytes for kind in store.kinds for key in store.keys(kind))
+        if largest > pool.buffer_size:
+            raise ValueError(
+                f"{config_key(pool.name, 'buffer_size')}: the store's largest shard has {largest} bytes, more than "
+                f"a {pool.buffer_size}-byte buffer; give the pool the shard sizes (shard_sizes) so it is sized for them"
+            )
+        self.store = store
+        self.pool = pool
+        self.cache = cache
+        self.handle: IOHandle = handle if handle is not None else store.handle
+        self.write_handle: IOHandle = write_handle if write_handle is not None else self.handle
+        self.read_delay_s = float(read_delay_s)
+        self._label = getattr(store, "name", "store")  # for the timeline
+        self.timeout = timeout
+        self._shards = {}
+        self._writes = {}
+        self._unreported = []
+        self._lost = {}
+        self._parked: dict[ShardKey, tuple[torch.Tensor, int]] = {}  # failed write's buffer -> loans out
+        self._counters = SwapCounters()
+        self._cond = threading.Condition(threading.Lock())  # guards every Shard and the fields above
+
+    # ---- queries -----------------------------------------------------------------------------
+
+    def state(self, kind: str, key: Hashable) -> ShardState:
+        with self._cond:
+            return self._shard(kind, key).state
+
+    @property
+    def buffers_available(self) -> int:
+        """Pool buffers a fetch gets without waiting: the free ones plus those of cached shards
+        (dropped at once when needed). Decide whether to prefetch by this, not `pool.num_free`,
+        which counts the cache's buffers as taken."""
+        with self._cond:
+            return self.pool.num_free + (len(self.cache) if self.cache is not None else 0)
+
+    def can_spare(self, count: int) -> bool:
+        """Whether `count` buffers are available without waiting (`buffers_available`),
+        counting those of writes the kernel has finished (`reap`)."""
+        return self.buffers_available >= count or (self.reap() > 0 and self.buffers_available >= count)
+
+    def lost(self, kinds: Collection[str] | None = None) -> OSError | None:
+        """Why the bytes of a shard (of one of `kinds`; None: any) are lost: the failure of the
+        oldest write that left a shard INVALID and was not followed by a successful one; None
+        when there is none. Reported or not, a lost write stays lost until rewritten."""
+        with self._cond:
+            return next((e for (kind, _), e in self._lost.items() if kinds is None or kind in kinds), None)
+
+    @property
+    def stats(self) -> SwapStats:
+        with self._cond:
+            return self._counters.snapshot()
+
+    # ---- NVMe -> host ------------------------------------------------------------------------
+
+    def fetch(self, kind: str, key: Hashable) -> FetchHandle:
+        """Starts bringing a shard into host memory; `wait` on the handle gives its bytes.
+
+        Each fetch must be paired with a `release`, unless the transfer it waits on failed (its
+        `wait` raises): a failed fetch holds nothing. Raises ValueError for a shard never
+        written and OSError for one whose last write failed.
+        """
+        with self._cond:
+            shard = self._shard(kind, key)
+            while True:
+                state = shard.state
+                if state is ShardState.EMPTY:
+                    raise ValueError(f"fetch: {shard.name} was never written, so it has no bytes to read")
+                if state is ShardState.INVALID:
+                    raise self._invalid_error(shard, "fetch")
+                if state is ShardState.HOST_TO_NVME and shard.buffer is None:
+                    self._complete(shard)  # written from the caller's tensor: read it back once written
+                    continue
+                if state is not ShardState.NVME:  # HOST, NVME_TO_HOST, or a write from a pool buffer
+                    if shard.holders == 0:
+                        self._uncache(shard)
+                    shard.holders += 1
+                    self._counters.hits += 1
+                    return FetchHandle(kind, key, shard.transfer)
+                buffer = self._acquire(shard.extent.capacity)
+                if shard.state is not ShardState.NVME:  # changed while we waited for the buffer
+                    self.pool.release(buffer)
+                    continue
+                try:
+                    transfer = self._submit(False, buffer, shard.extent)
+                except OSError as e:
+                    self.pool.release(buffer)
+                    raise self._transfer_error(shard, e, "read", "nothing changed on disk: the next read of it tries again") from e
+                shard.to_nvme_to_host(buffer, transfer)
+                shard.holders, shard.failure = 1, None
+                self._counters.misses += 1
+                return FetchHandle(kind, key, transfer)
+
+    def wait(self, handle: FetchHandle | WriteHandle, lend: bool = False) -> torch.Tensor | None:
+        """Blocks until the transfer of `handle` completed.
+
+        For a FetchHandle, returns the shard's bytes: a 1-D uint8 view of a pool buffer, valid
+        until the matching `release`. Raises OSError naming the shard if the transfer failed.
+        `lend`: the caller only reads the bytes, which may then be handed out while their write
+        is still in flight ([Note: lending bytes under a write]).
+        """
+        with self._cond:
+            shard = self._shard(handle.kind, handle.key)
+            if isinstance(handle, WriteHandle):
+                self._wait_write(shard, handle.transfer)
+                return None
+            while True:
+                if shard.failure is not None and handle.transfer is shard.failure[0] is not None:
+                    self._raise_failure(shard)  # the read, or the write it waited on, failed
+                if lend and shard.lendable:
+                    shard.lent += 1
+                    return shard.buffer[: shard.extent.nbytes]
+                if shard.state in (ShardState.NVME_TO_HOST, ShardState.HOST_TO_NVME):
+                    self._complete(shard)
+                elif shard.state is ShardState.HOST and shard.holders > 0:
+                    return shard.buffer[: shard.extent.nbytes]
+                elif shard.state is ShardState.INVALID:
+                    raise self._invalid_error(shard, "wait")
+                else:
+                    raise ValueError(f"wait: {shard.name} is not fetched (released already, or never fetched)")
+
+    def release(self, kind: str, key: Hashable, dirty: bool = False) -> WriteHandle | None:
+        """Ends one fetch. `dirty=True` says its bytes were changed in place: they are written to
+        NVMe when the last holder releases the shard, and the handle of that write is returned."""
+        with self._cond:
+            shard = self._shard(kind, key)
+            if shard.holders == 0 and (kind, key) in self._parked:  # a loan whose write failed meanwhile
+                buffer, loans = self._parked[(kind, key)]
+                if loans > 1:
+                    self._parked[(kind, key)] = (buffer, loans - 1)
+                else:
+                    del self._parked[(kind, key)]
+                    self.pool.release(buffer)
+                    self._cond.notify_all()
+                return None
+            if shard.holders == 0:
+                raise ValueError(f"release: {shard.name} is not fetched")
+            if dirty and shard.state is not ShardState.HOST:
+                raise ValueError(f"release: {shard.name} cannot be dirty: it was not waited for ({shard.state.name})")
+            shard.holders -= 1
+            shard.lent = min(shard.lent, shard.holders)
+            shard.dirty |= dirty
+            if shard.holders > 0:
+                return None
+            if shard.state is ShardState.NVME_TO_HOST:
+                # Nobody wants these bytes any more, but the buffer is the read's until it ends;
+                # a failure here changes nothing on disk, so it is left for a later fetch to meet.
+                self._complete(shard)
+            if shard.state is not ShardState.HOST or shard.holders > 0:
+                return None  # the read failed, a write is still in flight, or it was fetched again
+            if shard.dirty:
+                shard.dirty = False
+                return self._write_back(shard)
+            self._keep_or_drop(shard)
+            return None
+
+    def let_go(self, handle: FetchHandle) -> None:
+        """Ends a fetch that was never waited for, such as a read ahead that is not needed
+        after all: like `release`, except that a fetch whose transfer has failed meanwhile
+        holds nothing, so nothing is released for it."""
+        with self._cond:
+            shard = self._shard(handle.kind, handle.key)
+            failed = shard.failure is not None and handle.transfer is not None and handle.transfer is shard.failure[0]
+            if failed and shard.holders == 0:
+                return
+        self.release(handle.kind, handle.key)
+
+    # ---- host -> NVMe ------------------------------------------------------------------------
+
+    def evict(self, kind: str, key: Hashable, buffer: torch.Tensor) -> WriteHandle:
+        """Writes `buffer`, a pool buffer holding the shard's new bytes, to NVMe and takes it over:
+        once written it stays in the host cache or goes back to the pool; do not release it."""
+        with self._cond:
+            shard = self._shard(kind, key)
+            if not isinstance(buffer, torch.Tensor) or not self.pool.owns(buffer):
+                raise ValueError(f"evict: the buffer for {shard.name} must come from the pool (Swapper.acquire)")
+            nbytes = buffer.numel() * buffer.element_size()
+            if nbytes != shard.extent.nbytes:
+                raise ValueError(f"evict: {shard.name} has {shard.extent.nbytes} bytes, the buffer {nbytes}")
+            self._make_writable(shard, "evict")
+            if shard.state is ShardState.HOST:  # cached: its old bytes and buffer make way
+                self._uncache(shard)
+                self._drop(shard)
+            padded = self.pool.base(buffer)[: shard.extent.capacity]
+            try:
+                transfer = self._submit(True, padded, shard.extent)
+            except OSError as e:
+                self.pool.release(padded)  # it is ours now
+                raise self._fail_write(shard, None, e) from e
+            shard.to_host_to_nvme(transfer, padded)
+            self._writes[(kind, key)] = shard
+            return WriteHandle(kind, key, transfer)
+
+    def write(self, kind: str, key: Hashable, src: torch.Tensor) -> WriteHandle:
+        """Writes the bytes of `src`, any contiguous CPU tensor of the shard's size, to NVMe.
+
+        A shard kept in the host cache is updated there and written from its buffer; otherwise
+        the write goes straight from `src`, which must then not change until the write is
+        waited for (`wait` on the handle, or `flush`).
+        """
+        data = _as_bytes(src)
+        with self._cond:
+            shard = self._shard(kind, key)
+            if data.numel() != shard.extent.nbytes:
+                raise ValueError(f"write: {shard.name} has {shard.extent.nbytes} bytes, src {data.numel()}")
+            self._make_writable(shard, "write")
+            if shard.state is ShardState.HOST:  # cached: keep it, with the new bytes
+                self._uncache(shard)
+                shard.buffer[: data.numel()].copy_(data)
+                return self._write_back(shard)
+            try:
+                transfer = self._submit(True, data, shard.extent)
+            except OSError as e:
+                raise self._fail_write(shard, None, e) from e
+            shard.to_host_to_nvme(transfer, None)
+            self._writes[(kind, key)] = shard
+            return WriteHandle(kind, key, transfer)
+
+    def flush(self) -> None:
+        """Waits for every write in flight; raises the first failure nobody has waited for yet."""
+        with self._cond:
+            while self._writes:
+                self._complete(next(iter(self._writes.values())))
+            if self._unreported:
+                first, count = self._unreported[0], len(self._unreported)
+                self._unreported.clear()
+                if count > 1:
+                    raise OSError(first.errno, f"{first.strerror} (and {count - 1} more failed writes)", first.filename)
+                raise first
+
+    def ready(self, handle: FetchHandle, lend: bool = False) -> bool:
+        """Whether `wait(handle, lend)` would return at once (its read has finished, or there was
+        none to do); never blocks. A handle without `done` is never ready before its wait."""
+        with self._cond:
+            shard = self._shard(handle.kind, handle.key)
+            if shard.state is ShardState.HOST or (lend and shard.lendable):
+                return True
+            transfer = shard.transfer
+            if shard.state is not ShardState.NVME_TO_HOST or transfer is None or shard.completing:
+                return False
+            done = getattr(self.handle, "done", None)
+            return done is not None and done(transfer.request)
+
+    def reap(self) -> int:
+        """Completes the writes that have finished in the kernel, so that their buffers go back
+        to the pool now rather than when somebody next waits; never blocks. Returns how many.
+        (A handle without `done` reaps nothing: its writes complete when waited for.)"""
+        done = getattr(self.write_handle, "done", None)
+        if done is None:
+            return 0
+        count = 0
+        with self._cond:
+            for shard in list(self._writes.values()):
+                transfer = shard.transfer
+                if shard.completing or transfer is None or not transfer.write or not done(transfer.request):
+                    continue
+                self._complete(shard)  # finished already: returns at once
+                count += 1
+        return count
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        """A pool buffer of `nbytes`, dropping cached shards if none is free ([Note: buffers under
+        pressure]); give it to `evict`, or back with `pool.release`."""
+        with self._cond:
+            return self._acquire(nbytes)[:nbytes]
+
+    def close(self) -> None:
+        """Waits for every transfer, then gives the buffers of cached shards back to the pool.
+
+        Raises like `flush`. Shards still fetched keep their buffers.
+        """
+        with self._cond:
+            for shard in list(self._shards.values()):
+                if shard.state is ShardState.NVME_TO_HOST:
+                    self._complete(shard)
+            while self._writes:  # before emptying the cache: a finished write may enter it
+                self._complete(next(iter(self._writes.values())))
+            if self.cache is not None:
+                while (victim := self.cache.pop_victim()) is not None:
+                    self._drop(self._shards[victim])
+        self.flush()
+
+    def check_invariants(self, outside: int = 0) -> None:
+        """Asserts that memory and states agree (for tests and debugging); `outside` is the
+        number of pool buffers the caller holds itself."""
+        with self._cond:
+            owning = 0
+            cached_bytes = 0
+            for (kind, key), shard in self._shards.items():
+                has_buffer = shard.state in (ShardState.NVME_TO_HOST, ShardState.HOST)
+                if shard.state is ShardState.HOST_TO_NVME:
+                    has_buffer = shard.buffer is not None
+                assert (shard.buffer is not None) == has_buffer, f"{shard.name}: buffer vs {shard.state.name}"
+                assert (shard.transfer is not None) == (
+                    shard.state in (ShardState.NVME_TO_HOST, ShardState.HOST_TO_NVME)
+                ), f"{shard.name}: transfer vs {shard.state.name}"
+                owning += has_buffer
+                cached = self.cache is not None and (kind, key) in self.cache
+                if cached:
+                    assert shard.state is ShardState.HOST and shard.holders == 0 and not shard.dirty, shard.name
+                    cached_bytes += shard.extent.nbytes
+                elif shard.state is ShardState.HOST:
+                    assert shard.holders > 0, f"{shard.name}: idle in host memory but not cached"
+                assert (shard.state is ShardState.HOST_TO_NVME) == ((kind, key) in self._writes), shard.name
+                assert shard.lent <= shard.holders, f"{shard.name}: {shard.lent} loans, {shard.holders} holders"
+                if shard.state is ShardState.INVALID:
+                    assert (kind, key) in self._lost, f"{shard.name}: invalid, but not counted as lost"
+                elif (kind, key) in self._lost:
+                    assert shard.state is ShardState.HOST_TO_NVME, f"{shard.name}: lost, but {shard.state.name}"
+            in_use = self.pool.stats.bytes_in_use // self.pool.buffer_size
+            owning += len(self._parked)
+            assert in_use == owning + outside, f"pool: {in_use} buffers in use, shards own {owning} + {outside} outside"
+            if self.cache is not None:
+                assert self.cache.bytes_used == cached_bytes <= self.cache.max_bytes, "cache accounting"
+                assert len(self.cache) == sum(1 for k in self._shards if k in self.cache), "cache holds unknown keys"
+
+    # ---- the machinery (all called with the lock held) ----------------------------------------
+
+    def _shard(self, kind: str, key: Hashable) -> Shard:
+        shard = self._shards.get((kind, key))
+        if shard is None:
+            shard = self._shards[(kind, key)] = Shard(kind, key, self.store.extent(kind, key))
+        return shard
+
+    def _submit(self, write: bool, buffer: torch.Tensor, extent: Extent) -> Transfer:
+        with record_function("infinity::nvme_write" if write else "infinity::nvme_read"):
+            started = time.monotonic()
+            TIMELINE.instant("write issued" if write else "read issued", self._label, nbytes=buffer.numel())
+            submit = self.write_handle.submit_write if write else self.handle.submit_read
+            request = submit(buffer, extent.path, extent.offset)
+        self._counters.submitted(write, buffer.numel())
+        return Transfer(buffer, request, write, started)
+
+    def _complete(self, shard: Shard) -> None:
+        """Waits for the shard's transfer and moves the shard on ([Note: completing transfers]).
+
+        Releases the lock while it waits; outcomes, failures included, are recorded on the shard.
+        """
+        if shard.completing:
+            while shard.completing:
+                self._cond.wait()
+            return
+        transfer = shard.transfer
+        assert transfer is not None, f"{shard.name}: nothing in flight ({shard.state.name})"
+        shard.completing = True
+        error: OSError | None = None
+        began = time.monotonic()
+        finished = began
+        self._cond.release()
+        try:
+            with TIMELINE.span(f"{self._label} {'write' if transfer.write else 'read'}", "wait",
+                               profile="infinity::nvme_wait", shard=f"{shard.kind} {shard.key}"):
+                if not transfer.write and self.read_delay_s > 0:
+                    time.sleep(max(0.0, transfer.started + self.read_delay_s - time.monotonic()))
+                handle = self.write_handle if transfer.write else self.handle
+                try:
+                    timed = getattr(handle, "wait_timed", None)
+                    if timed is not None:
+                        finished = timed(transfer.request)
+                    else:
+                        handle.wait(transfer.request)
+                        finished = time.monotonic()
+                except OSError as e:
+                    error = e
+        finally:
+            self._cond.acquire()
+            shard.completing = False
+            self._cond.notify_all()
+        if error is None:
+            if not transfer.write and self.read_delay_s > 0:
+                finished = max(finished, transfer.started + self.read_delay_s)
+            self._counters.completed(transfer, began, finished)
+            TIMELINE.transfer(f"{self._label} {'writes' if transfer.write else 'reads'}", f"{shard.kind} {shard.key}",
+                              transfer.started, finished, transfer.buffer.numel())
+        if transfer.write:
+            self._finish_write(shard, transfer, error)
+        else:
+            self._finish_read(shard, transfer, error)
+
+    def _finish_read(self, shard: Shard, transfer: Transfer, error: OSError | None) -> None:
+        if error is None:
+            shard.to_host()
+            return
+        shard.failure = (transfer, self._transfer_error(shard, error, "read", "nothing changed on disk: the next read of it tries again"))
+        shard.holders = 0  # every fetch that shared this read fails with it
+        self.pool.release(shard.to_nvme())
+        self._cond.notify_all()
+
+    def _finish_write(self, shard: Shard, transfer: Transfer, error: OSError | None) -> None:
+        del self._writes[(shard.kind, shard.key)]
+        if error is not None:
+            self._fail_write(shard, transfer, error)
+            return
+        lost = self._lost.pop((shard.kind, shard.key), None)
+        if lost is not None:  # written again: its bytes are good, and the old failure is moot
+            self._unreported = [e for e in self._unreported if e is not lost]
+        if shard.buffer is None:  # written from the caller's tensor
+            shard.to_nvme()
+        else:
+            shard.to_host()
+            if shard.holders == 0:
+                self._keep_or_drop(shard)
+
+    def _fail_write(self, shard: Shard, transfer: Transfer | None, error: OSError) -> OSError:
+        """Marks the shard INVALID; `transfer` None: the write was refused at submission, and the
+        caller raises the error at once (so it is not left for `flush`)."""
+        failure = self._transfer_error(shard, error, "write", "its bytes on NVMe are invalid until it is written again")
+        shard.failure = (transfer, failure)
+        self._lost[(shard.kind, shard.key)] = failure
+        shard.holders = 0  # fetches that waited on this write fail with it, as with a failed read
+        if transfer is not None:
+            self._unreported.append(failure)
+        loans, shard.lent = shard.lent, 0
+        buffer = shard.to_invalid()
+        if buffer is not None and loans:  # [Note: lending bytes under a write]
+            self._parked[(shard.kind, shard.key)] = (buffer, loans)
+        elif buffer is not None:
+            self.pool.release(buffer)
+            self._cond.notify_all()
+        return failure
+
+    @staticmethod
+    def _transfer_error(shard: Shard, error: OSError, verb: str, consequence: str) -> OSError:
+        where = f"{shard.extent.nbytes} bytes, {shard.extent.path} at offset {shard.extent.offset}"
+        message = f"{verb} of {shard.name} ({where}) failed: {error.strerror}; {consequence}"
+        return OSError(error.errno, message, error.filename or shard.extent.path)
+
+    def _invalid_error(self, shard: Shard, verb: str) -> OSError:
+        cause = f" ({shard.failure[1].strerror})" if shard.failure is not None else ""
+        return OSError(
+            errno.EIO,
+            f"{verb}: {shard.name} is invalid: its last write failed{cause}, so its bytes on NVMe cannot be "
+            f"trusted and are never read; it stays invalid until new values for it are written",
+            shard.extent.path,
+        )
+
+    def _raise_failure(self, shard: Shard) -> None:
+        assert shard.failure is not None
+        failure = shard.failure[1]
+        self._unreported = [e for e in self._unreported if e is not failure]  # reported now
+        raise failure
+
+    def _wait_write(self, shard: Shard, transfer: Transfer) -> None:
+        while True:
+            if shard.failure is not None and shard.failure[0] is transfer is not None:
+                self._raise_failure(shard)
+            if shard.transfer is not transfer:
+                return  # completed, successfully, before
+            self._complete(shard)
+
+    def _write_back(self, shard: Shard) -> WriteHandle:
+        """Writes a HOST shard from its own buffer (write-through, [Note: shard life cycle])."""
+        try:
+            transfer = self._submit(True, shard.buffer, shard.extent)
+        except OSError as e:
+            raise self._fail_write(shard, None, e) from e
+        shard.to_host_to_nvme(transfer, shard.buffer)
+        self._writes[(shard.kind, shard.key)] = shard
+        return WriteHandle(shard.kind, shard.key, transfer)
+
+    def _make_writable(self, shard: Shard, verb: str) -> None:
+        """Waits until nothing is in flight on an unheld shard, so a new write may start."""
+        while True:
+            if shard.holders:
+                raise ValueError(f"{verb}: {shard.name} is fetched ({shard.holders} not released); release it first")
+            if shard.state not in (ShardState.NVME_TO_HOST, ShardState.HOST_TO_NVME):
+                return
+            self._complete(shard)
+
+    def _keep_or_drop(self, shard: Shard) -> None:
+        """An idle, clean HOST shard: kept by the cache if it admits it, else back to NVME."""
+        if self.cache is not None:
+            victims = self.cache.admit((shard.kind, shard.key), shard.extent.nbytes)
+            if victims is not None:
+                for victim in victims:
+                    self._drop(self._shards[victim])
+                return
+        self._drop(shard)
+
+    def _uncache(self, shard: Shard) -> None:
+        if self.cache is not None:
+            self.cache.remove((shard.kind, shard.key))
+
+    def _drop(self, shard: Shard) -> None:
+        self.pool.release(shard.to_nvme())
+        self._cond.notify_all()
+
+    def _acquire(self, nbytes: int) -> torch.Tensor:
+        """A pool buffer ([Note: buffers under pressure]); may release the lock while it waits."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            buffer = self.pool.try_acquire(nbytes)
+            if buffer is not None:
+                return buffer
+            if self.cache is not None and (victim := self.cache.pop_victim()) is not None:
+                self._drop(self._shards[victim])
+                continue
+            writing = next(
+                (s for s in self._writes.values() if s.holders == 0 and s.buffer is not None and not s.completing), None
+            )
+            if writing is not None:
+                self._complete(writing)
+                continue
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise self.pool.exhausted(self.timeout)
+            # Woken by releases through the swapper; the slice catches `pool.release` by others.
+            t0 = time.monotonic()
+            self._cond.wait(0.05 if remaining is None else min(0.05, remaining))
+            TIMELINE.add_wait(f"{self._label} buffer", t0, time.monotonic())
