@@ -6,7 +6,7 @@ NVMe] in infinity/deepspeed/checkpointing.py).
     MALLOC_MMAP_THRESHOLD_=65536 /usr/bin/time -v python bench/bench_activation_spill.py --mode nvme --nvme-path /work
 
 The model: `--layers` residual blocks of LayerNorm -> Linear(hidden, bottleneck) -> GELU ->
-Linear(bottleneck, hidden), each run through `infinity.deepspeed.checkpointing.checkpoint`, on one
+Linear(bottleneck, hidden), each run through `infinity.checkpointing.checkpoint`, on one
 sequence of `--tokens` tokens, fp32, on the CPU (INFINITY_DEVICE=cpu). What a checkpoint keeps
 is its input, tokens x hidden x 4 bytes (32 MiB at 8192 x 1024), whatever the block computes;
 the bottleneck keeps the compute of a step to seconds on a 2-core machine, which leaves the I/O

@@ -1,4 +1,4 @@
-"""DeepSpeed's activation checkpointing API (infinity.deepspeed.checkpointing) against torch's own
+"""DeepSpeed's activation checkpointing API (infinity.checkpointing) against torch's own
 checkpoint: the same gradients bit for bit, the recompute really run, the inputs really held in
 host memory (and the device tensor really let go) with cpu_checkpointing, their copies ordered on
 the asynchronous test device, and the engine on NVMe training through it as plain PyTorch does."""
@@ -24,12 +24,13 @@ from torch import nn
 
 import infinity
 from infinity import checkpointing
+from infinity.offload import activations
 
 
 @pytest.fixture(autouse=True)
 def _fresh_state(monkeypatch):
     """Each test starts unconfigured, with its own device and host stash."""
-    monkeypatch.setattr(checkpointing, "_STATE", checkpointing._State())
+    monkeypatch.setattr(activations, "STATE", activations.ActivationState())
 
 
 def _layers(seed: int = 0) -> nn.ModuleList:
@@ -145,7 +146,7 @@ def test_a_recompute_that_skips_the_wait_for_its_inputs_computes_garbage():
     """The copies really go through the device: without the compute wait the test device's
     destination is NaN, so the parity above is not vacuous."""
     checkpointing.configure(checkpoint_in_cpu=True)
-    device = checkpointing._STATE.device
+    device = activations.STATE.device
     assert device.name == "async-test"
     device.wait_compute = lambda x: x.tensor  # the bug: read the destination before the copy landed
     grads = _grads("ours")
@@ -156,7 +157,7 @@ def test_inputs_come_back_ahead_of_their_recompute():
     """The copy back of a checkpoint's inputs is issued when the recompute of the checkpoint after
     it starts, before its own recompute runs."""
     checkpointing.configure(checkpoint_in_cpu=True)
-    device = checkpointing._STATE.device
+    device = activations.STATE.device
     events = []
     to_device = device.to_device
 
@@ -209,7 +210,7 @@ def test_profile_logs_forward_and_recompute_times(caplog):
     checkpointing.configure(profile=True)
     with caplog.at_level(logging.INFO, logger="infinity"):
         _grads("ours")
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("infinity.deepspeed.checkpointing: ")]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("infinity.checkpointing: ")]
     assert sum(" forward " in line and line.endswith(" ms") for line in lines) == 3
     assert sum(" recompute " in line and line.endswith(" ms") for line in lines) == 3
 
@@ -245,11 +246,11 @@ def test_configure_reads_deepspeeds_section_and_arguments_win(tmp_path):
                                                              "number_checkpoints": 4, "profile": False}}))
     checkpointing.configure(None, deepspeed_config=str(path), profile=True)
     assert checkpointing.is_configured()
-    cfg = checkpointing._STATE.config
+    cfg = activations.STATE.config
     assert (cfg.partition_activations, cfg.cpu_checkpointing, cfg.number_checkpoints, cfg.profile) == (True, True, 4,
                                                                                                        True)
     checkpointing.set_num_layers(6)
-    assert checkpointing._STATE.config.number_checkpoints == 6
+    assert activations.STATE.config.number_checkpoints == 6
 
 
 class _MPU:
@@ -339,10 +340,11 @@ def test_deepspeed_checkpointing_is_this_module_under_the_alias():
         infinity.as_deepspeed()
         import deepspeed
         from deepspeed.checkpointing import checkpoint
-        import infinity.deepspeed.checkpointing as ours
+        import infinity.checkpointing as ours
+        from infinity.offload import activations
         deepspeed.checkpointing.configure(None, partition_activations=True, checkpoint_in_cpu=True)
         print(json.dumps([deepspeed.checkpointing.checkpoint is ours.checkpoint, checkpoint is ours.checkpoint,
-                          ours.is_configured(), ours._STATE.config.cpu_checkpointing]))
+                          ours.is_configured(), activations.STATE.config.cpu_checkpointing]))
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           cwd=tempfile.gettempdir())  # not the checkout, which would shadow the installed package
@@ -367,12 +369,12 @@ def _written_bytes() -> int:
 def _drain() -> None:
     """Every spilled checkpoint's write done and reaped: its inputs are on disk only."""
     time.sleep(0.05)  # the test device lands and reports its copies within 4 ms
-    for frame in (ref() for ref in checkpointing._STATE.frames):
+    for frame in (ref() for ref in activations.STATE.frames):
         if frame is not None and frame.spill is not None:
             frame.spill.advance()
-            if frame.spill.where is checkpointing._Where.WRITING:
+            if frame.spill.where is activations.Where.WRITING:
                 frame.spill.finish_write()
-            assert frame.spill.where is checkpointing._Where.ON_DISK
+            assert frame.spill.where is activations.Where.ON_DISK
 
 
 def _spill_files(root) -> list[str]:
@@ -444,7 +446,7 @@ def test_the_read_of_spilled_inputs_is_issued_ahead_of_their_recompute(tmp_path)
     for i in range(3):
         h = checkpointing.checkpoint(run(i), h)
     _drain()
-    handle = checkpointing._STATE.files.handle
+    handle = activations.STATE.files.handle
     submit_read = handle.submit_read
 
     def record(buffer, path, offset=0):
@@ -470,10 +472,11 @@ def test_the_spill_directory_goes_with_the_state_and_a_killed_runs_is_removed(tm
     script = textwrap.dedent("""
         import os, sys, torch
         from infinity import checkpointing
+        from infinity.offload import activations
         checkpointing.configure(deepspeed_config={"activation_checkpointing": {"nvme_path": sys.argv[1],
                                                                                "nvme_min_bytes": 0}})
         out = checkpointing.checkpoint(torch.nn.Linear(64, 64), torch.randn(64, 64))
-        checkpointing._STATE.files.handle.wait()
+        activations.STATE.files.handle.wait()
         sys.stdout.flush()
         os.kill(os.getpid(), 9)
     """)
@@ -491,17 +494,17 @@ def test_initialize_configures_checkpointing_from_its_config_section_and_hands_o
             "zero_optimization": {"stage": 3}}
     checkpointing.configure(checkpoint_in_cpu=True, profile=True)
     engine, *_ = infinity.initialize(model=nn.Linear(4, 4), config=base)
-    assert checkpointing._STATE.config.profile  # no section: the settings stay as configure() left them
-    assert checkpointing._STATE.device is engine.accelerator
+    assert activations.STATE.config.profile  # no section: the settings stay as configure() left them
+    assert activations.STATE.device is engine.accelerator
     engine.close()
     section = {"partition_activations": True, "cpu_checkpointing": True, "number_checkpoints": 4,
                "nvme_path": str(tmp_path), "nvme_min_bytes": 4096}
     engine, *_ = infinity.initialize(model=nn.Linear(4, 4), config={**base, "activation_checkpointing": section})
-    cfg = checkpointing._STATE.config
+    cfg = activations.STATE.config
     assert (cfg.partition_activations, cfg.cpu_checkpointing, cfg.number_checkpoints, cfg.profile) == (True, True, 4,
                                                                                                        False)
     assert str(cfg.nvme_path) == str(tmp_path) and cfg.nvme_min_bytes == 4096
-    assert checkpointing._STATE.device is engine.accelerator
+    assert activations.STATE.device is engine.accelerator
     engine.close()
 
 

@@ -787,7 +787,7 @@ def test_sections_of_missing_features_at_deepspeeds_defaults_are_accepted() -> N
     load_config({**config, "data_types": {"grad_accum_dtype": None}, "checkpoint": {"tag_validation": "IGNORE"}})
     raises({**config, "activation_checkpointing": {"partition_activations": False, "checkpoint_in_cpu": True}},
            ValueError, "activation_checkpointing.checkpoint_in_cpu: unknown key; did you mean "
-           "activation_checkpointing.cpu_checkpointing?")  # a section of its own (infinity.deepspeed.checkpointing)
+           "activation_checkpointing.cpu_checkpointing?")  # a section of its own (infinity.checkpointing)
     # "bf16"/"fp16" too, accumulating in fp32 (tests/test_config_data_types.py)
     bf16 = load_config(with_key(config, "data_types.grad_accum_dtype", "bf16"))
     assert bf16.data_types.grad_accum_dtype == "bf16"

@@ -25,7 +25,8 @@ from torch.utils.data import DataLoader, TensorDataset
 pl = pytest.importorskip("lightning.pytorch")
 
 import infinity  # noqa: E402
-from infinity import checkpointing  # noqa: E402
+from infinity import checkpointing
+from infinity.offload import activations  # noqa: E402
 from infinity.integrations.lightning.strategy import (InfinityFabricStrategy, InfinityPrecision, InfinityStrategy,  # noqa: E402
                                 convert_zero_checkpoint_to_fp32_state_dict)
 
@@ -41,7 +42,7 @@ def _isolated(monkeypatch):
     group behind; checkpointing's settings are process-wide: each test gets them back as they were."""
     env = dict(os.environ)
     level = logging.getLogger("infinity").level  # a strategy sets it (logging_level), as DeepSpeed's does
-    monkeypatch.setattr(checkpointing, "_STATE", checkpointing._State())
+    monkeypatch.setattr(activations, "STATE", activations.ActivationState())
     yield
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -132,7 +133,7 @@ def test_seed_module_on_nvme_trains_as_plain_lightning(tmp_path):
     assert engine.gradient_clipping() == 1.0
     store = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "nvme") for f in fs if f.endswith(".bin")]
     assert store and all(os.path.getsize(f) > 0 for f in store)  # the parameters and Adam state are there
-    assert checkpointing._STATE.config.cpu_checkpointing and checkpointing._STATE.config.partition_activations
+    assert activations.STATE.config.cpu_checkpointing and activations.STATE.config.partition_activations
     got = engine.consolidated_state_dict()
     assert all((got[k] - v).abs().max() < 1e-4 for k, v in plain.state_dict().items())
     # the scheduler is Lightning's and reaches the engine's update: lr after 4 steps
@@ -221,7 +222,7 @@ def test_a_config_file_is_the_engines_and_its_checkpointing_section_is_infinity_
     model, trainer = _fit(InfinityStrategy(config=str(path)), ours=True)
     assert _close(model.losses, plain.losses)
     assert trainer.strategy.engine.config.zero.offload_param.device == "cpu"
-    config = checkpointing._STATE.config
+    config = activations.STATE.config
     assert (config.partition_activations, config.cpu_checkpointing, config.number_checkpoints) == (True, True, 2)
 
 
@@ -266,7 +267,7 @@ def test_the_engine_computes_on_the_device_lightning_chose(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     model, trainer = _fit(InfinityStrategy(stage=3), ours=True)
     assert trainer.strategy.engine.accelerator.name == "cpu" and trainer.strategy.root_device.type == "cpu"
-    assert checkpointing._STATE.device is trainer.strategy.engine.accelerator
+    assert activations.STATE.device is trainer.strategy.engine.accelerator
     assert len(model.losses) == 8
 
 

@@ -139,7 +139,7 @@ def test_a_deepspeed_script_runs_with_only_the_import_changed(tmp_path):
 
 
 def test_the_training_loader_shuffles_each_pass_as_deepspeeds_does():
-    from infinity.deepspeed._compat import TrainingDataLoader
+    from infinity.engine.data_loader import TrainingDataLoader
 
     data = list(range(20))
     loader = TrainingDataLoader(data, 5, rank=0, world_size=1)

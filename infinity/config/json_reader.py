@@ -374,7 +374,7 @@ def _parse_root(raw: Any, world_size: int) -> InfinityConfig:
 
 
 def parse_activation_checkpointing(raw: Any) -> ActivationCheckpointingConfig:
-    """The `activation_checkpointing` section alone (`infinity.deepspeed.checkpointing.configure` reads
+    """The `activation_checkpointing` section alone (`infinity.checkpointing.configure` reads
     only it from a DeepSpeed config, as DeepSpeed's does); null is the defaults."""
     return _parse_section({} if raw is None else raw, ActivationCheckpointingConfig._PATH,
                           ActivationCheckpointingConfig)

@@ -647,7 +647,7 @@ def _steps_per_print(value: Any, path: str) -> int | None:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ActivationCheckpointingConfig:
     """DeepSpeed's activation checkpointing settings (section `activation_checkpointing`), read by
-    `infinity.deepspeed.checkpointing` ([Note: the keys without model parallelism] there), plus infinity's
+    `infinity.checkpointing` ([Note: the keys without model parallelism] there), plus infinity's
     own spill of checkpointed inputs to NVMe ([Note: checkpointed inputs on NVMe] there)."""
 
     _PATH: ClassVar[str] = "activation_checkpointing"
@@ -708,7 +708,7 @@ class InfinityConfig:
     """Checkpoints kept by save_checkpoint."""
     activation_checkpointing: ActivationCheckpointingConfig | None = _spec(
         _optional(_instance), ActivationCheckpointingConfig, default=None)
-    """What `infinity.deepspeed.checkpointing` does with checkpointed inputs: `initialize` configures it
+    """What `infinity.checkpointing` does with checkpointed inputs: `initialize` configures it
     with this section, as `checkpointing.configure(deepspeed_config=...)` would; None (no such
     section) leaves it as it is."""
     data_types: DataTypesConfig = _spec(_instance, DataTypesConfig, factory=DataTypesConfig)

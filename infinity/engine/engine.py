@@ -202,7 +202,8 @@ class Engine(ConfigGetters, ModuleSurface):
             return split_by_budget(self.accelerator, offload.max_in_cpu, [u for u in self.units if u.trainable], order,
                                    lambda units: NvmeOptimizerState(
                                        self.accelerator, offload, self.config.aio, self.config.zero.sub_group_size,
-                                       rank=self.rank, units=units, mode=mode, no_accumulator=at_once,
+                                       rank=self.rank, units=units, at_next_use=mode is UpdateMode.AT_NEXT_USE,
+                                       no_accumulator=at_once,
                                        update_order=order))
         return ResidentOptimizerState(self.accelerator, on_device=offload.device == "none",
                                       units=[u for u in self.units if u.trainable])

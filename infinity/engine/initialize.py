@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from infinity import checkpointing
-from infinity.deepspeed._compat import TrainingDataLoader
+from infinity.offload import activations
+from infinity.engine.data_loader import TrainingDataLoader
 from infinity.config import load_config
 from infinity.device import Device, make_device
 from infinity.engine import Engine
@@ -54,7 +54,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     contradicting INFINITY_DEVICE or GPU of this process is an error; None: INFINITY_DEVICE, else
     CUDA when present. A model given as the first positional argument is taken as `model`
     (infinity's earlier signature). A config with an `activation_checkpointing` section configures
-    `infinity.deepspeed.checkpointing` with it (as `checkpointing.configure(deepspeed_config=config)`), and
+    `infinity.checkpointing` with it (as `checkpointing.configure(deepspeed_config=config)`), and
     the checkpoints run on the engine's device.
     """
     if isinstance(args, nn.Module) and model is None:
@@ -84,7 +84,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     optimizer = _client_optimizer(optimizer, model, model_parameters)
     engine = Engine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
                     lr_scheduler=lr_scheduler, units=units, accelerator=accelerator)
-    checkpointing.attach(accelerator, cfg.activation_checkpointing)
+    activations.attach(accelerator, cfg.activation_checkpointing)
     if scheduler_factory is not None:
         engine.lr_scheduler = scheduler_factory(engine.optimizer)
     loader = None

@@ -31,7 +31,7 @@ import logging
 import psutil
 
 from infinity.config import InfinityConfig
-from infinity.zero.unit import Unit
+from infinity.offload.protocols import TierUnit
 
 log = logging.getLogger("infinity")
 
@@ -39,7 +39,7 @@ OPTIMIZER_BYTES = 12  # fp32 master, exp_avg, exp_avg_sq per element
 MIN_MARGIN = 2 << 30
 
 
-def units_in_memory(units: list[Unit], budget: int, order: list[int]) -> list[Unit]:
+def units_in_memory(units: list[TierUnit], budget: int, order: list[int]) -> list[TierUnit]:
     """The units whose optimizer state stays in host memory within `budget` elements: first-fit
     in update `order` ([Note: host memory before the disk])."""
     place = {index: k for k, index in enumerate(order)}
@@ -51,7 +51,7 @@ def units_in_memory(units: list[Unit], budget: int, order: list[int]) -> list[Un
     return kept
 
 
-def _margin(config: InfinityConfig, units: list[Unit], total_memory: int, *, all_kept: bool = False) -> int:
+def _margin(config: InfinityConfig, units: list[TierUnit], total_memory: int, *, all_kept: bool = False) -> int:
     """Bytes kept back from the memory available: the NVMe pools and gradient accumulators the
     tiers are about to allocate, plus the larger of 2 GiB and a tenth of the machine's memory.
     `all_kept`: every unit's optimizer state in host memory, so no optimizer pool, and every
@@ -72,7 +72,7 @@ def _margin(config: InfinityConfig, units: list[Unit], total_memory: int, *, all
     return margin
 
 
-def resolve_max_in_cpu(config: InfinityConfig, units: list[Unit], *, available: int | None = None,
+def resolve_max_in_cpu(config: InfinityConfig, units: list[TierUnit], *, available: int | None = None,
                        total_memory: int | None = None) -> InfinityConfig:
     """`config` with "auto" in either `max_in_cpu` replaced by elements ([Note: host memory
     before the disk]); as it is when neither says "auto"."""

@@ -1,4 +1,6 @@
-"""What the engine, the fetcher and the hooks need from a parameter tier and an optimizer tier.
+"""What the engine, the fetcher and the hooks need from a parameter tier and an optimizer tier,
+and what a tier reads of a unit (`TierUnit`: infinity/zero/unit.py's `Unit` is one; the tiers
+sit below the partitioner and never import it).
 
 `ResidentParams` (infinity.offload.params.memory) and `NvmeParams` (infinity.offload.params.nvme) are
 parameter tiers; `ResidentOptimizerState` (infinity.offload.optimizer.memory) and `NvmeOptimizerState`
@@ -7,37 +9,69 @@ parameter tiers; `ResidentOptimizerState` (infinity.offload.optimizer.memory) an
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, NamedTuple, Protocol
 
 import torch
 
 from infinity.device import InFlight
-from infinity.zero.unit import ShardParts, Unit
 
 if TYPE_CHECKING:
     from infinity.optim.functional import AdamHyper
 
 
+class Segment(NamedTuple):
+    """A run of this rank's shard that belongs to one optimizer param group."""
+
+    group: int
+    start: int  # elements from the start of the shard
+    count: int
+
+
+class ShardParts(NamedTuple):
+    """A shard as its two regions ([Note: flat layout] in infinity/zero/unit.py); either may
+    have 0 elements."""
+
+    train: torch.Tensor  # 1-D, train_shard_numel elements
+    frozen: torch.Tensor  # 1-D, frozen_shard_numel elements
+
+
+class TierUnit(Protocol):
+    """What a tier reads of a unit: which it is and how its shard is laid out."""
+
+    index: int  # the unit's key in every tier
+    dtype: torch.dtype  # the compute dtype of its parameters
+    shard_numel: int  # elements of this rank's shard, both regions, padded
+    train_shard_numel: int  # of the trainable region (what has optimizer state)
+    frozen_shard_numel: int  # of the frozen region
+    segments: list[Segment]  # the trainable region, by optimizer param group
+
+    @property
+    def trainable(self) -> bool: ...
+
+    def split(self, shard: torch.Tensor) -> ShardParts:
+        """The shard's two regions, as views."""
+
+
 class ParamTier(Protocol):
     """What the fetcher and the optimizer need from a parameter tier."""
 
-    def add(self, unit: Unit, values: torch.Tensor) -> None:
+    def add(self, unit: TierUnit, values: torch.Tensor) -> None:
         """Takes ownership of the unit's first shard values (fp32, host)."""
 
-    def prefetch(self, unit: Unit) -> bool:
+    def prefetch(self, unit: TierUnit) -> bool:
         """Starts moving the shard toward the device and returns at once: True if a transfer
         was issued for the next `fetch`, False if none could be (one pending, or no buffer)."""
 
-    def ready(self, unit: Unit) -> bool:
+    def ready(self, unit: TierUnit) -> bool:
         """Whether `fetch(unit)` would not block the host (its prefetch has arrived in host
         memory; a host -> device copy may still be in flight, which `fetch` orders on the
         device, not on the host); never blocks."""
 
-    def fetch(self, unit: Unit) -> ShardParts:
+    def fetch(self, unit: TierUnit) -> ShardParts:
         """The shard on the compute device, ready for the compute issued from now on (waits
         for a prefetch in flight); valid until `done`."""
 
-    def done(self, unit: Unit) -> None:
+    def done(self, unit: TierUnit) -> None:
         """The gathered unit has copied what `fetch` handed out: host buffers behind it go back
         once the device's copy has read them, never under it."""
 
@@ -50,20 +84,20 @@ class ParamTier(Protocol):
     def flush(self) -> None:
         """Waits for writes of new values in flight; raises if one failed."""
 
-    def update_target(self, unit: Unit, on_device: bool) -> torch.Tensor:
+    def update_target(self, unit: TierUnit, on_device: bool) -> torch.Tensor:
         """A tensor of `train_shard_numel` elements in the compute dtype, on the compute device
         when `on_device` (the optimizer's state lives there) else in host memory, that the
         optimizer fills with the new trainable part of the shard (the frozen part never changes);
         the tier takes it back at `commit` and hands it out again only once what `commit`
         started has finished reading it."""
 
-    def commit(self, unit: Unit) -> None:
+    def commit(self, unit: TierUnit) -> None:
         """The new values in `update_target(unit)` are final: make them the shard's trainable part."""
 
-    def replace(self, unit: Unit, shard: torch.Tensor) -> None:
+    def replace(self, unit: TierUnit, shard: torch.Tensor) -> None:
         """Makes `shard` (host, compute dtype, both parts) the unit's shard, at once."""
 
-    def host_copy(self, unit: Unit) -> torch.Tensor:
+    def host_copy(self, unit: TierUnit) -> torch.Tensor:
         """A host tensor with the shard's current values (for checkpoints)."""
 
     def io_stats(self) -> dict[str, float]:
@@ -84,10 +118,10 @@ class OptimizerTier(Protocol):
     # `set_pending` and `drop_pending` ([Note: update modes] in step_policy.py).
     updates_can_wait: ClassVar[bool]
 
-    def add(self, unit: Unit, master: torch.Tensor) -> None:
+    def add(self, unit: TierUnit, master: torch.Tensor) -> None:
         """Takes the unit's first fp32 master values (host)."""
 
-    def accumulate(self, unit: Unit, grad_shard: torch.Tensor, first: bool, last: bool = False) -> InFlight | None:
+    def accumulate(self, unit: TierUnit, grad_shard: torch.Tensor, first: bool, last: bool = False) -> InFlight | None:
         """Adds a reduced gradient shard (on the compute device) into the fp32 accumulator
         (`first`: replaces it); `last`: the final micro-step's, so the unit's state may start
         moving for the step. Returns the copy that reads `grad_shard`, if one is in flight: the
@@ -96,7 +130,7 @@ class OptimizerTier(Protocol):
     def begin_pass(self, last: bool) -> None:
         """A training forward starts; `last`: its micro-step ends an accumulation (its gradients are final)."""
 
-    def step_order(self, units: list[Unit]) -> list[Unit]:
+    def step_order(self, units: list[TierUnit]) -> list[TierUnit]:
         """The order in which to update `units` (those whose state is read already first)."""
 
     def finish_step(self) -> None:
@@ -108,33 +142,33 @@ class OptimizerTier(Protocol):
     def flush(self) -> None:
         """Completes the previous step's writes, raising a failed one."""
 
-    def grad_sq(self, unit: Unit) -> torch.Tensor:
+    def grad_sq(self, unit: TierUnit) -> torch.Tensor:
         """Squared 2-norm of the unit's final gradient ([Note: gradient norm by rows]), on the host."""
 
-    def update(self, unit: Unit, hypers: list["AdamHyper"], step: int, grad_scale: float,
+    def update(self, unit: TierUnit, hypers: list["AdamHyper"], step: int, grad_scale: float,
                out: torch.Tensor) -> None:
         """One Adam step of the unit's shard, writing the new values in `out`'s dtype into `out`
         (`ParamTier.update_target(unit, on_device)`)."""
 
-    def master(self, unit: Unit) -> torch.Tensor:
+    def master(self, unit: TierUnit) -> torch.Tensor:
         """A host copy of the unit's fp32 master."""
 
-    def set_master(self, unit: Unit, values: torch.Tensor) -> None: ...
-    def state(self, unit: Unit) -> dict[str, torch.Tensor]:
+    def set_master(self, unit: TierUnit, values: torch.Tensor) -> None: ...
+    def state(self, unit: TierUnit) -> dict[str, torch.Tensor]:
         """Host copies of master, exp_avg and exp_avg_sq."""
 
-    def read(self, unit: Unit, kind: str) -> torch.Tensor:
+    def read(self, unit: TierUnit, kind: str) -> torch.Tensor:
         """The unit's fp32 "master", "exp_avg" or "exp_avg_sq" in host memory (a copy, or the
         tier's own tensor where it lives there: read it before the next update)."""
 
-    def grad(self, unit: Unit) -> torch.Tensor | None:
+    def grad(self, unit: TierUnit) -> torch.Tensor | None:
         """A host copy of the unit's accumulated fp32 gradient, if one is kept."""
 
-    def load_state(self, unit: Unit, state: dict[str, torch.Tensor]) -> None:
+    def load_state(self, unit: TierUnit, state: dict[str, torch.Tensor]) -> None:
         """Makes the given kinds of `state` (host fp32; any of master, exp_avg, exp_avg_sq) the unit's;
         all three end the unit's damage."""
 
-    def mark_damaged(self, unit: Unit, why: str) -> None:
+    def mark_damaged(self, unit: TierUnit, why: str) -> None:
         """The unit's state is not that of any step (an update abandoned part way)."""
 
     def damage(self) -> str | None:

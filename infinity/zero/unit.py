@@ -41,6 +41,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from infinity.offload.protocols import Segment, ShardParts
 from infinity.zero import dist as zdist
 
 SHARD_ALIGN_BYTES = 4096
@@ -68,21 +69,6 @@ class ParamSlot(NamedTuple):
     offset: int  # elements from the start of the flat buffer
     numel: int
     group: int  # optimizer param group index; -1 for a frozen parameter
-
-
-class Segment(NamedTuple):
-    """A run of this rank's shard that belongs to one optimizer param group."""
-
-    group: int
-    start: int  # elements from the start of the shard
-    count: int
-
-
-class ShardParts(NamedTuple):
-    """A shard as its two regions ([Note: flat layout]); either may have 0 elements."""
-
-    train: torch.Tensor  # 1-D, train_shard_numel elements
-    frozen: torch.Tensor  # 1-D, frozen_shard_numel elements
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -21,7 +21,7 @@ since the engine counts the accumulation (`accumulate_grad_batches` becomes
 `gradient_accumulation_steps`, `gradient_clip_val` becomes `gradient_clipping`), is
 `engine.step()`. The engine computes on Lightning's root device (`infinity.initialize(device=...)`,
 which refuses an INFINITY_DEVICE that says otherwise), and the config's `activation_checkpointing`
-section configures `infinity.deepspeed.checkpointing` when the engine is built.
+section configures `infinity.checkpointing` when the engine is built.
 `configure_optimizers`' optimizer goes to `infinity.initialize` as a client
 optimizer; its scheduler stays Lightning's, which steps it at accumulation boundaries (the engine
 reads the learning rates from the optimizer's own param groups). A model's parameters live in
@@ -85,7 +85,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
 import infinity
-from infinity import checkpointing
+from infinity.offload import activations
 from infinity.checkpoint.layout import LATEST, MANIFEST
 from infinity.engine import Engine
 from infinity.integrations.lightning.single_file import convert_checkpoint, load_full_weights, save_full_weights
@@ -391,7 +391,7 @@ class InfinityStrategy(DDPStrategy):
 
     def _stage_config(self, trainer: Any, fitting: bool) -> dict:
         """The engine's config for this trainer (its activation_checkpointing section configures
-        infinity.deepspeed.checkpointing when `initialize` builds the engine)."""
+        infinity.checkpointing when `initialize` builds the engine)."""
         config = copy.deepcopy(self.config)
         if "gradient_accumulation_steps" in config:
             raise ValueError("gradient_accumulation_steps: set by Trainer(accumulate_grad_batches=...); leave it out "
@@ -449,7 +449,7 @@ class InfinityStrategy(DDPStrategy):
         if fitting:  # on_train_start checks that a checkpoint gave the optimizer its state
             self.optimizers, self.lr_scheduler_configs = self._fit_state
             self._refit_without_state = True
-        checkpointing.attach(engine.accelerator, engine.config.activation_checkpointing)
+        activations.attach(engine.accelerator, engine.config.activation_checkpointing)
         self._engine = engine
 
     def on_train_start(self) -> None:

@@ -18,7 +18,7 @@ from infinity.device.timeline import TIMELINE
 from infinity.device import Device, InFlight
 from infinity.optim.functional import AdamHyper, adam_step
 from infinity.offload import BufferPool
-from infinity.zero.unit import Unit
+from infinity.offload.protocols import TierUnit
 
 NORM_ROW = 1024  # elements; see [Note: gradient norm by rows]
 _WIDEN_BLOCK = 256 * NORM_ROW
@@ -82,7 +82,7 @@ class GradientLanding:
     (`Device.wait_compute`) before the next unit overwrites that buffer.
     """
 
-    def __init__(self, device: Device, units: list[Unit], name: str):
+    def __init__(self, device: Device, units: list[TierUnit], name: str):
         self.device = device
         largest = max((u.train_shard_numel * u.dtype.itemsize for u in units), default=1)
         # One buffer for the copy in flight, one for the gradient a host consumer still holds.
@@ -131,7 +131,7 @@ class ResidentOptimizerState:
     KINDS = ("master", "exp_avg", "exp_avg_sq")
     updates_can_wait = False  # nothing to overlap: every update runs in backward or in step()
 
-    def __init__(self, device: Device, on_device: bool, units: list[Unit]):
+    def __init__(self, device: Device, on_device: bool, units: list[TierUnit]):
         self.device = device
         self.on_device = on_device
         self._where = device.compute if on_device else torch.device("cpu")
@@ -141,7 +141,7 @@ class ResidentOptimizerState:
         self._landing = None if on_device else GradientLanding(device, units, "offload_optimizer")
         self._damaged: dict[int, str] = {}  # unit -> why its state is not of any step, until a load replaces it
 
-    def add(self, unit: Unit, master: torch.Tensor) -> None:
+    def add(self, unit: TierUnit, master: torch.Tensor) -> None:
         master = master.to(torch.float32, copy=True)
         if self.on_device:
             master = self.device.move(master)
@@ -149,7 +149,7 @@ class ResidentOptimizerState:
                                    "exp_avg_sq": torch.zeros_like(master)}
         self._grads[unit.index] = torch.zeros_like(master)
 
-    def accumulate(self, unit: Unit, grad_shard: torch.Tensor, first: bool, last: bool = False) -> InFlight | None:
+    def accumulate(self, unit: TierUnit, grad_shard: torch.Tensor, first: bool, last: bool = False) -> InFlight | None:
         acc = self._grads[unit.index]
 
         def consume(g: torch.Tensor) -> bool:
@@ -166,11 +166,11 @@ class ResidentOptimizerState:
         if self._landing is not None:
             self._landing.consume_landed()
 
-    def grad_sq(self, unit: Unit) -> torch.Tensor:
+    def grad_sq(self, unit: TierUnit) -> torch.Tensor:
         self._consume_landed()
         return self.device.host(row_norms_sq(self._grads[unit.index]).sum())
 
-    def update(self, unit: Unit, hypers: list[AdamHyper], step: int, grad_scale: float,
+    def update(self, unit: TierUnit, hypers: list[AdamHyper], step: int, grad_scale: float,
                out: torch.Tensor) -> None:
         self._consume_landed()
         s, g = self._state[unit.index], self._grads[unit.index]
@@ -194,7 +194,7 @@ class ResidentOptimizerState:
     def io_stats(self) -> dict[str, float]:
         return {}  # nothing crosses to NVMe
 
-    def step_order(self, units: list[Unit]) -> list[Unit]:
+    def step_order(self, units: list[TierUnit]) -> list[TierUnit]:
         return units
 
     def abort_pass(self) -> None:
@@ -204,7 +204,7 @@ class ResidentOptimizerState:
     def finish_step(self) -> None:
         pass
 
-    def mark_damaged(self, unit: Unit, why: str) -> None:
+    def mark_damaged(self, unit: TierUnit, why: str) -> None:
         """The unit's state is not that of any step (its update was abandoned part way): `damage()`
         says why until `load_state` replaces all of it."""
         self._damaged.setdefault(unit.index, why)
@@ -218,23 +218,23 @@ class ResidentOptimizerState:
     def flush(self) -> None:
         self._consume_landed()
 
-    def master(self, unit: Unit) -> torch.Tensor:
+    def master(self, unit: TierUnit) -> torch.Tensor:
         return self.device.host(self._state[unit.index]["master"])
 
-    def set_master(self, unit: Unit, values: torch.Tensor) -> None:
+    def set_master(self, unit: TierUnit, values: torch.Tensor) -> None:
         self._state[unit.index]["master"].copy_(values)
 
-    def state(self, unit: Unit) -> dict[str, torch.Tensor]:
+    def state(self, unit: TierUnit) -> dict[str, torch.Tensor]:
         return {k: self.device.host(t) for k, t in self._state[unit.index].items()}
 
-    def grad(self, unit: Unit) -> torch.Tensor | None:
+    def grad(self, unit: TierUnit) -> torch.Tensor | None:
         self._consume_landed()
         return self.device.host(self._grads[unit.index])
 
-    def read(self, unit: Unit, kind: str) -> torch.Tensor:
+    def read(self, unit: TierUnit, kind: str) -> torch.Tensor:
         return self.device.host(self._state[unit.index][kind])
 
-    def load_state(self, unit: Unit, state: dict[str, torch.Tensor]) -> None:
+    def load_state(self, unit: TierUnit, state: dict[str, torch.Tensor]) -> None:
         for k in self.KINDS:
             if k in state:
                 self._state[unit.index][k].copy_(state[k])

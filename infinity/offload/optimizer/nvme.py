@@ -143,8 +143,7 @@ from infinity.offload.state import ShardState
 from infinity.offload.store import default_job_id
 from infinity.offload.nvme_io import IOTally, make_handle
 from infinity.offload.optimizer.memory import NORM_ROW, GradientLanding, row_norms_sq
-from infinity.engine.step_policy import UpdateMode
-from infinity.zero.unit import Unit
+from infinity.offload.protocols import TierUnit
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 GRAD = "grad"  # spilled gradient accumulators ([Note: gradient spill])
@@ -248,14 +247,15 @@ class NvmeOptimizerState:
     update_order: unit indices in the order the step is expected to update them (default:
     reverse unit order); the first ones keep their accumulators in memory ([Note: gradient spill]),
     and the first step reads ahead in it ([Note: reading ahead in the expected order]).
-    mode: when the updates run ([Note: update modes] in step_policy.py).
+    at_next_use: whether the updates wait for each unit's next use (the engine's update mode,
+    [Note: update modes] in infinity/engine/step_policy.py), so that they run in forward order.
     """
 
     on_device = False  # the state is updated by the CPU kernel, from host buffers
     updates_can_wait = True  # their I/O then overlaps the next forward ([Note: updates after the norm] in step_policy.py)
 
-    def __init__(self, device: Device, offload, aio, sub_group_size: int, *, rank: int, units: list[Unit],
-                 mode: UpdateMode, no_accumulator: set[int] = frozenset(), update_order: list[int] | None = None):
+    def __init__(self, device: Device, offload, aio, sub_group_size: int, *, rank: int, units: list[TierUnit],
+                 at_next_use: bool, no_accumulator: set[int] = frozenset(), update_order: list[int] | None = None):
         self.device = device
         self._landing = GradientLanding(device, units, "offload_optimizer")
         self._grads: dict[int, torch.Tensor] = {}  # host accumulators
@@ -318,10 +318,10 @@ class NvmeOptimizerState:
         self._reading_ahead = False
         self._pending_order: list[int] = []  # units whose update waits for their next use, in that order
         # The last pending order: the next step's, too ([Note: reading ahead in the expected order]).
-        self._last_pending_order = list(self._expected) if mode is UpdateMode.AT_NEXT_USE else []
+        self._last_pending_order = list(self._expected) if at_next_use else []
         self._resume: dict[int, int] = {}  # unit -> pieces of its unfinished update done ([Note: resuming an update])
         self._damaged: dict[int, str] = {}  # unit -> why its state is not of any step, until a load replaces it
-        self._mode = mode
+        self._at_next_use = at_next_use
         self._tally = IOTally(self.swapper)
 
     def _kinds(self, index: int) -> tuple[str, ...]:
@@ -329,7 +329,7 @@ class NvmeOptimizerState:
 
     # ---- gradients ------------------------------------------------------------------------
 
-    def add(self, unit: Unit, master: torch.Tensor) -> None:
+    def add(self, unit: TierUnit, master: torch.Tensor) -> None:
         zeros = torch.zeros(max(n for _, n in self._pieces[unit.index]), dtype=torch.float32)
         for k, (start, n) in enumerate(self._pieces[unit.index]):
             self.swapper.write("master", (unit.index, k), master[start:start + n].contiguous())
@@ -351,7 +351,7 @@ class NvmeOptimizerState:
         else:
             self._drop_early(keep=self._pending_order)
 
-    def accumulate(self, unit: Unit, grad_shard: torch.Tensor, first: bool, last: bool = False) -> InFlight:
+    def accumulate(self, unit: TierUnit, grad_shard: torch.Tensor, first: bool, last: bool = False) -> InFlight:
         # [Note: gradients to the host] in optim_shards.py: consumed one unit later, or at the update.
         return self._landing.land(grad_shard, lambda g: self._consume(unit.index, g, first, last))
 
@@ -402,12 +402,12 @@ class NvmeOptimizerState:
         if last:
             self._sq[index] = torch.cat(rows).sum()
 
-    def grad_sq(self, unit: Unit) -> torch.Tensor:
+    def grad_sq(self, unit: TierUnit) -> torch.Tensor:
         """Squared norm of the unit's final gradient, taken when it became final."""
         self._landing.consume_landed()
         return self._sq.get(unit.index, torch.zeros((), dtype=torch.float32))
 
-    def step_order(self, units: list[Unit]) -> list[Unit]:
+    def step_order(self, units: list[TierUnit]) -> list[TierUnit]:
         """Units not yet updated, those whose state reads started in backward first, in that order."""
         rank = {index: pos for pos, index in enumerate(self._ready)}
         rest = [u for u in units if u.index not in self._updated]
@@ -540,7 +540,7 @@ class NvmeOptimizerState:
         # Updates that wait for the next forward take the pending ones first (all read by now),
         # then these in this order; updates in backward or in the step take them in the order
         # gradients become final, which the expected one only predicts.
-        in_order = self._mode is UpdateMode.AT_NEXT_USE
+        in_order = self._at_next_use
         for index in self._expected:
             if index in self._updated or index not in self._pieces:
                 continue
@@ -548,7 +548,7 @@ class NvmeOptimizerState:
                 if not self._read_early(index, k, in_order):
                     return
 
-    def update(self, unit: Unit, hypers: list[AdamHyper], step: int, grad_scale: float,
+    def update(self, unit: TierUnit, hypers: list[AdamHyper], step: int, grad_scale: float,
                out: torch.Tensor) -> None:
         self._landing.consume_landed()
         index = unit.index
@@ -649,7 +649,7 @@ class NvmeOptimizerState:
         return any(self.swapper.state(kind, (index, k)) is ShardState.INVALID
                    for kind in self._kinds(index) for k in range(len(self._pieces[index])))
 
-    def mark_damaged(self, unit: Unit, why: str) -> None:
+    def mark_damaged(self, unit: TierUnit, why: str) -> None:
         """The unit's state is not that of any step (an update failed part way and cannot resume,
         or was applied in a step that was abandoned): `damage()` says why until `load_state`
         replaces all of it."""
@@ -706,22 +706,22 @@ class NvmeOptimizerState:
                 self.swapper.release(kind, (index, k))
         return out
 
-    def master(self, unit: Unit) -> torch.Tensor:
+    def master(self, unit: TierUnit) -> torch.Tensor:
         return self._read_all(unit.index, "master")
 
-    def read(self, unit: Unit, kind: str) -> torch.Tensor:
+    def read(self, unit: TierUnit, kind: str) -> torch.Tensor:
         return self._read_all(unit.index, kind)
 
-    def set_master(self, unit: Unit, values: torch.Tensor) -> None:
+    def set_master(self, unit: TierUnit, values: torch.Tensor) -> None:
         self._drop_early(only=unit.index, held=True)  # a shard being written is held by nobody
         for k, (start, n) in enumerate(self._pieces[unit.index]):
             self.swapper.write("master", (unit.index, k), values[start:start + n].contiguous())
             self.swapper.flush()
 
-    def state(self, unit: Unit) -> dict[str, torch.Tensor]:
+    def state(self, unit: TierUnit) -> dict[str, torch.Tensor]:
         return {kind: self._read_all(unit.index, kind) for kind in KINDS}
 
-    def grad(self, unit: Unit) -> torch.Tensor | None:
+    def grad(self, unit: TierUnit) -> torch.Tensor | None:
         """A host copy of the unit's accumulated gradient, or None where none is kept (one
         that fed its update at once)."""
         self._landing.consume_landed()
@@ -732,7 +732,7 @@ class NvmeOptimizerState:
             return self._read_all(index, GRAD)
         return None
 
-    def load_state(self, unit: Unit, state: dict[str, torch.Tensor]) -> None:
+    def load_state(self, unit: TierUnit, state: dict[str, torch.Tensor]) -> None:
         self._drop_early(only=unit.index, held=True)  # a shard being written is held by nobody
         for kind in KINDS:
             if kind in state:

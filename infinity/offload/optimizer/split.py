@@ -19,13 +19,13 @@ from infinity.device import Device, InFlight
 from infinity.optim.functional import AdamHyper
 from infinity.offload.placement import units_in_memory
 from infinity.offload.optimizer.memory import ResidentOptimizerState
-from infinity.zero.unit import Unit
+from infinity.offload.protocols import TierUnit
 
 log = logging.getLogger("infinity")
 
 
-def split_by_budget(device: Device, budget: int, units: list[Unit], order: list[int],
-                    nvme: Callable[[list[Unit]], object]):
+def split_by_budget(device: Device, budget: int, units: list[TierUnit], order: list[int],
+                    nvme: Callable[[list[TierUnit]], object]):
     """The optimizer tier for `units` with `budget` elements of state in host memory: all of it
     there, all on NVMe (`nvme(units)` builds that tier), or split."""
     kept = units_in_memory(units, budget, order)
@@ -48,12 +48,12 @@ class SplitOptimizerState:
     on_device = False
     updates_can_wait = True  # as the NVMe tier's ([Note: update modes] in step_policy.py)
 
-    def __init__(self, memory: ResidentOptimizerState, disk, kept: list[Unit]):
+    def __init__(self, memory: ResidentOptimizerState, disk, kept: list[TierUnit]):
         self.memory, self.disk = memory, disk
         self._kept = {u.index for u in kept}
         self.handle = disk.handle  # the NVMe tier's I/O handle (tests, reports)
 
-    def _tier(self, unit: Unit):
+    def _tier(self, unit: TierUnit):
         return self.memory if unit.index in self._kept else self.disk
 
     @property
@@ -63,42 +63,42 @@ class SplitOptimizerState:
 
     # ---- about one unit ---------------------------------------------------------------------
 
-    def add(self, unit: Unit, master: torch.Tensor) -> None:
+    def add(self, unit: TierUnit, master: torch.Tensor) -> None:
         self._tier(unit).add(unit, master)
 
-    def accumulate(self, unit: Unit, grad_shard: torch.Tensor, first: bool, last: bool = False) -> InFlight | None:
+    def accumulate(self, unit: TierUnit, grad_shard: torch.Tensor, first: bool, last: bool = False) -> InFlight | None:
         return self._tier(unit).accumulate(unit, grad_shard, first, last)
 
-    def grad_sq(self, unit: Unit) -> torch.Tensor:
+    def grad_sq(self, unit: TierUnit) -> torch.Tensor:
         return self._tier(unit).grad_sq(unit)
 
-    def update(self, unit: Unit, hypers: list[AdamHyper], step: int, grad_scale: float, out: torch.Tensor) -> None:
+    def update(self, unit: TierUnit, hypers: list[AdamHyper], step: int, grad_scale: float, out: torch.Tensor) -> None:
         self._tier(unit).update(unit, hypers, step, grad_scale, out)
 
-    def mark_damaged(self, unit: Unit, why: str) -> None:
+    def mark_damaged(self, unit: TierUnit, why: str) -> None:
         self._tier(unit).mark_damaged(unit, why)
 
-    def master(self, unit: Unit) -> torch.Tensor:
+    def master(self, unit: TierUnit) -> torch.Tensor:
         return self._tier(unit).master(unit)
 
-    def set_master(self, unit: Unit, values: torch.Tensor) -> None:
+    def set_master(self, unit: TierUnit, values: torch.Tensor) -> None:
         self._tier(unit).set_master(unit, values)
 
-    def state(self, unit: Unit) -> dict[str, torch.Tensor]:
+    def state(self, unit: TierUnit) -> dict[str, torch.Tensor]:
         return self._tier(unit).state(unit)
 
-    def grad(self, unit: Unit) -> torch.Tensor | None:
+    def grad(self, unit: TierUnit) -> torch.Tensor | None:
         return self._tier(unit).grad(unit)
 
-    def read(self, unit: Unit, kind: str) -> torch.Tensor:
+    def read(self, unit: TierUnit, kind: str) -> torch.Tensor:
         return self._tier(unit).read(unit, kind)
 
-    def load_state(self, unit: Unit, state: dict[str, torch.Tensor]) -> None:
+    def load_state(self, unit: TierUnit, state: dict[str, torch.Tensor]) -> None:
         self._tier(unit).load_state(unit, state)
 
     # ---- about the step ---------------------------------------------------------------------
 
-    def step_order(self, units: list[Unit]) -> list[Unit]:
+    def step_order(self, units: list[TierUnit]) -> list[TierUnit]:
         """The NVMe units in the order their reads started, then the kept ones."""
         return (self.disk.step_order([u for u in units if u.index not in self._kept])
                 + [u for u in units if u.index in self._kept])

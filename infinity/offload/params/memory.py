@@ -15,7 +15,7 @@ import torch
 
 from infinity.device import Device, InFlight
 from infinity.io import aligned_empty
-from infinity.zero.unit import ShardParts, Unit
+from infinity.offload.protocols import ShardParts, TierUnit
 
 
 class ResidentParams:
@@ -35,7 +35,7 @@ class ResidentParams:
         self._reading: dict[int, InFlight] = {}  # copies that read a host shard, until they are waited for
         self._commits: dict[int, InFlight] = {}  # staging -> shard copies, until the staging is reused
 
-    def add(self, unit: Unit, values: torch.Tensor) -> None:
+    def add(self, unit: TierUnit, values: torch.Tensor) -> None:
         if self.offload:
             shard = aligned_empty(unit.shard_numel, unit.dtype, pin=self.device.pin() or None)
             shard.copy_(values)
@@ -43,7 +43,7 @@ class ResidentParams:
             shard = self.device.move(values.to(unit.dtype))
         self._shards[unit.index] = shard
 
-    def prefetch(self, unit: Unit) -> bool:
+    def prefetch(self, unit: TierUnit) -> bool:
         if not self.offload:
             return True  # already on the device
         if unit.index in self._inflight:
@@ -52,10 +52,10 @@ class ResidentParams:
         self._inflight[unit.index] = self.device.to_device(self._shards[unit.index])
         return True
 
-    def ready(self, unit: Unit) -> bool:
+    def ready(self, unit: TierUnit) -> bool:
         return not self.offload or unit.index in self._inflight
 
-    def fetch(self, unit: Unit) -> ShardParts:
+    def fetch(self, unit: TierUnit) -> ShardParts:
         if not self.offload:
             if unit.index in self._commits:  # new values still on their way in
                 self.device.wait_compute(self._commits[unit.index])
@@ -67,14 +67,14 @@ class ResidentParams:
         self._reading[unit.index] = InFlight(copy.source, copy.source, copy.fence)
         return unit.split(self.device.wait_compute(copy))
 
-    def done(self, unit: Unit) -> None:
+    def done(self, unit: TierUnit) -> None:
         pass  # the device copy dies with its last reference; `_reading` guards the host shard
 
     def _wait_reading(self, index: int) -> None:
         if index in self._reading:
             self.device.wait_host(self._reading.pop(index))
 
-    def update_target(self, unit: Unit, on_device: bool) -> torch.Tensor:
+    def update_target(self, unit: TierUnit, on_device: bool) -> torch.Tensor:
         index = unit.index
         if on_device != self.offload:  # the shard is on the optimizer's side: write it in place
             self._wait_reading(index)
@@ -87,7 +87,7 @@ class ResidentParams:
                                     else aligned_empty(n, unit.dtype, pin=self.device.pin() or None))
         return self._staging[index]
 
-    def commit(self, unit: Unit) -> None:
+    def commit(self, unit: TierUnit) -> None:
         index = unit.index
         staging = self._staging.get(index)
         if staging is None:
@@ -99,11 +99,11 @@ class ResidentParams:
         else:
             self._commits[index] = self.device.to_device(staging, train)
 
-    def replace(self, unit: Unit, shard: torch.Tensor) -> None:
+    def replace(self, unit: TierUnit, shard: torch.Tensor) -> None:
         self.flush()
         self._shards[unit.index].copy_(shard)
 
-    def host_copy(self, unit: Unit) -> torch.Tensor:
+    def host_copy(self, unit: TierUnit) -> torch.Tensor:
         self.flush()
         return self.device.host(self._shards[unit.index])
 

@@ -24,13 +24,13 @@ from infinity.offload import BufferPool, HostCache, NvmeStore, Swapper
 from infinity.offload.store import default_job_id
 from infinity.offload.nvme_io import MIN_BUFFERS, IOTally, elsize, make_handle, plan_count
 from infinity.offload.optimizer.nvme import HOST_SHARE
-from infinity.zero.unit import ShardParts, Unit
+from infinity.offload.protocols import ShardParts, TierUnit
 
 KIND = "param"  # the trainable part of a shard
 FROZEN = "frozen"  # the frozen part, never written after start
 
 
-def _parts(unit: Unit) -> list[tuple[str, int]]:
+def _parts(unit: TierUnit) -> list[tuple[str, int]]:
     """(store kind, elements) of each non-empty part of the unit's shard, in shard order."""
     return [(kind, n) for kind, n in ((KIND, unit.train_shard_numel), (FROZEN, unit.frozen_shard_numel)) if n]
 
@@ -38,7 +38,7 @@ def _parts(unit: Unit) -> list[tuple[str, int]]:
 class NvmeParams:
     """The NVMe parameter tier (same methods as `ResidentParams`)."""
 
-    def __init__(self, device: Device, offload, aio, *, rank: int, units: list[Unit], prefetch_numel: int = 0):
+    def __init__(self, device: Device, offload, aio, *, rank: int, units: list[TierUnit], prefetch_numel: int = 0):
         self.device = device
         self._units = {u.index: u for u in units}
         layout: dict[str, dict[int, int]] = {KIND: {}, FROZEN: {}}
@@ -93,10 +93,10 @@ class NvmeParams:
 
     # ---- ParamTier --------------------------------------------------------------------------
 
-    def add(self, unit: Unit, values: torch.Tensor) -> None:
+    def add(self, unit: TierUnit, values: torch.Tensor) -> None:
         self._write(unit, values.to(unit.dtype))
 
-    def _write(self, unit: Unit, shard: torch.Tensor) -> None:
+    def _write(self, unit: TierUnit, shard: torch.Tensor) -> None:
         parts = unit.split(shard)
         for kind, part in ((KIND, parts.train), (FROZEN, parts.frozen)):
             if part.numel():
@@ -109,11 +109,11 @@ class NvmeParams:
         if not self.swapper.can_spare(count):
             self._return(block=True)
 
-    def _fetch_parts(self, unit: Unit) -> list:
+    def _fetch_parts(self, unit: TierUnit) -> list:
         self._room(len(_parts(unit)))
         return [self.swapper.fetch(kind, unit.index) for kind, _ in _parts(unit)]
 
-    def prefetch(self, unit: Unit) -> bool:
+    def prefetch(self, unit: TierUnit) -> bool:
         self._return(block=False)
         if unit.index in self._prefetched or unit.index in self._held or unit.index in self._copying:
             return False  # one read per pending use: the next use is served by the one in flight
@@ -122,7 +122,7 @@ class NvmeParams:
         self._prefetched[unit.index] = self._fetch_parts(unit)
         return True
 
-    def ready(self, unit: Unit) -> bool:
+    def ready(self, unit: TierUnit) -> bool:
         """A prefetched shard whose reads have finished starts its host -> device copy now, one
         unit ahead of its use ([Note: gathering one unit ahead] in fetcher.py)."""
         if unit.index in self._copying:
@@ -133,7 +133,7 @@ class NvmeParams:
         self._copying[unit.index] = self._to_device(unit, self._prefetched.pop(unit.index))
         return True
 
-    def _to_device(self, unit: Unit, handles: list) -> list[InFlight]:
+    def _to_device(self, unit: TierUnit, handles: list) -> list[InFlight]:
         """The parts' host -> device copies, once their reads are waited for. If a read failed
         (it then holds nothing), the parts already read go back, and those not yet waited for."""
         copies = []
@@ -152,7 +152,7 @@ class NvmeParams:
             copies.append(self.device.to_device(data.view(unit.dtype)[:n]))
         return copies
 
-    def fetch(self, unit: Unit) -> ShardParts:
+    def fetch(self, unit: TierUnit) -> ShardParts:
         assert unit.index not in self._held, unit
         copies = self._copying.pop(unit.index, None)
         if copies is None:
@@ -163,7 +163,7 @@ class NvmeParams:
         return ShardParts(next(data) if unit.train_shard_numel else empty,
                           next(data) if unit.frozen_shard_numel else empty)
 
-    def done(self, unit: Unit) -> None:
+    def done(self, unit: TierUnit) -> None:
         if unit.index in self._held:
             self._returning.append((unit.index, self._held.pop(unit.index)))
             self._return(block=False)
@@ -211,7 +211,7 @@ class NvmeParams:
     def set_schedule(self, order: list[int]) -> None:
         self.cache.set_schedule([(kind, i) for i in order for kind, _ in _parts(self._units[i])])
 
-    def update_target(self, unit: Unit, on_device: bool) -> torch.Tensor:
+    def update_target(self, unit: TierUnit, on_device: bool) -> torch.Tensor:
         self._before_write(unit.index)
         if unit.index in self._targets:  # an update that failed part way resumes into the same buffer
             target, was_on_device = self._targets[unit.index]  # ([Note: resuming an update] in nvme_optim.py)
@@ -225,7 +225,7 @@ class NvmeParams:
         self._targets[unit.index] = (target, on_device)
         return target
 
-    def commit(self, unit: Unit) -> None:
+    def commit(self, unit: TierUnit) -> None:
         target, on_device = self._targets.pop(unit.index)
         if on_device:
             self._room(1)
@@ -240,12 +240,12 @@ class NvmeParams:
         if not on_device:
             self.pool.release(target.view(torch.uint8))
 
-    def replace(self, unit: Unit, shard: torch.Tensor) -> None:
+    def replace(self, unit: TierUnit, shard: torch.Tensor) -> None:
         self._before_write(unit.index)
         self._drop_target(unit.index)
         self._write(unit, shard)
 
-    def host_copy(self, unit: Unit) -> torch.Tensor:
+    def host_copy(self, unit: TierUnit) -> torch.Tensor:
         self._before_write(unit.index)
         out = torch.empty(unit.shard_numel, dtype=unit.dtype)
         start = 0
