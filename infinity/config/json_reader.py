@@ -1,6 +1,6 @@
 """Reading a DeepSpeed JSON config into the dataclasses of `sections`: the key tables and
-the section parsers behind `load_config`. What a setting is lives in sections.py; how JSON
-becomes settings, here.
+the section parsers behind `load_config`. What a setting is lives in sections.py (and the
+section modules it imports); how JSON becomes settings, here.
 
 [Note: which DeepSpeed keys are accepted]
 Every key falls in exactly one class, and none is silently ignored:
@@ -11,8 +11,6 @@ Every key falls in exactly one class, and none is silently ignored:
 - accepted at DeepSpeed's default only: switches of features infinity lacks that configs often
   spell out at their "off" value (`"amsgrad": false`, `"use_gds": false`). Any other value is
   an error. Tables `_DEFAULT_ONLY_*`.
-- a section of such features, accepted when every key in it is at a value that describes what
-  infinity does (none at present). Tables `_DEFAULTS_ONLY_SECTIONS_*`.
 - a DeepSpeed key infinity does not implement: an error "DeepSpeed key not implemented by
   infinity", whatever its value. Tables `_NOT_IMPLEMENTED_*`.
 - anything else: an unknown key, an error naming the closest valid key.
@@ -32,25 +30,25 @@ from pathlib import Path
 from typing import Any
 
 from infinity.config._checks import _bool, _float, _int, _join, _show, _size
+from infinity.config.optimizer_sections import (
+    AdamParams,
+    OptimizerConfig,
+    SchedulerConfig,
+    _SCHEDULER_PARAMS,
+    _scheduler_type,
+)
 from infinity.config.sections import (
     AIOConfig,
     ActivationCheckpointingConfig,
-    AdamParams,
     BF16Config,
     BatchConfig,
     CheckpointConfig,
     DataTypesConfig,
     FP16Config,
     InfinityConfig,
-    OffloadOptimizerConfig,
-    OffloadParamConfig,
-    OptimizerConfig,
-    SchedulerConfig,
     TraceConfig,
-    ZeroConfig,
-    _SCHEDULER_PARAMS,
-    _scheduler_type,
 )
+from infinity.config.zero_sections import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
 NOT_IMPLEMENTED = "DeepSpeed key not implemented by infinity"
 
@@ -95,10 +93,6 @@ _NOT_IMPLEMENTED_ROOT: dict[str, str] = {
 } | {
     "amp": "use bf16 or fp16",
     "torch_autocast": "use bf16 or fp16",
-}
-
-# Each key with the values that describe what infinity does (DeepSpeed's default first).
-_DEFAULTS_ONLY_SECTIONS_ROOT: dict[str, dict[str, tuple[Any, ...]]] = {
 }
 
 _DEFAULT_ONLY_CHECKPOINT: dict[str, Any] = {"load_universal": False, "use_node_local_storage": False}
@@ -252,12 +246,10 @@ def _take(raw: Any, path: str, accepted: tuple[str, ...], *,
           default_only: Mapping[str, Any] | None = None,
           not_implemented: Mapping[str, str] | None = None,
           misplaced: Mapping[str, str] | None = None,
-          defaults_only_sections: Mapping[str, Mapping[str, tuple[Any, ...]]] | None = None,
           required: tuple[str, ...] = ()) -> dict[str, Any]:
     """The accepted keys of one JSON object; every other key is checked here and then dropped
     or refused (see [Note: which DeepSpeed keys are accepted])."""
     no_effect, default_only = no_effect or {}, default_only or {}
-    defaults_only_sections = defaults_only_sections or {}
     not_implemented, misplaced = not_implemented or {}, misplaced or {}
     if not isinstance(raw, Mapping):
         raise TypeError(f"{path or 'config'}: expected an object ({{...}}), got {_show(raw)}")
@@ -272,8 +264,6 @@ def _take(raw: Any, path: str, accepted: tuple[str, ...], *,
             no_effect[key](value, key_path)
         elif key in default_only:
             _require_default(value, key_path, default_only[key])
-        elif key in defaults_only_sections:
-            _require_defaults_section(value, key_path, defaults_only_sections[key])
         elif key in not_implemented and isinstance(value, Mapping) and value.get("enabled", True) is False:
             continue  # a disabled feature is not an unimplemented one: {"amp": {"enabled": false}}
         elif key in not_implemented:
@@ -283,7 +273,7 @@ def _take(raw: Any, path: str, accepted: tuple[str, ...], *,
             raise ValueError(f"{key_path}: unknown key here; it belongs in {misplaced[key]} "
                              "(DeepSpeed silently ignores it here)")
         else:
-            valid = (*accepted, *no_effect, *default_only, *defaults_only_sections)
+            valid = (*accepted, *no_effect, *default_only)
             raise ValueError(_unknown_key_message(key, path, valid))
     for key in required:
         if key not in taken:
@@ -305,21 +295,6 @@ def _require_default(value: Any, path: str, default: Any) -> None:
     if not _is_default(value, default):
         raise ValueError(f"{path}: {NOT_IMPLEMENTED} except at DeepSpeed's default "
                          f"{json.dumps(default)}, got {_show(value)}")
-
-
-def _require_defaults_section(raw: Any, path: str, allowed: Mapping[str, tuple[Any, ...]]) -> None:
-    if isinstance(raw, Mapping) and raw.get("enabled", True) is False:
-        return  # a disabled feature is not an unimplemented one
-    if not isinstance(raw, Mapping):
-        raise TypeError(f"{path}: expected an object ({{...}}), got {_show(raw)}")
-    for key, value in raw.items():
-        if key not in allowed:
-            shown = ", ".join(f"{k} {json.dumps(v[0])}" for k, v in allowed.items())
-            raise ValueError(f"{path}: {NOT_IMPLEMENTED}; accepted only with its keys at DeepSpeed's defaults "
-                             f"({shown}), got the key {key!r}")
-        if not any(_is_default(value, d) for d in allowed[key]):
-            values = " or ".join(json.dumps(d) for d in allowed[key])
-            raise ValueError(f"{_join(path, key)}: {NOT_IMPLEMENTED} except at {values}, got {_show(value)}")
 
 
 def _unknown_key_message(key: str, section: str, valid: tuple[str, ...]) -> str:
@@ -346,7 +321,7 @@ def _parse_section(raw: Any, path: str, cls: type, **tables: Any) -> Any:
 def _parse_root(raw: Any, world_size: int) -> InfinityConfig:
     keys = _take(raw, "", (*_BATCH_KEYS, *_ROOT_SCALARS, *_ROOT_SECTIONS),
                  no_effect=_NO_EFFECT_ROOT, default_only=_DEFAULT_ONLY_ROOT,
-                 not_implemented=_NOT_IMPLEMENTED_ROOT, defaults_only_sections=_DEFAULTS_ONLY_SECTIONS_ROOT)
+                 not_implemented=_NOT_IMPLEMENTED_ROOT)
     if "bf16" in keys and "bfloat16" in keys:
         raise ValueError("bfloat16: DeepSpeed's legacy name for bf16; give only bf16")
     bf16_key = "bfloat16" if "bfloat16" in keys else "bf16"

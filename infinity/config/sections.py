@@ -1,5 +1,6 @@
 """The frozen dataclasses, one per DeepSpeed JSON section, and `InfinityConfig` that holds
-them all.
+them all. The `optimizer` and `scheduler` sections live in optimizer_sections.py and
+`zero_optimization` in zero_sections.py; the rest here, and all of them are importable from here.
 
 Each validates itself on construction with the checks of `_checks` (see [Note: error paths]
 there), so a value is checked the same whether the dataclass is built from JSON by
@@ -9,7 +10,6 @@ there), so a value is checked the same whether the dataclass is built from JSON 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import math
 import os
@@ -22,14 +22,12 @@ import torch
 
 from infinity.config._checks import (
     _bool,
-    _check,
     _choice,
     _directory,
     _float,
     _instance,
     _int,
     _join,
-    _lrs,
     _optional,
     _path,
     _show,
@@ -37,20 +35,30 @@ from infinity.config._checks import (
     _spec,
     _validate,
 )
+from infinity.config.optimizer_sections import (
+    OPTIMIZER_TYPES,
+    SCHEDULER_TYPES,
+    WARMUP_TYPES,
+    AdamParams,
+    LRRangeTestParams,
+    OneCycleParams,
+    OptimizerConfig,
+    SchedulerConfig,
+    WarmupCosineLRParams,
+    WarmupDecayLRParams,
+    WarmupLRParams,
+)
+from infinity.config.zero_sections import OFFLOAD_DEVICES, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+
+__all__ = [
+    "OFFLOAD_DEVICES", "OPTIMIZER_TYPES", "SCHEDULER_TYPES", "WARMUP_TYPES",
+    "AIOConfig", "ActivationCheckpointingConfig", "AdamParams", "BF16Config", "BatchConfig", "CheckpointConfig",
+    "DataTypesConfig", "FP16Config", "InfinityConfig", "LRRangeTestParams", "OffloadOptimizerConfig",
+    "OffloadParamConfig", "OneCycleParams", "OptimizerConfig", "SchedulerConfig", "TraceConfig",
+    "WarmupCosineLRParams", "WarmupDecayLRParams", "WarmupLRParams", "ZeroConfig",
+]
 
 log = logging.getLogger("infinity")
-
-OFFLOAD_DEVICES = ("none", "cpu", "nvme")
-WARMUP_TYPES = ("log", "linear")
-OPTIMIZER_TYPES = ("Adam", "AdamW")
-SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
-
-# DeepSpeed optimizer types that infinity does not provide (lower-cased: DeepSpeed matches them
-# case-insensitively).
-_DEEPSPEED_ONLY_OPTIMIZERS = frozenset({
-    "adagrad", "lamb", "onebitadam", "zerooneadam", "onebitlamb", "lion", "muon", "muadam",
-    "muadamw", "musgd",
-})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -126,392 +134,6 @@ class BF16Config:
 
     def __post_init__(self) -> None:
         _validate(self)
-
-
-def _betas(value: Any, path: str) -> tuple[float, float]:
-    if not isinstance(value, (list, tuple)) or len(value) != 2:
-        raise TypeError(f"{path}: expected a list of two numbers, got {_show(value)}")
-    betas = tuple(_float(beta, f"{path}[{i}]") for i, beta in enumerate(value))
-    for i, beta in enumerate(betas):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"{path}[{i}]: expected a number in [0, 1), got {_show(beta)}")
-    return betas  # type: ignore[return-value]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class AdamParams:
-    """Adam hyperparameters (section `optimizer.params`), with DeepSpeed's defaults."""
-
-    _PATH: ClassVar[str] = "optimizer.params"
-
-    lr: float = _spec(_float, minimum=0.0, default=1e-3)
-    """Learning rate (a scheduler, if configured, overwrites it every step)."""
-    betas: tuple[float, float] = _spec(_betas, default=(0.9, 0.999))
-    """Decay rates of the first and second moment estimates."""
-    eps: float = _spec(_float, minimum=0.0, default=1e-8)
-    """Added to the denominator for numerical stability."""
-    weight_decay: float = _spec(_float, minimum=0.0, default=0.0)
-    """Weight decay, decoupled (AdamW) or added to the gradient (L2), see `adam_w_mode`."""
-    adam_w_mode: bool = _spec(_bool, default=True)
-    """For type Adam: decoupled weight decay when true (DeepSpeed's default). AdamW ignores it."""
-
-    def __post_init__(self) -> None:
-        _validate(self)
-
-
-def _optimizer_type(value: Any, path: str) -> str:
-    """Adam or AdamW, matched case-insensitively as DeepSpeed does; returned canonical."""
-    if not isinstance(value, str):
-        raise TypeError(f"{path}: expected a string, got {_show(value)}")
-    for name in OPTIMIZER_TYPES:
-        if value.lower() == name.lower():
-            return name
-    if value.lower() in _DEEPSPEED_ONLY_OPTIMIZERS:
-        raise ValueError(f"{path}: DeepSpeed optimizer {_show(value)} not implemented by "
-                         f"infinity; expected one of {', '.join(map(_show, OPTIMIZER_TYPES))}")
-    return _choice(value, path, OPTIMIZER_TYPES)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class OptimizerConfig:
-    """The optimizer infinity builds (section `optimizer`): Adam or AdamW, run on the CPU."""
-
-    _PATH: ClassVar[str] = "optimizer"
-
-    type: str = _spec(_optimizer_type)
-    """"Adam" or "AdamW" (any case in JSON, stored canonical)."""
-    params: AdamParams = _spec(_instance, AdamParams, factory=AdamParams)
-    """Hyperparameters."""
-
-    def __post_init__(self) -> None:
-        _validate(self)
-
-    @property
-    def decoupled_weight_decay(self) -> bool:
-        """AdamW-style decay: type AdamW, or type Adam with adam_w_mode (DeepSpeed's rule)."""
-        return self.type == "AdamW" or self.params.adam_w_mode
-
-
-# Fields shared by the schedules, as keyword arguments of `_spec`.
-_WARMUP_NUM_STEPS = dict(minimum=1, default=1000)
-_LAST_BATCH_ITERATION = dict(minimum=-1, default=-1)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class WarmupLRParams:
-    """WarmupLR: from warmup_min_lr up to warmup_max_lr, then constant (`scheduler.params`)."""
-
-    _PATH: ClassVar[str] = "scheduler.params"
-
-    warmup_min_lr: float | tuple[float, ...] = _spec(_lrs, default=0.0)
-    """Learning rate at the first step; a list gives one per optimizer param group."""
-    warmup_max_lr: float | tuple[float, ...] | None = _spec(_optional(_lrs), default=None)
-    """Learning rate reached after warmup; None (the default) takes the optimizer's lr."""
-    warmup_num_steps: int = _spec(_int, **_WARMUP_NUM_STEPS)
-    """Steps of warmup (DeepSpeed uses at least 2)."""
-    warmup_type: str = _spec(_choice, WARMUP_TYPES, default="log")
-    """Shape of the warmup curve: "log" or "linear"."""
-    last_batch_iteration: int = _spec(_int, **_LAST_BATCH_ITERATION)
-    """Index of the last step taken, to resume; -1 starts from the beginning."""
-
-    def __post_init__(self) -> None:
-        _validate(self)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class WarmupDecayLRParams:
-    """WarmupDecayLR: WarmupLR's warmup, then linear decay to warmup_min_lr at total_num_steps."""
-
-    _PATH: ClassVar[str] = "scheduler.params"
-
-    total_num_steps: int = _spec(_int, minimum=1)
-    """Step at which the decay reaches warmup_min_lr (required)."""
-    warmup_min_lr: float | tuple[float, ...] = _spec(_lrs, default=0.0)
-    """Learning rate at the first step and at the end of decay; a list gives one per group."""
-    warmup_max_lr: float | tuple[float, ...] = _spec(_lrs, default=0.001)
-    """Learning rate reached after warmup; a list gives one per optimizer param group."""
-    warmup_num_steps: int = _spec(_int, **_WARMUP_NUM_STEPS)
-    """Steps of warmup (DeepSpeed uses at least 2)."""
-    warmup_type: str = _spec(_choice, WARMUP_TYPES, default="log")
-    """Shape of the warmup curve: "log" or "linear"."""
-    last_batch_iteration: int = _spec(_int, **_LAST_BATCH_ITERATION)
-    """Index of the last step taken, to resume; -1 starts from the beginning."""
-
-    def __post_init__(self) -> None:
-        _validate(self)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class WarmupCosineLRParams:
-    """WarmupCosineLR: warmup of the optimizer's lr by a ratio, then cosine decay."""
-
-    _PATH: ClassVar[str] = "scheduler.params"
-
-    total_num_steps: int = _spec(_int, minimum=1)
-    """Step at which the cosine reaches cos_min_ratio (required)."""
-    warmup_min_ratio: float = _spec(_float, minimum=0.0, maximum=1.0, default=0.0)
-    """Fraction of the optimizer's lr at the first step."""
-    warmup_num_steps: int = _spec(_int, **_WARMUP_NUM_STEPS)
-    """Steps of warmup (DeepSpeed uses at least 2)."""
-    cos_min_ratio: float = _spec(_float, minimum=0.0, maximum=1.0, default=0.0001)
-    """Fraction of the optimizer's lr at the end of the cosine decay."""
-    warmup_type: str = _spec(_choice, WARMUP_TYPES, default="log")
-    """Shape of the warmup curve: "log" or "linear"."""
-    last_batch_iteration: int = _spec(_int, **_LAST_BATCH_ITERATION)
-    """Index of the last step taken, to resume; -1 starts from the beginning."""
-
-    def __post_init__(self) -> None:
-        _validate(self)
-
-
-def _momentum(value: Any, path: str) -> float:
-    momentum = _float(value, path)
-    if not 0.0 <= momentum < 1.0:
-        raise ValueError(f"{path}: expected a number in [0, 1), got {_show(value)}")
-    return momentum
-
-
-def _momenta(value: Any, path: str) -> float | tuple[float, ...]:
-    """One Adam beta1, or one per optimizer param group (a JSON list)."""
-    if isinstance(value, (list, tuple)):
-        if not value:
-            raise ValueError(f"{path}: expected a number or a non-empty list of numbers, got []")
-        return tuple(_momentum(item, f"{path}[{i}]") for i, item in enumerate(value))
-    return _momentum(value, path)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class OneCycleParams:
-    """OneCycle: the lr rises from cycle_min_lr to cycle_max_lr and falls back in one cycle,
-    then decays; Adam's beta1 cycles the other way (`scheduler.params`)."""
-
-    _PATH: ClassVar[str] = "scheduler.params"
-
-    cycle_min_lr: float | tuple[float, ...] = _spec(_lrs)
-    """Learning rate at both ends of the cycle (required); a list gives one per param group."""
-    cycle_max_lr: float | tuple[float, ...] = _spec(_lrs)
-    """Learning rate at the top of the cycle (required); a list gives one per param group."""
-    decay_lr_rate: float = _spec(_float, minimum=0.0, default=0.0)
-    """After the cycle the lr is cycle_min_lr / (1 + decay_lr_rate * steps / decay_step_size)."""
-    cycle_first_step_size: int = _spec(_int, minimum=1, default=2000)
-    """Steps in which the lr rises (and beta1 falls)."""
-    cycle_second_step_size: int | None = _spec(_optional(_int), minimum=0, default=None)
-    """Steps in which the lr falls back; None (the default) takes cycle_first_step_size."""
-    cycle_first_stair_count: int = _spec(_int, minimum=0, default=0)
-    """Stairs the rise is cut into (lr and beta1 held flat on each); 0 rises every step."""
-    cycle_second_stair_count: int | None = _spec(_optional(_int), minimum=0, default=None)
-    """Stairs of the fall; None (the default) takes cycle_first_stair_count."""
-    decay_step_size: int = _spec(_int, minimum=0, default=0)
-    """Steps per unit of the decay after the cycle; 0 (the default) does not decay."""
-    cycle_momentum: bool = _spec(_bool, default=True)
-    """Cycle Adam's beta1 from cycle_max_mom down to cycle_min_mom and back (beta2 is set to
-    0.99, as DeepSpeed does)."""
-    cycle_min_mom: float | tuple[float, ...] = _spec(_momenta, default=0.8)
-    """beta1 at the top of the lr cycle; a list gives one per param group."""
-    cycle_max_mom: float | tuple[float, ...] = _spec(_momenta, default=0.9)
-    """beta1 at both ends of the lr cycle; a list gives one per param group."""
-    decay_mom_rate: float = _spec(_float, minimum=0.0, default=0.0)
-    """After the cycle beta1 is cycle_max_mom * (1 + decay_mom_rate * steps / decay_step_size)."""
-    last_batch_iteration: int = _spec(_int, **_LAST_BATCH_ITERATION)
-    """Index of the last step taken, to resume; -1 starts from the beginning."""
-
-    def __post_init__(self) -> None:
-        _validate(self)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LRRangeTestParams:
-    """LRRangeTest: the lr grows linearly from lr_range_test_min_lr, to find the largest that
-    trains (`scheduler.params`)."""
-
-    _PATH: ClassVar[str] = "scheduler.params"
-
-    lr_range_test_min_lr: float | tuple[float, ...] = _spec(_lrs, default=0.001)
-    """Learning rate at the first step; a list gives one per optimizer param group."""
-    lr_range_test_step_size: int = _spec(_int, minimum=1, default=2000)
-    """Steps over which the lr grows by lr_range_test_step_rate times lr_range_test_min_lr."""
-    lr_range_test_step_rate: float = _spec(_float, minimum=0.0, default=1.0)
-    """Growth per lr_range_test_step_size steps, as a multiple of lr_range_test_min_lr."""
-    lr_range_test_staircase: bool = _spec(_bool, default=False)
-    """Grow in whole steps of lr_range_test_step_size instead of every step."""
-    last_batch_iteration: int = _spec(_int, **_LAST_BATCH_ITERATION)
-    """Index of the last step taken, to resume; -1 starts from the beginning."""
-
-    def __post_init__(self) -> None:
-        _validate(self)
-
-
-_SCHEDULER_PARAMS: dict[str, type] = {
-    "WarmupLR": WarmupLRParams,
-    "WarmupDecayLR": WarmupDecayLRParams,
-    "WarmupCosineLR": WarmupCosineLRParams,
-    "OneCycle": OneCycleParams,
-    "LRRangeTest": LRRangeTestParams,
-}
-
-
-def _scheduler_type(value: Any, path: str) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{path}: expected a string, got {_show(value)}")
-    if value not in SCHEDULER_TYPES:
-        close = difflib.get_close_matches(value, SCHEDULER_TYPES, n=1)
-        hint = f"; did you mean {_show(close[0])}?" if close else ""
-        raise ValueError(f"{path}: expected one of {', '.join(map(_show, SCHEDULER_TYPES))}, "
-                         f"got {_show(value)}{hint}")
-    return value
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SchedulerConfig:
-    """The learning-rate schedule (section `scheduler`); see `infinity.optim.lr_schedules`."""
-
-    _PATH: ClassVar[str] = "scheduler"
-
-    type: str = _spec(_scheduler_type)
-    """"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle" or "LRRangeTest"
-    (case-sensitive, as in DeepSpeed)."""
-    params: (WarmupLRParams | WarmupDecayLRParams | WarmupCosineLRParams | OneCycleParams
-             | LRRangeTestParams) = _spec(_instance, tuple(_SCHEDULER_PARAMS.values()))
-    """Parameters of that schedule, with DeepSpeed's names and defaults."""
-
-    def __post_init__(self) -> None:
-        _validate(self)
-        _check(self, "params", _instance, _SCHEDULER_PARAMS[self.type])
-
-
-def _size_or_auto(value: Any, path: str) -> int | str:
-    """A size (`_size`), or "auto": the engine derives it from the host's free memory."""
-    return "auto" if value == "auto" else _size(value, path)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class OffloadParamConfig:
-    """Where parameter shards live between uses (`zero_optimization.offload_param`, stage 3)."""
-
-    _PATH: ClassVar[str] = "zero_optimization.offload_param"
-
-    device: str = _spec(_choice, OFFLOAD_DEVICES, default="none")
-    """"none" (accelerator memory), "cpu" (host memory) or "nvme" (files under nvme_path)."""
-    nvme_path: Path | None = _spec(_optional(_path), default=None)
-    """Existing directory for the parameter files; required when device is "nvme"."""
-    buffer_count: int = _spec(_size, default=5)
-    """Host buffers in the pool that parameter shards are read into from NVMe."""
-    buffer_size: int = _spec(_size, default=100_000_000)
-    """Elements per host buffer (raised to the largest unit shard, with a warning)."""
-    max_in_cpu: int | str = _spec(_size_or_auto, default=1_000_000_000)
-    """Parameter elements kept cached in host memory when offloading to NVMe; "auto": as many as
-    the host's free memory allows ([Note: host memory before the disk] in offload/placement.py)."""
-    pin_memory: bool = _spec(_bool, default=True)
-    """Page-lock the host buffers (pinned with a GPU, mlocked without): asynchronous device copies
-    and faster O_DIRECT. false leaves them pageable."""
-
-    def __post_init__(self) -> None:
-        _validate(self)
-        _check_nvme_path(self)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class OffloadOptimizerConfig:
-    """Where optimizer state lives (`zero_optimization.offload_optimizer`); Adam runs on CPU."""
-
-    _PATH: ClassVar[str] = "zero_optimization.offload_optimizer"
-
-    device: str = _spec(_choice, OFFLOAD_DEVICES, default="none")
-    """"none" (accelerator memory), "cpu" (host memory) or "nvme" (files under nvme_path)."""
-    nvme_path: Path | None = _spec(_optional(_path), default=None)
-    """Existing directory for the optimizer-state files; required when device is "nvme"."""
-    buffer_count: int = _spec(_size, default=4)
-    """Host buffers for optimizer state swapped from NVMe; at least the tensors per parameter."""
-    pin_memory: bool = _spec(_bool, default=True)
-    """Page-lock the host buffers (pinned with a GPU, mlocked without): asynchronous device copies
-    and faster O_DIRECT. false leaves them pageable."""
-    pipeline_read: bool = _spec(_bool, default=False)
-    """Read the next sub-group's state from NVMe while the current one is updated."""
-    pipeline_write: bool = _spec(_bool, default=False)
-    """Write the previous sub-group's state to NVMe while the current one is updated."""
-    fast_init: bool = _spec(_bool, default=False)
-    """Skip the initial write-out of optimizer state when creating it on NVMe."""
-    max_in_cpu: int | str = _spec(_size_or_auto, default=0)
-    """(infinity) Optimizer-state elements (fp32 master, exp_avg, exp_avg_sq) kept in host memory
-    with device "nvme", whole units at a time; the others' state lives on NVMe. "auto": as many as
-    the host's free memory allows ([Note: host memory before the disk] in offload/placement.py)."""
-    max_grad_in_cpu: int = _spec(_size, default=1_000_000_000)
-    """(infinity) fp32 gradient elements kept in host memory with device "nvme" while they
-    accumulate for the step; the gradients of the units beyond it spill to the NVMe store. Not
-    needed when the update runs during backward on one micro-step (no clipping, no fp16)."""
-
-    def __post_init__(self) -> None:
-        _validate(self)
-        _check_nvme_path(self)
-
-    @property
-    def pipeline(self) -> bool:
-        return self.pipeline_read or self.pipeline_write
-
-
-def _check_nvme_path(config: OffloadParamConfig | OffloadOptimizerConfig) -> None:
-    """With device "nvme", nvme_path is required and must be a directory; otherwise it is
-    kept unused, as DeepSpeed does."""
-    if config.device != "nvme":
-        return
-    if config.nvme_path is None:
-        raise ValueError(f'{_join(config._PATH, "nvme_path")}: required when device is "nvme"')
-    _check(config, "nvme_path", _directory)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ZeroConfig:
-    """ZeRO partitioning and offload (section `zero_optimization`)."""
-
-    _PATH: ClassVar[str] = "zero_optimization"
-
-    stage: int = _spec(_choice, (0, 1, 2, 3), default=0)
-    """0: no partitioning; 1: optimizer state; 2: + gradients; 3: + parameters."""
-    offload_param: OffloadParamConfig = _spec(
-        _instance, OffloadParamConfig, factory=OffloadParamConfig)
-    """Parameter offload (stage 3 only)."""
-    offload_optimizer: OffloadOptimizerConfig = _spec(
-        _instance, OffloadOptimizerConfig, factory=OffloadOptimizerConfig)
-    """Optimizer-state offload (stage 1 or more; NVMe with stage 3 only)."""
-    stage3_prefetch_bucket_size: int = _spec(_size, default=50_000_000)
-    """Parameter elements fetched ahead of use."""
-    stage3_max_live_parameters: int = _spec(_size, default=1_000_000_000)
-    """Gathered parameter elements allowed on the device before units are released."""
-    stage3_max_reuse_distance: int = _spec(_size, default=1_000_000_000)
-    """A unit needed again within this many parameter elements is kept rather than released."""
-    stage3_param_persistence_threshold: int = _spec(_size, default=100_000)
-    """Parameters of at most this many elements stay gathered on the device (0: none do)."""
-    stage3_gather_16bit_weights_on_model_save: bool = _spec(_bool, default=False)
-    """Gather full 16-bit weights when the model is saved."""
-    sub_group_size: int = _spec(_size, default=1_000_000_000)
-    """Parameter elements per optimizer sub-group (the tile of the pipelined CPU Adam step)."""
-    reduce_bucket_size: int = _spec(_size, default=500_000_000)
-    """Gradient elements reduced together."""
-    overlap_comm: bool | None = _spec(_bool, default=None)
-    """Overlap gradient reduction with backward; None (default) resolves to stage == 3."""
-    contiguous_gradients: bool = _spec(_bool, default=True)
-    """Copy gradients into one contiguous buffer as they are produced."""
-    tile_size: int = _spec(_size, default=1 << 25)
-    """Elements of a tile (infinity's own key): with stage 3, an nn.Linear / nn.Embedding weight
-    larger than this is stored, moved and computed as row tiles of at most this size, each its
-    own unit, so buffers are sized by the tile, not by a large vocabulary ([Note: memory-centric
-    tiling] in infinity/zero/tiling.py); 0 tiles nothing."""
-
-    def __post_init__(self) -> None:
-        if self.overlap_comm is None:  # DeepSpeed's dynamic default
-            object.__setattr__(self, "overlap_comm", self.stage == 3)
-        _validate(self)
-        param, optimizer = self.offload_param.device, self.offload_optimizer.device
-        if param != "none" and self.stage != 3:
-            raise ValueError(f"{OffloadParamConfig._PATH}.device: offloading parameters to "
-                             f"{_show(param)} needs zero_optimization.stage 3, "
-                             f"got stage {self.stage}")
-        if optimizer == "nvme" and self.stage != 3:
-            raise ValueError(f"{OffloadOptimizerConfig._PATH}.device: offloading optimizer state "
-                             f'to "nvme" needs zero_optimization.stage 3, got stage {self.stage}')
-        if optimizer == "cpu" and self.stage == 0:
-            raise ValueError(f"{OffloadOptimizerConfig._PATH}.device: offloading optimizer state "
-                             "needs zero_optimization.stage 1, 2 or 3, got stage 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
