@@ -154,8 +154,9 @@ def test_a_boundary_other_than_the_forward_expected(tmp_path, model, placement, 
                 engine.step()
             elif placement == "nvme" and engine.global_steps == 0:  # no update is pending yet
                 tier = engine.optim_state  # what stays read is only pieces the pool holds anyway
-                kept = [key for key in tier._early if key in tier._held]
-                assert len(kept) == len(tier._early) and len(kept) <= engine.chosen["offload_optimizer"]["pieces_held"]
+                in_memory = tier.pieces.in_memory()
+                kept = [p for p in in_memory if p.held]
+                assert len(kept) == len(in_memory) and len(kept) <= engine.chosen["offload_optimizer"]["pieces_held"]
                 assert tier.swapper.buffers_available == tier.pool.buffer_count - 3 * len(kept)
     assert engine.global_steps == len(groups)
     state = engine.consolidated_state_dict()

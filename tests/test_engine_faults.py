@@ -58,7 +58,7 @@ def test_one_failed_transfer_of_optimizer_state(tmp_path, clip, op, monkeypatch)
         pass
     # Nothing leaked: the buffers in use are those of the reads ahead for the updates pending.
     tier = engine.optim_state
-    ahead = sum(len(handles) for handles in tier._early.values())
+    ahead = sum(len(p.handles) for p in tier.pieces.in_memory())
     assert tier.pool.stats.bytes_in_use == ahead * tier.pool.buffer_size
     if op == "read" and clip:  # met by the deferred update, which the next forward resumes: the next steps work
         # (one step later where the read for the pending update was issued before the fault)

@@ -381,8 +381,8 @@ def test_a_deferred_update_that_fails_part_way_resumes_from_the_failed_piece(tmp
     engine = _engine(tmp_path)
     data = batches(4, 4)
     assert _train(engine, data[:1]) == ["ok"]
-    unit = next(u for u in engine.units if u.trainable and len(engine.optim_state._pieces[u.index]) >= 3)
-    k = piece % len(engine.optim_state._pieces[unit.index])
+    unit = next(u for u in engine.units if u.trainable and len(engine.optim_state.pieces.of[u.index]) >= 3)
+    k = piece % len(engine.optim_state.pieces.of[unit.index])
     _arm(engine, kind, (unit.index, k))
     assert engine.updates.state(unit) is UpdateState.PENDING
     with pytest.raises(OSError) as failed:
@@ -406,7 +406,7 @@ def test_an_update_that_cannot_resume_refuses_until_a_checkpoint_is_loaded(tmp_p
     data = batches(4, 4)
     assert _train(engine, data[:2]) == ["ok"] * 2
     engine.save_checkpoint(tmp_path / "ckpt", tag="two")
-    unit = next(u for u in engine.units if u.trainable and len(engine.optim_state._pieces[u.index]) >= 3)
+    unit = next(u for u in engine.units if u.trainable and len(engine.optim_state.pieces.of[u.index]) >= 3)
     _arm(engine, "exp_avg", (unit.index, 1), op)
     outcomes = _train(engine, data[2:])
     first = next(i for i, o in enumerate(outcomes) if o != "ok")
@@ -430,7 +430,7 @@ def test_a_read_error_inside_save_checkpoint_is_raised_as_it_is(tmp_path, clean_
     assert _train(engine, data[:2]) == ["ok"] * 2
     engine.save_checkpoint(tmp_path / "ckpt", tag="warm")  # settles the deferred updates
     last = max(u.index for u in engine.units if u.trainable)
-    pieces = len(engine.optim_state._pieces[last])
+    pieces = len(engine.optim_state.pieces.of[last])
     _arm(engine, "exp_avg_sq", (last, pieces - 1))
     with pytest.raises(OSError, match="Input/output error") as caught:
         engine.save_checkpoint(tmp_path / "ckpt", tag="failed")

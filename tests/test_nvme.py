@@ -159,8 +159,8 @@ def test_gradients_beyond_max_grad_in_cpu_spill_to_nvme(tmp_path, model, gas, bu
         engine, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
         runs.append((engine_run(engine, data, gas=gas), engine.consolidated_state_dict()))
         if cfg is spill:
-            in_memory = len(engine.units) - len(engine.optim_state._spilled)
-            assert in_memory == (0 if budget == "none" else 1) and engine.optim_state._spilled
+            in_memory = len(engine.units) - len(engine.optim_state.acc.spilled)
+            assert in_memory == (0 if budget == "none" else 1) and engine.optim_state.acc.spilled
         engine.close()
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
@@ -169,7 +169,7 @@ def test_gradients_beyond_max_grad_in_cpu_spill_to_nvme(tmp_path, model, gas, bu
 def test_pieces_cut_a_shard_evenly_without_slivers():
     """Every piece takes a whole pool buffer per kind: a sliver left after cutting at
     sub_group_size wastes them ([Note: cutting pieces])."""
-    from infinity.offload.optimizer.nvme import PIECE_ALIGN, cut_pieces
+    from infinity.offload.optimizer.sizing import PIECE_ALIGN, cut_pieces
 
     for numel in (1, 1000, 4096, 4097, 50_343_936, 65_536_000, 3 * 2 ** 20 + 5, 10 ** 9 + 7):
         for target in (4096, 2.5e7, 1e9):
@@ -234,8 +234,8 @@ def test_the_first_step_reads_state_ahead_in_the_order_of_its_updates(tmp_path, 
     engine.step()
     engine.backward(engine(*data[1]))  # with clipping, this forward runs the first step's updates
     engine.step()
-    first_updates = updated[:len(state._pieces)]
-    assert sorted(first_updates) == sorted(state._pieces)
+    first_updates = updated[:len(state.pieces.of)]
+    assert sorted(first_updates) == sorted(state.pieces.of)
     assert read_in_forward and read_in_forward == first_updates[:len(read_in_forward)]
     engine.close()
 
@@ -300,9 +300,9 @@ def test_every_step_moves_the_bytes_the_layout_predicts(tmp_path, spill, pool):
         assert report["nvme_write_bytes"] == sum(shard_bytes.values())
         state = sum((16 if spill else 12) * u.shard_numel for u in engine.units)
         # Pieces the optimizer's pool holds from step to step are written, never read again
-        # ([Note: the pool is a budget] in offload/optimizer/nvme.py).
+        # ([Note: the pool is a budget] in offload/optimizer/sizing.py).
         tier = engine.optim_state
-        held = sum(tier._pieces[index][k][1] for index, k in tier._held)
+        held = sum(p.numel for ps in tier.pieces.of.values() for p in ps if p.held)
         # A piece fetched again for the next step while its write is in flight reads nothing
         # either, as far as the pool's buffers go.
         unread = state - 12 * held - report["optimizer_nvme_read_bytes"]
@@ -378,7 +378,7 @@ if sys.argv[3] == "nvme":
                optim_pool_peak=engine.optim_state.pool.stats.peak_in_use,
                optim_pool_total=engine.optim_state.pool.stats.bytes_total,
                cache_peak=engine.params.cache.peak_bytes, cache_max=engine.params.cache.max_bytes,
-               grads_in_memory=len(engine.units) - len(engine.optim_state._spilled))
+               grads_in_memory=len(engine.units) - len(engine.optim_state.acc.spilled))
 print(json.dumps(out))
 engine.close()
 """

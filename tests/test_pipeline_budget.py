@@ -13,8 +13,8 @@ import torch
 
 import infinity
 from gpt import TinyGPT, batches, config, engine_run
-from infinity.offload.optimizer import nvme as nvme_optim
-from infinity.offload.optimizer.nvme import PIPELINE_DEPTH, choose_pieces, cut_pieces
+from infinity.offload.optimizer import sizing
+from infinity.offload.optimizer.sizing import PIPELINE_DEPTH, choose_pieces, cut_pieces
 
 M = 1_000_000
 
@@ -39,10 +39,10 @@ def test_deepspeeds_knobs_get_a_deep_pipeline_in_deepspeeds_bytes(sub_group_size
     assert buffers // per_piece >= 10  # 3 pieces in flight before
     pieces = sum(len(cut_pieces(n, target)) for n in GPT_134M)
     if deepspeeds >= per_piece * total * 4:  # the bytes hold the whole state: cut so that they do
-        assert buffers >= per_piece * pieces and piece >= nvme_optim.MIN_CACHED_PIECE
+        assert buffers >= per_piece * pieces and piece >= sizing.MIN_CACHED_PIECE
     else:  # 0.75% short of the state: most of it held, the rest streamed at the disk's speed
-        assert piece >= nvme_optim.MIN_STREAMED_PIECE
-        held = nvme_optim.held_pieces(pieces, buffers, per_piece)
+        assert piece >= sizing.MIN_STREAMED_PIECE
+        held = sizing.held_pieces(pieces, buffers, per_piece)
         assert held * piece >= 0.8 * total
 
 
@@ -71,7 +71,7 @@ def test_a_small_state_gets_no_more_buffers_than_it_has_pieces():
     shards = [1_150_000] * 40
     target, buffers = choose_pieces(shards, 25_000_000, 12, per_piece)
     pieces = sum(len(cut_pieces(n, target)) for n in shards)
-    assert buffers == per_piece * (pieces + nvme_optim.CACHED_SPARE) < 259
+    assert buffers == per_piece * (pieces + sizing.CACHED_SPARE) < 259
     assert buffers * _largest(shards, target) >= per_piece * sum(shards)  # the whole state still fits
 
 
@@ -107,8 +107,8 @@ def test_the_engine_cuts_the_budget_and_computes_the_same_numbers(tmp_path, monk
     data = batches(3, 4)
     results = {}
     for depth in (1, PIPELINE_DEPTH):
-        monkeypatch.setattr(nvme_optim, "MIN_PIECE", 1024)
-        monkeypatch.setattr(nvme_optim, "PIPELINE_DEPTH", depth)
+        monkeypatch.setattr(sizing, "MIN_PIECE", 1024)
+        monkeypatch.setattr(sizing, "PIPELINE_DEPTH", depth)
         path = tmp_path / f"depth{depth}"
         path.mkdir()
         engine, *_ = infinity.initialize(model=copy.deepcopy(model), config=_nvme_config(path, sub_group_size=1e8))
@@ -143,7 +143,7 @@ def test_a_pool_short_of_the_state_holds_most_of_it_and_reads_only_the_rest(tmp_
     stay, and a step reads from the disk (psync: /proc/self/io counts it) only those streamed;
     the numbers are those of a pool that holds everything, bit for bit."""
     for name in ("MIN_PIECE", "MIN_STREAMED_PIECE", "MIN_CACHED_PIECE"):
-        monkeypatch.setattr(nvme_optim, name, 1024)
+        monkeypatch.setattr(sizing, name, 1024)
     torch.manual_seed(0)
     model = TinyGPT(layers=4, d=64)
     data = batches(4, 4)

@@ -198,7 +198,7 @@ else:
 engine, *_ = infinity.initialize(model, config=ds)
 peak = status("VmHWM") - base
 pools = sum(p.buffer_count * p.buffer_size for p in (engine.params.pool, engine.optim_state.pool,
-                                                     engine.optim_state._landing.pool))
+                                                     engine.optim_state.acc.landing.pool))
 # Each NVMe tier's read and write handles keep a bounce buffer per queue slot for sources that
 # are not page-aligned (csrc/aio/engine.cpp, attach_bounce): queue_depth x block_size each.
 bounce = 4 * engine.config.aio.queue_depth * engine.config.aio.block_size

@@ -2,7 +2,10 @@
 
 `BufferPool` (host buffers for transfers), `NvmeStore` (the files on NVMe), `HostCache`
 (which idle shards stay in host memory) and `Swapper` (moves shards between host and NVMe,
-asynchronously) are the pieces; `ShardState` is the one state enum every layer uses.
+asynchronously) are the mechanism; `ShardState` is a shard's place between host and NVMe.
+The tiers built on them: `params/` (parameter shards), `optimizer/` (masters, moments and
+gradient accumulators), `activations.py` (checkpointed inputs); `placement.py` decides what
+lives in host memory and what on NVMe.
 """
 
 from infinity.offload.cache import HostCache

@@ -1,9 +1,13 @@
-"""`ShardState`: where a shard's bytes are, the one enum for every layer (DESIGN.md section 3).
+"""`ShardState`: where one shard's bytes are between host memory and NVMe.
 
 The swapper (this package) moves a shard between `EMPTY`, `NVME`, `NVME_TO_HOST`, `HOST`,
-`HOST_TO_NVME` and `INVALID`. The device side is not a shard's: a unit is gathered on the device
-or released (`UnitState` in infinity.zero.unit), and a copy between host and device is an
-`InFlight` of the device layer until it is waited for.
+`HOST_TO_NVME` and `INVALID`. It is one of the state enums of the data path, each with one
+owner: a unit is gathered on the device or released (`UnitState` in infinity/zero/unit.py), an
+optimizer piece is on disk, read, held or written (`PieceState` in
+infinity/offload/optimizer/pieces.py), a checkpoint's inputs move (`Where` in
+infinity/offload/activations.py), a unit's update waits or ran (`UpdateState` in
+infinity/engine/step_policy.py), and a copy between host and device is an `InFlight` of the
+device layer until it is waited for.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Which engine and unit own a parameter, and `GatheredParameters` built on it.
 
-A weak, identity-keyed map instead of attributes on nn.Parameter (see STYLE.md). The owner is
-seen through `UnitOwner`, the few calls this module and `infinity.deepspeed.utils.full_values` make, never as the
-Engine itself.
+A weak, identity-keyed map instead of attributes bolted onto nn.Parameter. The owner is seen
+through `UnitOwner`, the few calls this module and `infinity.deepspeed.utils.full_values` make,
+never as the Engine itself.
 """
 
 from __future__ import annotations

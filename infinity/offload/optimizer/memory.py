@@ -10,49 +10,14 @@ writes the new compute-dtype parameter into the parameter tier's target buffer i
 
 from __future__ import annotations
 
-from collections.abc import Callable
 
 import torch
 
 from infinity.device.timeline import TIMELINE
 from infinity.device import Device, InFlight
 from infinity.optim.functional import AdamHyper, adam_step
-from infinity.offload import BufferPool
+from infinity.offload.optimizer.accumulators import GradientLanding, row_norms_sq
 from infinity.offload.protocols import TierUnit
-
-NORM_ROW = 1024  # elements; see [Note: gradient norm by rows]
-_WIDEN_BLOCK = 256 * NORM_ROW
-
-
-def row_norms_sq(g: torch.Tensor) -> torch.Tensor:
-    """Squared 2-norms, in fp32, of `g`'s consecutive rows of NORM_ROW elements (the last row
-    may be shorter); `g` may be any float dtype. Inf or nan where a row holds one.
-
-    [Note: gradient norm by rows]
-    The squared norm of a gradient shard is the sum of its row norms, summed in one call over
-    the whole shard's rows. A spilled gradient meets the update piece by piece, but pieces
-    start on row boundaries (PIECE_ALIGN), so their rows are the shard's rows: concatenated,
-    they give the same vector and the same sum, to the bit, as the gradient whole in memory,
-    and the clip coefficient does not depend on where the gradient lived or on sub_group_size.
-    """
-    n = g.numel()
-    full = n // NORM_ROW * NORM_ROW
-    out = torch.empty(-(-n // NORM_ROW), dtype=torch.float32, device=g.device)
-    if g.dtype == torch.float32:
-        torch.linalg.vector_norm(g[:full].view(-1, NORM_ROW), dim=1, out=out[:full // NORM_ROW])
-    else:
-        # Widened a block at a time into one small buffer: converting the whole shard would
-        # allocate (and page-fault) 4 bytes an element, slower than the norm itself.
-        scratch = torch.empty(min(full, _WIDEN_BLOCK), dtype=torch.float32, device=g.device)
-        for lo in range(0, full, _WIDEN_BLOCK):
-            hi = min(full, lo + _WIDEN_BLOCK)
-            block = scratch[:hi - lo]
-            block.copy_(g[lo:hi])
-            torch.linalg.vector_norm(block.view(-1, NORM_ROW), dim=1, out=out[lo // NORM_ROW:hi // NORM_ROW])
-    if full < n:
-        out[-1] = torch.linalg.vector_norm(g[full:], dtype=torch.float32)
-    return out.square_()
-
 
 def adam_reference(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: AdamHyper,
                    step: int, grad_scale: float) -> None:
@@ -68,60 +33,6 @@ def adam_reference(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.T
     bc2 = 1 - h.beta2 ** step if h.bias_correction else 1.0
     denom = (v.sqrt() / bc2 ** 0.5).add_(h.eps)
     p.addcdiv_(m, denom, value=-h.lr / bc1)
-
-
-class GradientLanding:
-    """Gradient shards on their way from the compute device into host memory.
-
-    [Note: gradients to the host]
-    A unit's reduced gradient shard is copied device -> host on the device's copy-out stream into
-    a page-locked pool buffer (`land`), and the host consumes it (accumulation, spill, norm) one
-    unit later (`consume_landed`, called by the next `land` and before anything reads the gradients), so
-    the copy runs under the next unit's backward instead of stopping the compute for each unit.
-    The copy reads the engine's reused gradient buffer: the engine waits for it
-    (`Device.wait_compute`) before the next unit overwrites that buffer.
-    """
-
-    def __init__(self, device: Device, units: list[TierUnit], name: str):
-        self.device = device
-        largest = max((u.train_shard_numel * u.dtype.itemsize for u in units), default=1)
-        # One buffer for the copy in flight, one for the gradient a host consumer still holds.
-        self.pool = BufferPool(2, largest, pin=device.pin() or None, name=name, on_release=device.scribble)
-        self._in_flight: list[tuple[InFlight, torch.Tensor, Callable[[torch.Tensor], bool]]] = []
-
-    def land(self, grad_shard: torch.Tensor, consume: Callable[[torch.Tensor], bool]) -> InFlight:
-        """Starts the copy of `grad_shard`; `consume(host_copy)` runs at the next `consume_landed` and
-        returns True when it keeps the buffer (then `release` gives it back later)."""
-        self.consume_landed()
-        nbytes = grad_shard.numel() * grad_shard.element_size()
-        buffer = self.pool.acquire(nbytes)
-        copy = self.device.to_host(grad_shard, buffer.view(grad_shard.dtype))
-        self._in_flight.append((copy, buffer, consume))
-        return copy
-
-    def consume_landed(self) -> None:
-        """Consumes every gradient in flight (waiting for its copy). If a consumer raises (a
-        spilled gradient's read failed), its buffer goes back and the rest stay pending."""
-        while self._in_flight:
-            copy, buffer, consume = self._in_flight.pop(0)
-            with TIMELINE.span("gradient copy to host", "wait"):
-                self.device.wait_host(copy)
-            kept = False
-            try:
-                kept = consume(copy.tensor)
-            finally:
-                if not kept:
-                    self.pool.release(buffer)
-
-    def release(self, host_copy: torch.Tensor) -> None:
-        self.pool.release(host_copy)
-
-    def discard(self) -> None:
-        """Drops the gradients in flight (a failed backward), once their copies have landed."""
-        pending, self._in_flight = self._in_flight, []
-        for copy, buffer, _ in pending:
-            self.device.wait_host(copy)
-            self.pool.release(buffer)
 
 
 class ResidentOptimizerState:

@@ -23,7 +23,7 @@ from infinity.device import Device, InFlight
 from infinity.offload import BufferPool, HostCache, NvmeStore, Swapper
 from infinity.offload.store import default_job_id
 from infinity.offload.nvme_io import MIN_BUFFERS, IOTally, elsize, make_handle, plan_count
-from infinity.offload.optimizer.nvme import HOST_SHARE
+from infinity.offload.optimizer.sizing import HOST_SHARE
 from infinity.offload.protocols import ShardParts, TierUnit
 
 KIND = "param"  # the trainable part of a shard

@@ -1,0 +1,206 @@
+"""Gradients on their way to the optimizer: copied to the host (`GradientLanding`), their norm
+taken by rows (`row_norms_sq`), and, in the NVMe tier, accumulated between micro-steps in host
+memory or spilled to the store (`Accumulators`).
+
+[Note: gradient spill]
+Gradients are reduced to this rank's shard and accumulated in fp32 on the host. When the update
+waits for the step (clipping or fp16 needs the global norm first, or several micro-steps
+accumulate), every unit needs an accumulator until then: units are given one in host memory in
+the order the step updates them while `max_grad_in_cpu` elements last (backward order; forward
+order when the updates wait for the next forward, where the embedding's gradient, final last,
+is the first one needed); the gradients of the others spill to the
+store as kind "grad", cut into the same pieces as the state, so the update reads them beside
+master, exp_avg and exp_avg_sq (4 bytes a parameter written in backward and read in the step;
+a later micro-step reads, adds and writes back). With the update in backward on one micro-step
+no accumulator is needed: the fp32 shard goes straight into the update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from infinity.device import Device, InFlight
+from infinity.device.timeline import TIMELINE
+from infinity.offload import BufferPool, Swapper
+from infinity.offload.protocols import TierUnit
+
+GRAD = "grad"  # the store's kind of spilled gradient accumulators ([Note: gradient spill])
+
+NORM_ROW = 1024  # elements; see [Note: gradient norm by rows]
+_WIDEN_BLOCK = 256 * NORM_ROW
+
+
+def row_norms_sq(g: torch.Tensor) -> torch.Tensor:
+    """Squared 2-norms, in fp32, of `g`'s consecutive rows of NORM_ROW elements (the last row
+    may be shorter); `g` may be any float dtype. Inf or nan where a row holds one.
+
+    [Note: gradient norm by rows]
+    The squared norm of a gradient shard is the sum of its row norms, summed in one call over
+    the whole shard's rows. A spilled gradient meets the update piece by piece, but pieces
+    start on row boundaries (PIECE_ALIGN), so their rows are the shard's rows: concatenated,
+    they give the same vector and the same sum, to the bit, as the gradient whole in memory,
+    and the clip coefficient does not depend on where the gradient lived or on sub_group_size.
+    """
+    n = g.numel()
+    full = n // NORM_ROW * NORM_ROW
+    out = torch.empty(-(-n // NORM_ROW), dtype=torch.float32, device=g.device)
+    if g.dtype == torch.float32:
+        torch.linalg.vector_norm(g[:full].view(-1, NORM_ROW), dim=1, out=out[:full // NORM_ROW])
+    else:
+        # Widened a block at a time into one small buffer: converting the whole shard would
+        # allocate (and page-fault) 4 bytes an element, slower than the norm itself.
+        scratch = torch.empty(min(full, _WIDEN_BLOCK), dtype=torch.float32, device=g.device)
+        for lo in range(0, full, _WIDEN_BLOCK):
+            hi = min(full, lo + _WIDEN_BLOCK)
+            block = scratch[:hi - lo]
+            block.copy_(g[lo:hi])
+            torch.linalg.vector_norm(block.view(-1, NORM_ROW), dim=1, out=out[lo // NORM_ROW:hi // NORM_ROW])
+    if full < n:
+        out[-1] = torch.linalg.vector_norm(g[full:], dtype=torch.float32)
+    return out.square_()
+
+
+class GradientLanding:
+    """Gradient shards on their way from the compute device into host memory.
+
+    [Note: gradients to the host]
+    A unit's reduced gradient shard is copied device -> host on the device's copy-out stream into
+    a page-locked pool buffer (`land`), and the host consumes it (accumulation, spill, norm) one
+    unit later (`consume_landed`, called by the next `land` and before anything reads the gradients), so
+    the copy runs under the next unit's backward instead of stopping the compute for each unit.
+    The copy reads the engine's reused gradient buffer: the engine waits for it
+    (`Device.wait_compute`) before the next unit overwrites that buffer.
+    """
+
+    def __init__(self, device: Device, units: list[TierUnit], name: str):
+        self.device = device
+        largest = max((u.train_shard_numel * u.dtype.itemsize for u in units), default=1)
+        # One buffer for the copy in flight, one for the gradient a host consumer still holds.
+        self.pool = BufferPool(2, largest, pin=device.pin() or None, name=name, on_release=device.scribble)
+        self._in_flight: list[tuple[InFlight, torch.Tensor, Callable[[torch.Tensor], bool]]] = []
+
+    def land(self, grad_shard: torch.Tensor, consume: Callable[[torch.Tensor], bool]) -> InFlight:
+        """Starts the copy of `grad_shard`; `consume(host_copy)` runs at the next `consume_landed` and
+        returns True when it keeps the buffer (then `release` gives it back later)."""
+        self.consume_landed()
+        nbytes = grad_shard.numel() * grad_shard.element_size()
+        buffer = self.pool.acquire(nbytes)
+        copy = self.device.to_host(grad_shard, buffer.view(grad_shard.dtype))
+        self._in_flight.append((copy, buffer, consume))
+        return copy
+
+    def consume_landed(self) -> None:
+        """Consumes every gradient in flight (waiting for its copy). If a consumer raises (a
+        spilled gradient's read failed), its buffer goes back and the rest stay pending."""
+        while self._in_flight:
+            copy, buffer, consume = self._in_flight.pop(0)
+            with TIMELINE.span("gradient copy to host", "wait"):
+                self.device.wait_host(copy)
+            kept = False
+            try:
+                kept = consume(copy.tensor)
+            finally:
+                if not kept:
+                    self.pool.release(buffer)
+
+    def release(self, host_copy: torch.Tensor) -> None:
+        self.pool.release(host_copy)
+
+    def discard(self) -> None:
+        """Drops the gradients in flight (a failed backward), once their copies have landed."""
+        pending, self._in_flight = self._in_flight, []
+        for copy, buffer, _ in pending:
+            self.device.wait_host(copy)
+            self.pool.release(buffer)
+
+
+class Accumulators:
+    """Where each unit's gradient waits for its update in the NVMe tier ([Note: gradient spill]):
+    an fp32 accumulator in host memory (`host`), one spilled to the store as kind GRAD, cut into
+    the pieces of the unit's state (`spilled`), or none: the landed gradient feeds the update at
+    once (`fresh`, until the update gives its buffer back)."""
+
+    def __init__(self, device: Device, units: list[TierUnit], room: int, no_accumulator: set[int],
+                 update_order: list[int]):
+        self.landing = GradientLanding(device, units, "offload_optimizer")
+        self.host: dict[int, torch.Tensor] = {}  # unit -> fp32 accumulator, 1-D, train_shard_numel
+        self.spilled: set[int] = set()
+        self.fresh: dict[int, torch.Tensor] = {}  # unit -> its landed gradient (a landing buffer)
+        self.sq: dict[int, torch.Tensor] = {}  # unit -> squared norm of its final gradient
+        place = {index: k for k, index in enumerate(update_order)}
+        for u in sorted(units, key=lambda u: place.get(u.index, len(place))):
+            if u.index in no_accumulator:
+                continue
+            if u.train_shard_numel <= room:  # in the order the step needs them, while room lasts
+                room -= u.train_shard_numel
+                self.host[u.index] = torch.zeros(u.train_shard_numel, dtype=torch.float32)
+            else:
+                self.spilled.add(u.index)
+        self._swapper: Swapper | None = None  # the store's, once it exists (`bind`)
+        self._pool: BufferPool | None = None
+
+    def bind(self, swapper: Swapper, pool: BufferPool) -> None:
+        """The store and pool that spilled accumulators live in (they are sized knowing whether
+        any unit spills, so they come after the placement above)."""
+        self._swapper, self._pool = swapper, pool
+
+    def consume(self, index: int, g: torch.Tensor, first: bool, last: bool, cuts: list[tuple[int, int]]) -> bool:
+        """Adds a landed gradient (host, compute dtype) in; True when it keeps `g`'s buffer.
+        `cuts`: the unit's pieces, which a spilled accumulator is cut into."""
+        with TIMELINE.span("grad_accumulate", unit=index):
+            # Any float dtype: copy_/add_ and the Adam kernel convert it in their pass.
+            if index in self.host:
+                acc = self.host[index]
+                acc.copy_(g) if first else acc.add_(g)
+                if last:
+                    self.sq[index] = row_norms_sq(acc).sum()
+                return False
+            if index in self.spilled:
+                self._spill(index, g, first, last, cuts)
+                return False
+            # Kept for the update that follows at once, which gives the buffer back.
+            assert first and last, "gradients without an accumulator must be used by the update they feed"
+            self.fresh[index] = g
+            self.sq[index] = row_norms_sq(g).sum()
+            return True
+
+    def _spill(self, index: int, g: torch.Tensor, first: bool, last: bool, cuts: list[tuple[int, int]]) -> None:
+        swapper = self._swapper
+        rows = []
+        for k, (start, n) in enumerate(cuts):
+            if first:
+                acc = swapper.acquire(n * 4).view(torch.float32)
+                acc.copy_(g[start:start + n])
+            else:
+                acc = swapper.wait(swapper.fetch(GRAD, (index, k))).view(torch.float32)[:n]
+                acc.add_(g[start:start + n])
+            if last:
+                rows.append(row_norms_sq(acc))
+            if first:
+                swapper.evict(GRAD, (index, k), self._pool.base(acc)[:n * 4])
+            else:
+                swapper.release(GRAD, (index, k), dirty=True)
+        if last:
+            self.sq[index] = torch.cat(rows).sum()
+
+    def for_update(self, unit: TierUnit) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(the gradient the update reads, or None where it reads a spilled one piece by piece;
+        the landing buffer the update gives back with `release`, or None)."""
+        index = unit.index
+        fresh = self.fresh.pop(index, None)
+        grad = self.host.get(index, fresh)
+        if grad is None and index not in self.spilled:
+            grad = torch.zeros(unit.train_shard_numel, dtype=torch.float32)  # no gradient reached this unit
+        return grad, fresh
+
+    def release(self, fresh: torch.Tensor) -> None:
+        self.landing.release(fresh)
+
+    def end_step(self) -> None:
+        """A landed gradient that no update used (a skipped step) goes back; the norms go."""
+        for g in self.fresh.values():
+            self.landing.release(g)
+        self.fresh.clear()
+        self.sq.clear()

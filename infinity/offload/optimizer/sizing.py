@@ -1,0 +1,197 @@
+"""How the NVMe optimizer tier cuts the state into pieces and sizes its pool of buffers, from the
+budget the config gives (`offload_optimizer.buffer_count` x `sub_group_size`, capped by the host's
+free memory): the one place these are decided. The tier (nvme.py) holds and streams the pieces
+as chosen here; `infinity estimate` and the host budget read the same functions.
+
+[Note: cutting pieces]).
+
+[Note: cutting pieces]
+Every pool buffer is as large as the largest piece, and a piece takes one buffer per kind
+whatever its size. Cut at sub_group_size with the remainder left over, a transformer block of
+50.3M elements at 2.5e7 gave two full pieces and a sliver of 0.3M, whose three buffers held
+1% of their bytes: a third of the pool's pieces held almost nothing, and at 1.07B parameters
+the state that fit in the pool before the next forward was two thirds of what its bytes
+allowed. So a shard of n elements is cut into round(n / sub_group_size) pieces (at least one)
+of equal size, rounded up to PIECE_ALIGN: a piece is at most 1.5x sub_group_size (DeepSpeed's
+sub-groups, cut at parameter boundaries, also exceed it), and the tools/estimate.py pool
+follows the same cut (`cut_pieces`).
+
+[Note: the pool is a budget]), so when piece k's read fails, pieces 0..k-1 hold the new values
+on disk, on their way there or in the pool, and the others the old ones. Running
+the whole update again would apply Adam twice to 0..k-1, so the tier records how many pieces are
+done (`_resume`, set before a piece's writes start) and the next `update` of the unit, with the
+same arguments, starts at the first piece not done: the result is the same, bit for bit, as one
+update that never failed. A failed read changes nothing on disk, so that is exact whenever the
+failure is an OSError and no shard of the unit lost its bytes to a failed write. Otherwise (a
+write failed, a gradient spilled to a shard whose write failed, any other exception) the unit is
+damaged: `damage()` says so until a load replaces all of its state, and the step policy refuses
+to go on ([Note: updates after the norm] in step_policy.py). The parameter tier keeps the target
+buffer of an unfinished update, with the values of the pieces done, for the resumed one.
+
+[Note: gradient spill]
+Gradients are reduced to this rank's shard and accumulated in fp32 on the host. When the update
+waits for the step (clipping or fp16 needs the global norm first, or several micro-steps
+accumulate), every unit needs an accumulator until then: units are given one in host memory in
+the order the step updates them while `max_grad_in_cpu` elements last (backward order; forward
+order when the updates wait for the next forward, where the embedding's gradient, final last,
+is the first one needed); the gradients of the others spill to the
+store as kind "grad", cut into the same pieces as the state, so the update reads them beside
+master, exp_avg and exp_avg_sq (4 bytes a parameter written in backward and read in the step;
+a later micro-step reads, adds and writes back). With the update in backward on one micro-step
+no accumulator is needed: the fp32 shard goes straight into the update.
+
+[Note: the pool is a budget]
+`offload_optimizer.buffer_count` buffers of a `sub_group_size` sub-group (what DeepSpeed allocates
+for them, a sub-group being no larger than the state) bound the host memory of the pipeline,
+also capped at a quarter of the host's free memory; they do not fix its shape. The tier takes
+the bytes those knobs allow (at least the 3 pieces a pipeline needs: reading, updating, writing)
+and chooses how to cut the state into pieces and how many buffers of the largest piece to make
+of them, for the most state the pool holds from one step to the next:
+
+  * Held pieces stay in their buffers from one update to the next, neither read nor written
+    (`_keep`): their newest bytes are in memory only, where every reader of the state (the
+    update, checkpoints, `state`) finds them, and are written back the moment the pool lets go
+    of the piece (`_give_back`: the held set changes, a load replaces the state, the state is
+    damaged), never dropped unwritten; at `close` the store goes with them. The NVMe copy is
+    swap space, not a checkpoint, so nothing is lost that a write each step would have kept.
+    The pieces that stream instead are spread evenly over the order the step
+    updates them (expected, then as each step went: `_hold_spread`), so each is read while the
+    held ones before it update and their units compute; when the updates wait for the next
+    forward, reads ahead fill every buffer but two pieces' (they are issued in the order the
+    updates take them, so none waits on a later piece's buffer). Streaming the last pieces
+    instead bunched their reads at the end of the forward: the 134M GPT below waited 0.13-0.17 s
+    a step on them, 0.03 s spread. Without held pieces, a pool a little short of the state kept
+    the pieces it wrote last and gave their buffers to the reads of the pieces needed next, the
+    ones it had just dropped: DeepSpeed-style knobs on the 134M GPT (4 x 1e8 elements against
+    403M of state) read the whole state every step.
+  * Where the bytes hold every piece of every kind and `CACHED_SPARE` pieces more, the whole
+    state is held: after the first step the state moves neither way; the pool then takes no
+    buffer more than that.
+  * Otherwise the streamed pieces keep `STREAM_PIECES` pieces' buffers (the one updating, the
+    one reading, the one writing, three read ahead) and room for the streamed pieces of a unit
+    (a unit's pieces update together, at its next use or when its gradient is final, so they
+    are read while the unit before computes); the rest hold pieces. A
+    state many times the pool then holds little and keeps the depth: at 1.07B (48 x 2.5e7
+    against 3.2G elements) holding a quarter of the state in all but 6 pieces' buffers cut
+    the reads by as much but hid less of them (0.38 of the optimizer's I/O behind compute
+    against 0.59), and the step was no faster.
+  * Buffers are as large as the largest piece, so pieces of unequal sizes (a 33.5M tile beside
+    7.1M layers) waste the difference, and the spare buffers cost a piece each: smaller pieces
+    hold more of the same bytes. The cuts tried are halvings of the piece that would leave
+    `PIPELINE_DEPTH` pieces in flight, and the sizes that cut the largest shards into equal
+    pieces; a whole state may be cut down to `MIN_CACHED_PIECE`, a state that streams only to
+    `MIN_STREAMED_PIECE` (a streamed piece must move at the disk's speed). Of the cuts that
+    hold within 2% of the most, the one with the largest pieces (fewest transfers) wins.
+  * The pool never takes more buffers than every piece and `PIPELINE_DEPTH` more of each kind:
+    DeepSpeed's `buffer_count` sub-groups of a small model (a LoRA's adapters) would be several
+    times its whole state.
+
+DeepSpeed's 4 buffers of 1e8 (or 1e9) elements, taken as they read, gave the pipeline 3 pieces
+in flight and a step 1.4-1.6x its floor, where 48 buffers reached it. The choice is logged and
+kept in `chosen` (`pieces_held` of `pieces`); the numbers of a step do not depend on it (Adam is
+element-wise, and a held piece's bytes are those a read would bring).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from infinity.offload.optimizer.accumulators import NORM_ROW
+
+STATE_KINDS = 3  # fp32 master, exp_avg, exp_avg_sq: the buffers one piece of Adam's state takes
+PIECE_ALIGN = 1024  # elements: 4 KiB of fp32, so every piece's extent is O_DIRECT-aligned
+PIPELINE_DEPTH = 16  # pieces the pool should hold at once ([Note: the pool is a budget])
+MIN_PIECE = 1 << 22  # elements: 16 MiB of fp32, two 8 MiB aio blocks per kind
+MIN_STREAMED_PIECE = 1 << 21  # elements: 8 MiB of fp32, the least piece cut to hold more of a state
+MIN_CACHED_PIECE = 1 << 18  # elements: 1 MiB of fp32, the smallest piece of a state the pool holds whole
+CACHED_SPARE = 2  # pieces' buffers beyond a whole state held: the first step's reads, spilled gradients
+STREAM_PIECES = 6  # pieces' buffers left to those streamed beside the held ones: updating, reading, writing, 3 read ahead
+HOST_SHARE = 4  # the pool takes at most a quarter of the host memory free when it is built
+assert PIECE_ALIGN % NORM_ROW == 0  # pieces start on norm rows ([Note: gradient norm by rows] in accumulators.py)
+
+
+def choose_pieces(shards: list[int], sub_group_size: int, buffer_count: int, per_piece: int,
+                  host_elements: int | None = None, kinds: int = STATE_KINDS) -> tuple[int, int]:
+    """(piece target in elements, buffers) for shards of these sizes ([Note: the pool is a budget]).
+    `per_piece`: buffers a piece takes (its `kinds` of state, and a spilled gradient's);
+    `host_elements`: the most fp32 elements the pool may take of the host's free memory."""
+    asked = max((n for numel in shards for _, n in cut_pieces(numel, sub_group_size)), default=1)
+    total = sum(shards)
+    # DeepSpeed's buffers: buffer_count sub-groups (a sub-group never larger than the state), and
+    # at least the 3 pieces of a pipeline; never more than the host's share.
+    budget = max(buffer_count * max(asked, min(int(sub_group_size), total)), 3 * per_piece * asked)
+    budget = max(min(budget, host_elements or budget), 3 * per_piece * asked)
+    target = min(int(sub_group_size), max(MIN_PIECE, budget // (PIPELINE_DEPTH * per_piece)))
+    sizes = Counter(shards)
+    options = []  # (elements of state held from one step to the next, piece target, buffers)
+    for cut in _cuts(sizes, target):
+        count, largest, most = 0, 1, 1
+        for numel, times in sizes.items():
+            ps = cut_pieces(numel, cut)
+            count, largest, most = count + times * len(ps), max(largest, ps[0][1]), max(most, len(ps))
+        held = held_pieces(count, budget // largest, per_piece, most, kinds)
+        if held == count:  # the whole state stays: no buffer more than it and the spare pieces
+            buffers = kinds * count + per_piece * CACHED_SPARE
+        elif cut < min(target, MIN_STREAMED_PIECE):
+            continue  # a piece that streams must stream at the disk's speed
+        else:  # never more than the whole state and a pipeline's pieces besides: a buffer past that is never used
+            buffers = max(3 * per_piece, min(budget // largest, per_piece * (count + PIPELINE_DEPTH)))
+        options.append((total if held == count else held * total // count, cut, buffers))
+    # The largest pieces (fewest transfers) among the cuts that hold within 2% of the most state.
+    most = max(kept for kept, _, _ in options)
+    _, cut, buffers = max((o for o in options if o[0] >= most * 0.98), key=lambda o: o[1])
+    return cut, buffers
+
+
+def held_pieces(pieces: int, buffers: int, per_piece: int, unit_pieces: int = 1, kinds: int = STATE_KINDS) -> int:
+    """How many of the state's pieces a pool of `buffers` holds from one step to the next
+    ([Note: the pool is a budget]): all of them if their kinds and `CACHED_SPARE` pieces more
+    fit; else as many as leave the streamed ones `STREAM_PIECES` pieces' buffers and room for
+    the streamed pieces of a unit (`unit_pieces`: the most pieces a unit has), read while the
+    unit before computes."""
+    if kinds * pieces + per_piece * CACHED_SPARE <= buffers:
+        return pieces
+    most = (buffers - per_piece * STREAM_PIECES) // kinds
+    # buffers - 3 h >= per_piece * (STREAM_PIECES + unit_pieces * (pieces - h) / pieces)
+    spare = buffers - per_piece * (STREAM_PIECES + unit_pieces)
+    slope = kinds * pieces - per_piece * unit_pieces
+    if slope > 0:
+        most = min(most, spare * pieces // slope)
+    elif spare < 0:
+        most = 0
+    return max(0, min(pieces, most))
+
+
+def _cuts(sizes: Counter, target: int) -> list[int]:
+    """Piece targets worth trying: `target`, its halvings down to `MIN_CACHED_PIECE`, and the sizes
+    that cut one of the largest distinct shards into equal pieces."""
+    cuts = {target}
+    t = target // 2
+    while t >= MIN_CACHED_PIECE:
+        cuts.add(t)
+        t //= 2
+    for numel in sorted(sizes, reverse=True)[:8]:
+        for count in range(1, 257):
+            cut = -(-numel // count)
+            if cut < MIN_CACHED_PIECE:
+                break
+            if cut <= target:
+                cuts.add(cut)
+    return sorted(cuts, reverse=True)
+
+
+def cut_pieces(numel: int, sub_group_size: int) -> list[tuple[int, int]]:
+    """(start, count) of each piece of a shard of `numel` elements ([Note: cutting pieces])."""
+    target = max(PIECE_ALIGN, int(sub_group_size))
+    count = max(1, (numel + target // 2) // target)
+    size = -(-numel // count)
+    size = -(-size // PIECE_ALIGN) * PIECE_ALIGN
+    return [(s, min(size, numel - s)) for s in range(0, numel, size)]
+
+
+def held_spread(pieces: list[tuple[int, int]], held: int) -> set[tuple[int, int]]:
+    """Which of `pieces` (in the order the step updates them) the pool holds, `held` of them: all
+    but one in every few, so that each streamed piece has the updates and compute of the held ones
+    before it to be read in ([Note: the pool is a budget])."""
+    streamed = len(pieces) - held
+    return set(pieces) - {pieces[(j + 1) * len(pieces) // streamed - 1] for j in range(streamed)}
