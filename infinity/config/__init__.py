@@ -6,9 +6,11 @@ becomes one frozen dataclass that validates itself on construction, and a compon
 only its own section: the CPU optimizer gets `OptimizerConfig`, the NVMe tier
 `OffloadParamConfig` / `OffloadOptimizerConfig` and `AIOConfig`, the engine `BatchConfig`.
 
-Three modules, each importing only the ones before it: `_checks` (value checks and the field
-machinery, [Note: error paths]), `sections` (the dataclasses and `InfinityConfig`) and
-`json_reader` (`load_config` and the key tables, [Note: which DeepSpeed keys are accepted]).
+Modules, each importing only the ones before it: `_checks` (value checks and the field
+machinery, [Note: error paths]); the dataclasses, by section: `optimizer_sections` (optimizer
+and scheduler), `zero_sections` (zero_optimization and its offload sections), `sections` (the
+rest and `InfinityConfig`); and `json_reader` (`load_config` and the key tables, [Note: which
+DeepSpeed keys are accepted]). A DeepSpeed config key is changed in these files alone.
 """
 
 from infinity.config.json_reader import NOT_IMPLEMENTED, load_config

@@ -73,7 +73,7 @@ class Shard:
     transfer: Transfer | None = None  # in flight: NVME_TO_HOST, HOST_TO_NVME
     holders: int = 0  # fetches not yet released
     dirty: bool = False  # HOST: changed by a holder; written when the last holder releases it
-    completing: bool = False  # a thread is waiting on `transfer` ([Note: completing transfers] in swapper.py)
+    completing: bool = False  # a thread is waiting on `transfer` ([Note: completing transfers] in transfers.py)
     lent: int = 0  # HOST_TO_NVME: holders handed the bytes before the write ended ([Note: lending bytes under a write])
     failure: tuple[Transfer | None, OSError] | None = None  # last failed transfer (None: at submission), and why
 

@@ -41,7 +41,7 @@ from infinity.offload.shard import FetchHandle, ShardKey, Transfer, WriteHandle
 from infinity.offload.state import ShardState
 from infinity.offload.stats import DirectionStats, SwapStats
 from infinity.offload.store import NvmeStore
-from infinity.offload.transfers import IOHandle, ShardTransfers
+from infinity.offload.transfers import READ_RETRY, IOHandle, ShardTransfers
 
 # The handles (shard.py), the stats (stats.py) and IOHandle (transfers.py) stay importable from
 # here, where they were defined before.
@@ -182,7 +182,7 @@ class Swapper(ShardTransfers):
                     transfer = self._submit(False, buffer, shard.extent)
                 except OSError as e:
                     self.pool.release(buffer)
-                    raise self._transfer_error(shard, e, "read", "nothing changed on disk: the next read of it tries again") from e
+                    raise self._transfer_error(shard, e, "read", READ_RETRY) from e
                 shard.to_nvme_to_host(buffer, transfer)
                 shard.holders, shard.failure = 1, None
                 self._counters.misses += 1

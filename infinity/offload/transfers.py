@@ -39,6 +39,8 @@ from infinity.offload.stats import SwapCounters
 from infinity.offload.store import Extent, NvmeStore
 
 
+READ_RETRY = "nothing changed on disk: the next read of it tries again"  # what a failed read tells
+
 class IOHandle(Protocol):
     """What the swapper needs of an I/O handle (`infinity.io.AsyncIOHandle`, or a test's wrapper)."""
 
@@ -176,7 +178,7 @@ class ShardTransfers:
         if error is None:
             shard.to_host()
             return
-        shard.failure = (transfer, self._transfer_error(shard, error, "read", "nothing changed on disk: the next read of it tries again"))
+        shard.failure = (transfer, self._transfer_error(shard, error, "read", READ_RETRY))
         shard.holders = 0  # every fetch that shared this read fails with it
         self.pool.release(shard.to_nvme())
         self._cond.notify_all()

@@ -1,2 +1,4 @@
-"""Lightning's strategy on infinity (`strategy.py`) and its single-file checkpoint conversion
-(`single_file.py`); `infinity.lightning` is the strategy module's public name."""
+"""Lightning on infinity: the Trainer's strategy (`trainer.py`), Fabric's (`fabric.py`), their
+precision plugins (`precision.py`), the translation of DeepSpeedStrategy's arguments into a
+config (`config.py`), checkpoint conversion (`checkpoints.py`, `single_file.py`).
+`strategy.py` registers the strategy names and is `infinity.lightning`, the public name."""

@@ -13,7 +13,7 @@ whatever its size. Cut at sub_group_size with the remainder left over, a transfo
 the state that fit in the pool before the next forward was two thirds of what its bytes
 allowed. So a shard of n elements is cut into round(n / sub_group_size) pieces (at least one)
 of equal size, rounded up to PIECE_ALIGN: a piece is at most 1.5x sub_group_size (DeepSpeed's
-sub-groups, cut at parameter boundaries, also exceed it), and the tools/estimate.py pool
+sub-groups, cut at parameter boundaries, also exceed it), and `infinity estimate`'s pool
 follows the same cut (`cut_pieces`).
 
 [Note: the pool is a budget]), so when piece k's read fails, pieces 0..k-1 hold the new values
