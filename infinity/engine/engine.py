@@ -9,22 +9,22 @@ layer's ([Note: in-flight copies] in infinity/device).
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import time
 from typing import Any
 
 import torch
 from torch import nn
 
-from infinity.checkpoint.protocol import TrainingState
 from infinity.config import InfinityConfig
 from infinity.device import Device, make_device
 from infinity.optim.lr_schedules import build_scheduler
+from infinity.engine.checkpoint_face import CheckpointFace
+from infinity.engine.deepspeed_face import DeepSpeedFace
 from infinity.engine.getters import ConfigGetters
-from infinity.engine.module_face import ModuleSurface, named_state
-from infinity.engine.lifecycle import Health, Lifecycle, Phase
+from infinity.engine.values import FullValues
+from infinity.engine.module_face import ModuleSurface
+from infinity.engine.lifecycle import Lifecycle, Phase
 from infinity.engine.signals import SignalGate, deferred_signals
 from infinity.device.timeline import TIMELINE
 from infinity.zero import dist as zdist
@@ -42,7 +42,7 @@ from infinity.engine.report import StepReport
 from infinity.engine.step_policy import (PendingUpdates, StepPolicy, UpdateMode, choose_update_mode,
                                        expected_update_order, gradients_used_at_once)
 from infinity.zero.tiling import tile_model
-from infinity.zero.unit import Unit, UnitState
+from infinity.zero.unit import Unit
 from infinity.zero.zero_optimizer import ZeroOptimizer
 
 log = logging.getLogger("infinity")
@@ -63,7 +63,7 @@ def _param_groups(model: nn.Module, model_parameters: Any, optimizer: Any, infer
     return [{"params": items}]
 
 
-class Engine(ConfigGetters, ModuleSurface):
+class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSurface):
     """Wraps a module; forward, backward and step run ZeRO stage 3 (or 1/2) with offload."""
 
     def __init__(self, model: nn.Module, config: InfinityConfig, *, model_parameters: Any = None,
@@ -428,371 +428,6 @@ class Engine(ConfigGetters, ModuleSurface):
         TIMELINE.write(path, events, self.rank)
         log.info("infinity: timeline of steps %d-%d written to %s (open it in https://ui.perfetto.dev)",
                  self._trace_from, self.global_steps, path)
-
-    # ---- checkpoints and export ([Note: checkpoint layout] in infinity/checkpoint/layout.py) --------
-
-    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
-                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-        """DeepSpeed's save_checkpoint: `save_dir/tag` (default `global_step<N>`), then `latest`
-        names it; every rank calls it. Crash-safe ([Note: publishing a checkpoint] in
-        infinity/checkpoint/files.py); `last_checkpoint` says what it cost.
-        exclude_frozen_parameters: the frozen parameters' values are not saved, and a load keeps
-        the model's own (Hugging Face's Trainer asks for this with PEFT models)."""
-        from infinity.checkpoint.save import save_checkpoint
-        with self._held_signals():
-            self.last_checkpoint = save_checkpoint(self, save_dir, tag, client_state, save_latest,
-                                                   exclude_frozen_parameters)
-        return True
-
-    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, dict | None]:
-        """DeepSpeed's load_checkpoint: the tag `latest` names by default; returns (checkpoint
-        directory, client_state), or (None, None) when `load_dir` has no `latest`. Any world size
-        and offload placement loads any checkpoint of the same model ([Note: re-sharding]).
-        custom_load_fn (DeepSpeed's hook for loading a whole module state dict) has nothing to
-        call here, where a rank never holds the whole state: it must be None."""
-        if custom_load_fn is not None:
-            raise ValueError("load_checkpoint: custom_load_fn is not supported: the values are loaded shard by "
-                             "shard, never as one module state dict; pass None")
-        from infinity.checkpoint.load import load_checkpoint
-        with self._held_signals():
-            return load_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
-                                   load_optimizer_states=load_optimizer_states,
-                                   load_lr_scheduler_states=load_lr_scheduler_states,
-                                   load_module_only=load_module_only)
-
-    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
-                         exclude_frozen_parameters: bool = False) -> bool:
-        """The weights as the model computes with them (bf16/fp16, or fp32), in Hugging Face's
-        safetensors layout in `save_dir`; every rank calls it, rank 0 writes."""
-        from infinity.checkpoint.export import save_16bit_model
-        self.updates.run_all()  # [Note: a unit's update] in engine/step_policy.py
-        with self._held_signals():
-            return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
-
-    @contextlib.contextmanager
-    def _held_signals(self):
-        """A save or load runs whole: a handler (one that saves, too) waits for its end, and a
-        second save or load from inside it is refused ([Note: engine lifecycle])."""
-        self.lifecycle.begin_checkpoint()
-        ok = False
-        try:
-            yield
-            ok = True
-        finally:
-            self.lifecycle.end_checkpoint(ok)
-
-    def check_step_boundary(self, what: str, replaces_all: bool = False) -> None:
-        """Raises unless the engine is between steps (what checkpoints read and write);
-        `replaces_all`: a load of every value, which mends a half-updated state."""
-        self.lifecycle.check_open()
-        if not replaces_all:  # a failed write, or an update that cannot resume ([Note: failed updates] in step_policy.py)
-            self.policy.check_intact(what)
-        self.lifecycle.check_between_steps(what, replaces_all)
-        self.updates.run_all()  # [Note: a unit's update] in engine/step_policy.py
-
-    def _check_sound(self, what: str) -> None:
-        """Half-updated or half-loaded values are exported as little as saved."""
-        self.policy.check_intact(what)
-        if self.lifecycle.health is not Health.SOUND:
-            self.check_step_boundary(what)
-
-    def mark_broken(self, why: str, *, until_load: bool = False) -> None:
-        """The values may be half-updated: no checkpoint is taken until a step or a load succeeds
-        (`until_load`: a load; a step on half-loaded values does not mend them)."""
-        if until_load:
-            self.lifecycle.part_loaded(why)
-        else:
-            self.lifecycle.step_failed(why)
-
-    def after_load(self) -> None:
-        """New values were loaded: nothing of the step before them carries over."""
-        self.lifecycle.loaded()
-        self.policy.reset_accumulation()
-        self._counted_in_accumulation = 0
-        self._grad_norm = None
-        self._values_cache = None
-
-    # ---- the checkpoint protocol ([Note: the checkpoint protocol] in infinity/checkpoint/protocol.py) ----
-    # Beside check_step_boundary, mark_broken, after_load and the full_* values: all checkpoint/ sees.
-
-    def training_state(self) -> TrainingState:
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        return TrainingState(self.global_steps, self.skipped_steps, self.global_samples, self.micro_steps,
-                             optimizer={"step_count": self.optimizer.step_count, "param_groups": groups},
-                             lr_scheduler=getattr(self.lr_scheduler, "state_dict", lambda: None)(),
-                             loss_scaler=self.scaler.state_dict() if self.scaler is not None else None,
-                             device_rng=self.accelerator.rng_state())
-
-    def load_training_state(self, state: TrainingState) -> None:
-        self.global_steps, self.skipped_steps = state.global_steps, state.skipped_steps
-        self.global_samples, self.micro_steps = state.global_samples, state.micro_steps
-        if state.optimizer is not None:
-            self.optimizer.step_count = state.optimizer["step_count"]
-            for group, saved in zip(self.optimizer.param_groups, state.optimizer["param_groups"]):
-                group.update(saved)
-        if state.lr_scheduler is not None and self.lr_scheduler is not None:
-            self.lr_scheduler.load_state_dict(state.lr_scheduler)
-        if state.loss_scaler is not None and self.scaler is not None:
-            self.scaler.load_state_dict(state.loss_scaler)
-        if state.device_rng is not None:
-            self.accelerator.set_rng_state(state.device_rng)
-
-    def flush_shards(self) -> None:
-        self.optim_state.flush()
-        self.params.flush()
-
-    def read_optimizer_shard(self, unit: Unit, kind: str) -> torch.Tensor:
-        return self.optim_state.read(unit, kind)
-
-    def read_param_shard(self, unit: Unit) -> torch.Tensor:
-        return self.params.host_copy(unit)
-
-    def write_optimizer_shards(self, unit: Unit, values: dict[str, torch.Tensor]) -> None:
-        self.optim_state.load_state(unit, values)
-
-    def write_param_shard(self, unit: Unit, shard: torch.Tensor) -> None:
-        self.params.replace(unit, shard)
-
-    @contextlib.contextmanager
-    def replacing_shards(self):
-        gathered = [u for u in self.units if u.state is UnitState.GATHERED]  # persistent ones, stages 1/2
-        for u in gathered:
-            u.to_released()
-        try:
-            yield
-        finally:
-            for u in gathered:
-                u.to_gathered(self.params.fetch(u))
-                self.params.done(u)
-
-    def peak_gathered_bytes(self) -> int:
-        """The most bytes of gathered units this rank's device has held at once (for reports)."""
-        return self.fetcher.peak_live_numel * self.dtype.itemsize
-
-    # ---- DeepSpeed's engine surface -------------------------------------------------------
-
-    def train(self, mode: bool = True) -> "Engine":
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> "Engine":
-        return self.train(False)
-
-    def zero_grad(self) -> None:
-        for p in self.module.parameters():
-            p.grad = None
-
-    def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def get_loss_scale(self) -> float:
-        return self.scaler.scale if self.scaler else 1.0
-
-    def get_mom(self) -> list[Any]:
-        """Each param group's Adam betas (DeepSpeed's name)."""
-        return [g["betas"] for g in self.optimizer.param_groups]
-
-    @property
-    def dp_world_size(self) -> int:
-        return self.world_size
-
-    def destroy(self) -> None:
-        """DeepSpeed's name for `close()`."""
-        self.close()
-
-    # DeepSpeed's getters of the config are in infinity/engine/getters.py (ConfigGetters).
-    def was_step_applied(self) -> bool:
-        """Whether the last `step()` at an accumulation boundary updated the parameters (False
-        when fp16 overflow skipped it)."""
-        return self._step_applied
-
-    @property
-    def global_rank(self) -> int:
-        return self.rank
-
-    @property
-    def local_rank(self) -> int:
-        return int(os.environ.get("LOCAL_RANK", 0))
-
-    def empty_partition_cache(self) -> None:
-        """DeepSpeed's: gives back the memory of every gathered unit not in use (kept for reuse or
-        read ahead); persistent ones stay. The next use gathers them again."""
-        self.lifecycle.check_open()
-        self.fetcher.release_idle()
-
-    def get_global_grad_norm(self) -> float | None:
-        """The global gradient norm of the last step (before clipping; None before the first)."""
-        return self._grad_norm
-
-    def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """zero_optimization.stage3_gather_16bit_weights_on_model_save: whether a framework's
-        save_model may gather the whole 16-bit state dict (accelerate asks before it calls
-        `_zero3_consolidated_16bit_state_dict`, and refuses to save weights when false)."""
-        return self.config.zero.stage3_gather_16bit_weights_on_model_save
-
-    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
-        """DeepSpeed's: the module's state dict in the compute dtype on rank 0 (an empty dict on
-        the others), parameters and persistent buffers under every name they have (tied weights
-        as one tensor, a tiled weight whole). Streamed one unit at a time: the unit is gathered, its values copied to
-        the host, and its full buffer dropped before the next. All ranks call it."""
-        self._check_sound("_zero3_consolidated_16bit_state_dict")
-        values: dict[int, torch.Tensor] = {}
-        for u in self.units:
-            slots = [s for s in u.slots if not (exclude_frozen_parameters and s.group < 0)]
-            if slots:
-                full = self.full_compute_values(u)
-                values.update({id(s.param): u.param_values(full, s).clone() for s in slots if self.rank == 0})
-                del full
-        return named_state(self.module, values, keep_unlisted=False) if self.rank == 0 else {}
-
-    # ---- full values of partitioned parameters --------------------------------------------
-
-    def _local_fp32(self, unit: Unit) -> torch.Tensor:
-        """This rank's shard in fp32: the masters of the trainable part, the compute-dtype values
-        of the frozen part (frozen parameters have no master)."""
-        self.updates.run(unit)  # [Note: a unit's update] in engine/step_policy.py
-        shard = torch.empty(unit.shard_numel, dtype=torch.float32)
-        parts = unit.split(shard)
-        if unit.trainable:
-            parts.train.copy_(self.optim_state.master(unit))
-        if unit.frozen_shard_numel:
-            parts.frozen.copy_(unit.split(self.params.host_copy(unit)).frozen)
-        return shard
-
-    def _gather_full(self, unit: Unit, shard: torch.Tensor) -> torch.Tensor:
-        """Every rank's `shard` of the unit, as a full flat buffer on the CPU (all ranks call it)."""
-        shard = self.accelerator.move(shard)
-        full = torch.empty(unit.padded_numel, dtype=shard.dtype, device=self.device)
-        return self.accelerator.host(unit.gather_into(full, unit.split(shard)))
-
-    def full_compute_values(self, unit: Unit) -> torch.Tensor:
-        """The unit's full flat buffer in the compute dtype on the CPU; all ranks call it."""
-        self.updates.run(unit)  # [Note: a unit's update] in engine/step_policy.py
-        return self._gather_full(unit, self.params.host_copy(unit))
-
-    def full_fp32_values(self, unit: Unit) -> torch.Tensor:
-        """The unit's full flat buffer in fp32 on the CPU (masters where trainable); all ranks call it."""
-        return self._gather_full(unit, self._local_fp32(unit))
-
-    def full_optimizer_values(self, unit: Unit, kind: str) -> torch.Tensor | None:
-        """The unit's full flat buffer (fp32, CPU, the trainable region filled) of one kind of
-        optimizer state: "master", "exp_avg", "exp_avg_sq", or "grad" (the accumulated gradient,
-        between the backward that ends an accumulation and `step()`). None for a unit without
-        trainable parameters, or a gradient no longer kept. All ranks call it."""
-        self.updates.run(unit)  # [Note: a unit's update] in engine/step_policy.py
-        if not unit.trainable:
-            return None
-        if kind == "grad":
-            if self.update_in_backward:
-                raise RuntimeError(
-                    "safe_get_full_grad: the gradients were used by the update during backward and are not "
-                    "kept (gradient_clipping is 0 and fp16 is off); set gradient_clipping > 0 to keep them "
-                    "until step()")
-            local = self.optim_state.grad(unit) if self.lifecycle.grads_final else None
-            if local is None:
-                return None
-            local = local / self.get_loss_scale()
-        elif kind == "master":
-            local = self.optim_state.master(unit)
-        else:
-            local = self.optim_state.state(unit)[kind]
-        shard = torch.zeros(unit.shard_numel, dtype=torch.float32)
-        unit.split(shard).train.copy_(local)
-        return self._gather_full(unit, shard)
-
-    def gather_for_user(self, unit: Unit) -> None:
-        self.updates.run(unit)  # [Note: a unit's update] in engine/step_policy.py
-        unit.to_gathered(self.params.fetch(unit), fresh=True)  # views may outlive the release
-        self.params.done(unit)
-
-    def release_for_user(self, unit: Unit) -> None:
-        unit.to_released()
-
-    def set_unit_values(self, unit: Unit, shard: torch.Tensor) -> None:
-        self.updates.run(unit)  # [Note: a unit's update] in engine/step_policy.py
-        shard = self.accelerator.host(shard)
-        if unit.trainable:  # the values were written in the compute dtype; fp32 keeps them exactly
-            self.optim_state.set_master(unit, unit.split(shard).train.to(torch.float32))
-        self.policy.write_params(unit, new_shard=shard)
-
-    def _set_trainable_values(self, unit: Unit, master: torch.Tensor) -> None:
-        """The trainable part of the unit's shard becomes `master` (this rank's, fp32) rounded."""
-        self.updates.run(unit)  # [Note: a unit's update] in engine/step_policy.py
-        shard = self.params.host_copy(unit)
-        unit.split(shard).train.copy_(master)
-        self.policy.write_params(unit, new_shard=shard)
-
-    def set_fp32_values(self, unit: Unit, full: torch.Tensor) -> None:
-        """Makes `full` (the unit's full flat buffer in fp32, identical on every rank) the unit's
-        values: fp32 masters of the trainable part, compute-dtype shard of both parts."""
-        self.updates.run(unit)  # [Note: a unit's update] in engine/step_policy.py
-        shard = unit.local_shard(full.to(torch.float32).cpu())
-        if unit.trainable:
-            self.optim_state.set_master(unit, unit.split(shard).train.clone())
-        self.policy.write_params(unit, new_shard=shard.to(unit.dtype))
-
-    def _hook_state_dict(self, model: nn.Module) -> list:
-        """`state_dict()` of the module or any submodule holds the real values ([Note: state dict
-        values]); the hooks go on every module that holds parameters below it."""
-        keep_vars: list[bool] = []  # one entry per module whose state_dict() is running
-
-        def before(module, prefix, keep):
-            self._check_sound("state_dict()")
-            released = [p for p in module.parameters(recurse=False)
-                        if id(p) in self._owner and self._owner[id(p)][0].state is UnitState.RELEASED]
-            if self.world_size > 1 and not keep and released:  # gathered ones (GatheredParameters) are whole
-                raise RuntimeError(
-                    f"state_dict(): the model's parameters are partitioned over {self.world_size} ranks and "
-                    "no rank holds them whole; call engine.consolidated_state_dict() on every rank (rank 0 "
-                    "gets the full fp32 state dict), or gather them with infinity.GatheredParameters")
-            keep_vars.append(keep)
-
-        def after(module, state_dict, prefix, local_metadata):
-            if not keep_vars.pop():
-                for name, param in module.named_parameters(recurse=False):
-                    if id(param) in self._owner and prefix + name in state_dict:
-                        state_dict[prefix + name] = self._param_value(param)
-            if not keep_vars:
-                self._values_cache = None  # the outermost call is done: drop the copies
-
-        handles = []
-        for m in model.modules():
-            if any(True for _ in m.parameters()):
-                handles += [m.register_state_dict_pre_hook(before), m.register_state_dict_post_hook(after)]
-        return handles
-
-    def _param_value(self, param: nn.Parameter) -> torch.Tensor:
-        """[Note: state dict values]
-        A released parameter is an empty tensor, so `state_dict()` would hold 0-element tensors.
-        Its hooks put in each parameter's real value instead: a CPU copy in the compute dtype,
-        gathered one unit at a time; the copies are kept until the outermost call returns, so a
-        tied parameter comes out as one tensor under both names. With several ranks no rank holds
-        a released unit whole and `state_dict()` raises, naming what works; inside
-        `GatheredParameters` every rank holds them, and it returns them."""
-        if self._values_cache is None:
-            self._values_cache = {}
-        if id(param) not in self._values_cache:
-            unit, _ = self._owner[id(param)]
-            if unit.state is UnitState.GATHERED:
-                full = self.accelerator.host(unit.full)
-            else:
-                full = self.full_compute_values(unit)
-            self._values_cache.update({id(s.param): unit.param_values(full, s).clone() for s in unit.slots})
-        return self._values_cache[id(param)]
-
-    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full fp32 state dict on CPU, gathered unit by unit, on rank 0 (empty elsewhere),
-        under the module's state_dict names (a tiled weight whole)."""
-        self._check_sound("consolidated_state_dict")
-        full_values: dict[int, torch.Tensor] = {}
-        for u in self.units:
-            full = self.full_fp32_values(u)
-            if self.rank == 0:
-                for s in u.slots:
-                    full_values[id(s.param)] = u.param_values(full, s).clone()
-        return named_state(self.module, full_values, keep_unlisted=True) if self.rank == 0 else {}
 
     def close(self) -> None:
         """Releases the tiers (removes NVMe files unless asked to keep them). The engine and its
