@@ -98,8 +98,7 @@ class CheckpointFace:
     def after_load(self) -> None:
         """New values were loaded: nothing of the step before them carries over."""
         self.lifecycle.loaded()
-        self.policy.reset_accumulation()
-        self._counted_in_accumulation = 0
+        self.accumulation.restart()
         self._grad_norm = None
         self._values_cache = None
 

@@ -19,6 +19,7 @@ from torch import nn
 from infinity.config import InfinityConfig
 from infinity.device import Device, make_device
 from infinity.optim.lr_schedules import build_scheduler
+from infinity.engine.accumulation import Accumulation
 from infinity.engine.checkpoint_face import CheckpointFace
 from infinity.engine.deepspeed_face import DeepSpeedFace
 from infinity.engine.getters import ConfigGetters
@@ -77,20 +78,15 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         self.module = model
         self.dtype = config.compute_dtype
         self.global_steps = 0
-        self.micro_steps = 0
         self.skipped_steps = 0
         self._grad_norm: float | None = None
         self._step_applied = False
-        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary's, until the step
-        # The caller sets the boundary after each forward (accelerate): forwards expect it from the
-        # count of passes instead ([Note: the boundary of a pass] in engine/step_policy.py).
-        self._boundary_after_forward = False
-        self._counted_in_accumulation = 0  # micro-steps step() counted in the accumulation under way
         self.global_samples = 0  # samples over all ranks in the steps taken (DeepSpeed's counter)
         self.training_dataloader: Any = None  # initialize(training_data=...)'s loader
         self._values_cache: dict[int, torch.Tensor] | None = None  # [Note: state dict values]
         # [Note: engine lifecycle] in infinity/engine/lifecycle.py; [Note: signals at step boundaries] in infinity/engine/signals.py
         self.lifecycle = Lifecycle(SignalGate(agree=self._agree_on_signals if self.world_size > 1 else None))
+        self.accumulation = Accumulation(config.batch.gradient_accumulation_steps, self.lifecycle)
         self.last_checkpoint: dict[str, Any] | None = None  # path, bytes, seconds, gbps of the last save
         self._tracing = False  # recording the timeline for config.trace ([Note: the timeline])
         self._trace_from = 0  # the first step recorded; 0 until the timeline starts (once per engine)
@@ -134,7 +130,7 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         self.frozen_numel = sum(s.numel for u in self.units for s in u.slots if s.group < 0)
         self.fetcher = Fetcher(self.units, self.params, zero, self.updates)
         self.policy = StepPolicy(self.units, self.params, self.optim_state, self.fetcher, self.updates, self.optimizer,
-                                 self.accelerator, mode=self.update_mode, clip=config.gradient_clipping, scaler=self.scaler,
+                                 self.accelerator, self.accumulation, mode=self.update_mode, clip=config.gradient_clipping, scaler=self.scaler,
                                  skip_nonfinite=config.bf16.check_grad_overflow)
         self.hooks = UnitHooks(self.units, modules, self.fetcher, self.policy.on_unit_grads,
                                outside_backward=self._backward_outside_engine)
@@ -249,7 +245,7 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
             if training:
                 self.hooks.reset_backward()
                 self._maybe_start_trace()
-                self.policy.begin_pass(last=self._expected_boundary())
+                self.policy.begin_pass(last=self.accumulation.expected())
         args, kwargs = self.accelerator.move((args, kwargs))  # inputs go where the model computes
         try:
             if opens:
@@ -277,8 +273,7 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
                 self._discard_pass("backward without an optimizer")
             raise RuntimeError("engine.backward: this engine has no optimizer (the config has no 'optimizer' section "
                                "and none was passed to initialize), so it is for inference; give one to train")
-        self.lifecycle.begin_backward(self.config.batch.gradient_accumulation_steps)
-        self.policy.confirm_boundary(self.is_gradient_accumulation_boundary())  # [Note: the boundary of a pass]
+        self.policy.confirm_boundary(self.accumulation.begin_backward())  # [Note: the boundary of a pass]
         t0 = time.perf_counter()
         gas_scale = 1.0 / self.config.batch.gradient_accumulation_steps if scale_wrt_gas else 1.0
         scale = gas_scale
@@ -292,8 +287,7 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
             self._discard_pass("backward failed")
             raise
         self.fetcher.end_step()
-        self.policy.end_backward()
-        self.lifecycle.end_backward(boundary=self.policy.last_micro)
+        self.accumulation.end_backward()
         self.report.add_time("backward", time.perf_counter() - t0)
         return loss * gas_scale if gas_scale != 1.0 else loss
 
@@ -305,12 +299,11 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         for unit in self.units:  # what autograd accumulated before the failure, not handed on yet
             for slot in unit.slots:
                 slot.param.grad = None
-        if dropped := self.policy.passes:
+        last = self.accumulation.last
+        if dropped := self.accumulation.abandon():
             log.warning("infinity: %s; the %d earlier micro-batches of this accumulation are discarded, and the "
                         "next micro-batch starts a new one", what, dropped)
-        self.micro_steps -= self._counted_in_accumulation
-        self._counted_in_accumulation = 0
-        if self.update_in_backward and self.policy.last_micro:
+        if self.update_in_backward and last:
             self.lifecycle.step_failed("a backward that updates units as their gradients are final failed")
         self.policy.abandon()
 
@@ -330,20 +323,19 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
                            "call engine.backward(loss), which scales the loss for gradient accumulation and fp16 and "
                            "hands each unit's gradients to the partitioned optimizer; this micro-batch is discarded")
 
+    @property
+    def micro_steps(self) -> int:
+        """`step()` calls (DeepSpeed's counter), a partial accumulation included."""
+        return self.accumulation.micro_steps
+
+    @micro_steps.setter
+    def micro_steps(self, value: int) -> None:
+        self.accumulation.micro_steps = value
+
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the micro-step under way (from its forward to its `step()`) ends an
-        accumulation, as DeepSpeed counts: `micro_steps` counts `step()` calls, so this is True
-        from the last micro-batch's forward until its step, unless
-        `set_gradient_accumulation_boundary` decided."""
-        if self._boundary_override is not None:
-            return self._boundary_override
-        return (self.micro_steps + 1) % self.config.batch.gradient_accumulation_steps == 0
-
-    def _expected_boundary(self) -> bool:
-        """What a training forward expects its backward to find ([Note: the boundary of a pass])."""
-        if self._boundary_after_forward:
-            return (self.policy.passes + 1) % self.config.batch.gradient_accumulation_steps == 0
-        return self.is_gradient_accumulation_boundary()
+        accumulation, as DeepSpeed counts (`Accumulation.is_boundary`)."""
+        return self.accumulation.is_boundary()
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Overrides the count: whether the micro-step under way (or, between micro-steps, the
@@ -352,9 +344,7 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         boundary of a pass] in engine/step_policy.py)."""
         if not isinstance(is_boundary, bool):
             raise TypeError(f"is_boundary: expected a bool, got {is_boundary!r}")
-        if self.lifecycle.set_boundary(is_boundary, used=self.policy.last_micro):
-            self._boundary_after_forward = True
-        self._boundary_override = is_boundary
+        self.accumulation.set_boundary(is_boundary)
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Ends the micro-step: at an accumulation boundary applies the update (and steps the
@@ -367,8 +357,7 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
             self.lifecycle.end_step(ok=False, why=f"step {self.global_steps + 1} failed ({type(e).__name__}: {e})")
             raise
         finally:
-            self.micro_steps += 1
-            self._counted_in_accumulation = 0 if applies else self._counted_in_accumulation + 1
+            self.accumulation.count_step(applies)
         if applies:
             self.lifecycle.end_step(ok=True)  # held signal handlers run now ([Note: signals at step boundaries])
 
@@ -386,7 +375,7 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
             with TIMELINE.span("step", "phase"):
                 outcome = self.policy.step(self.global_steps)
         finally:  # a failed step is abandoned: the next micro-step starts a new accumulation
-            self._boundary_override = None
+            self.accumulation.step_ended()
         self._step_applied = outcome.applied
         if not self.updates:  # every shard has its new values
             self.fetcher.prefetch_next_step()
@@ -414,7 +403,7 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
     def _maybe_start_trace(self) -> None:
         trace = self.config.trace
         # At start_step, or at the first step after it where a resumed run begins.
-        if (trace.path is not None and not self._trace_from and self.policy.first_micro
+        if (trace.path is not None and not self._trace_from and self.accumulation.first
                 and self.global_steps + 1 >= trace.start_step):
             TIMELINE.start()
             self._tracing = True

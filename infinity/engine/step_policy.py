@@ -132,6 +132,7 @@ from typing import NamedTuple
 import torch
 
 from infinity.device.timeline import TIMELINE
+from infinity.engine.accumulation import Accumulation
 from infinity.device import Device, InFlight
 from infinity.optim.functional import AdamHyper
 from infinity.zero import dist as zdist
@@ -294,7 +295,8 @@ class StepPolicy:
     when a unit's gradients are final, and when the step is asked for."""
 
     def __init__(self, units: list[Unit], params: ParamTier, optim_state: OptimizerTier, fetcher: Fetcher,
-                 updates: PendingUpdates, optimizer: ZeroOptimizer, accelerator: Device, *, mode: UpdateMode,
+                 updates: PendingUpdates, optimizer: ZeroOptimizer, accelerator: Device, accumulation: Accumulation,
+                 *, mode: UpdateMode,
                  clip: float, scaler: LossScaler | None, skip_nonfinite: bool = True):
         self.units, self.params, self.optim_state, self.fetcher = units, params, optim_state, fetcher
         self.updates = updates  # [Note: a unit's update]
@@ -305,9 +307,7 @@ class StepPolicy:
         self.mode = mode  # [Note: update modes]
         # Units updated in the hook that finalizes their gradient (the others wait for step()).
         self.in_hook = updated_in_backward(units, mode)
-        # Set by the pass ([Note: engine lifecycle] in infinity/engine/lifecycle.py), read by the updates.
-        self.passes = 0  # backwards handed on in the accumulation under way
-        self.last_micro = True  # the pass running ends one: its gradients are final ([Note: the boundary of a pass])
+        self.accumulation = accumulation  # where the accumulation is: read here, owned by the engine
         self._hypers: list[AdamHyper] | None = None  # this step's, once its first unit was updated
         self._updated: set[int] = set()  # units updated this step
         self._updated_in_backward = 0
@@ -316,30 +316,17 @@ class StepPolicy:
 
     # ---- the pass -------------------------------------------------------------------------
 
-    @property
-    def first_micro(self) -> bool:
-        """The pass running starts an accumulation: its gradients replace the accumulators'."""
-        return self.passes == 0
-
     def begin_pass(self, last: bool) -> None:
         """A training forward opens a pass; `last`: it is expected to end the accumulation (its
         gradients final), so the optimizer tier may start reading the state its updates need."""
-        self.last_micro = last
+        self.accumulation.begin_pass(last)
         self.optim_state.begin_pass(last=last)
 
     def confirm_boundary(self, last: bool) -> None:
         """The pass's backward starts, and `last` is whether it ends the accumulation: if the
         forward expected otherwise, the plan changes now ([Note: the boundary of a pass])."""
-        if last != self.last_micro:
-            self.begin_pass(last)
-
-    def end_backward(self) -> None:
-        """The pass's backward handed every gradient on: the next pass adds to them."""
-        self.passes += 1
-
-    def reset_accumulation(self) -> None:
-        """New values were loaded: the next pass starts a new accumulation."""
-        self.passes = 0
+        if self.accumulation.begin_pass(last):
+            self.optim_state.begin_pass(last=last)
 
     # ---- backward -------------------------------------------------------------------------
 
@@ -355,9 +342,10 @@ class StepPolicy:
             if reading is not None:  # the last gradient's copy to the host must have read it
                 self.accelerator.wait_compute(reading)
             shard = zdist.reduce_scatter_mean(unit.take_grad(buffer))
-        reading = self.optim_state.accumulate(unit, shard, first=self.first_micro, last=self.last_micro)
+        first, last = self.accumulation.first, self.accumulation.last
+        reading = self.optim_state.accumulate(unit, shard, first=first, last=last)
         self._grad_buffers[key] = (buffer, reading)
-        if self.last_micro and unit.index in self.in_hook:  # [Note: update during backward]
+        if last and unit.index in self.in_hook:  # [Note: update during backward]
             # Its backward is over: release it first, so that no gathered copy holds the
             # shard's buffer in the parameter tier while the update writes the new values.
             self.fetcher.release(unit, keep_if_reused=False, force=True)
@@ -371,7 +359,6 @@ class StepPolicy:
             self.optim_state.mark_damaged(self.units[index], f"a backward that updated units as their gradients became "
                                           f"final failed after updating {len(self._updated)} of them")
         self._hypers, self._updated, self._updated_in_backward = None, set(), 0
-        self.passes = 0
 
     # ---- failed updates ([Note: failed updates]) -------------------------------------------
 
@@ -400,7 +387,6 @@ class StepPolicy:
             outcome = self._step(step_number)
         finally:  # also when an update failed: the step is abandoned, its buffers given back
             self._hypers, self._updated, self._updated_in_backward = None, set(), 0
-            self.passes = 0  # the next pass starts a new accumulation
             self.optim_state.finish_step()
         self.params.flush()  # parameter writes are few (2 bytes a parameter): finish them here
         return outcome
