@@ -1,6 +1,6 @@
 """Checkpointed inputs spilled to NVMe (`activation_checkpointing.nvme_path`) against keeping them
 in memory, at a long sequence: peak host memory and step time ([Note: checkpointed inputs on
-NVMe] in infinity/deepspeed/checkpointing.py).
+NVMe] in infinity/offload/activations.py).
 
     python bench/bench_activation_spill.py --nvme-path /work      # both modes, each in a child
     MALLOC_MMAP_THRESHOLD_=65536 /usr/bin/time -v python bench/bench_activation_spill.py --mode nvme --nvme-path /work

@@ -1,7 +1,7 @@
 """Peak host memory against the vocabulary: the same two Llama layers (dim 1024) with a 32k and a
 256k-token tied vocabulary, fp32, parameters and optimizer state on NVMe (`max_in_cpu` 0),
 batch 1 x 64, three steps (issue #34; [Note: memory-centric tiling] in infinity/zero/tiling.py).
-The pools' knobs are budgets ([Note: the pool is a budget] in infinity/offload/optimizer/nvme.py), so
+The pools' knobs are budgets ([Note: the pool is a budget] in infinity/offload/optimizer/sizing.py), so
 they are given as a budget that does not grow with the model: 5 parameter buffers of a tile,
 12 optimizer sub-groups of 2.5e7, fp32 gradient accumulators spilled (`max_grad_in_cpu` 0).
 

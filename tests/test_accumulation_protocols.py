@@ -135,7 +135,7 @@ def test_a_boundary_other_than_the_forward_expected(tmp_path, model, placement, 
     forward expects the boundary after two passes, the backward finds another, and the plan
     changes then; the numbers are PyTorch's and the state read ahead for a boundary that did
     not come goes back to the pool, but for the pieces the pool holds from step to step
-    ([Note: the pool is a budget] in nvme_optim.py)."""
+    ([Note: the pool is a budget] in offload/optimizer/sizing.py)."""
     groups = [3, 1, 2]
     data = batches(sum(groups), 4)
     cfg = _config(tmp_path, placement, clip)

@@ -60,7 +60,7 @@ def test_one_billion_parameters_on_nvme_by_hand():
     # shard, 62.5 MB rounded up to a page; offload_optimizer pool: the bytes of 9 buffers (3 kinds
     # x reading, updating, writing) of a sub_group_size piece (1e9 > U: a unit, 31.25M elements),
     # cut into the pieces that let it hold the most state from one step to the next
-    # ([Note: the pool is a budget] in nvme_optim.py): the smaller the pieces, the more of the
+    # ([Note: the pool is a budget] in offload/optimizer/sizing.py): the smaller the pieces, the more of the
     # 281.25M elements hold state (while two units' streamed pieces still fit beside them) and
     # the fewer stream, down to 8 MiB pieces; the largest cut within 2% of the most held is 14
     # pieces a unit of 2_232_320 elements (aligned to 1024), and 281.25M / 2_232_320 = 125

@@ -155,7 +155,7 @@ def test_peft_lora_over_an_nvme_base_matches_pytorch(tmp_path):
     # Per step: the base's compute-dtype shards are read (forward and backward); only the
     # adapters' shards are written, and the optimizer state moves neither way (its pool holds
     # the adapters' whole state from one step to the next, unwritten: [Note: the pool is a
-    # budget] in infinity/offload/optimizer/nvme.py).
+    # budget] in infinity/offload/optimizer/sizing.py).
     r = engine.report.last
     units = engine.units
     assert r["nvme_write_bytes"] == 4 * sum(u.train_shard_numel for u in units)

@@ -34,7 +34,7 @@ def test_trace_writes_a_timeline_of_the_steps(tmp_path):
     forward and a backward phase per step, the optimizer state's reads (the first updates run in
     step 2's forward) and the parameters' write-back (the default config keeps parameters cached in
     host memory: no reads); its optimizer pool holds the whole state, so that is never written
-    back ([Note: the pool is a budget] in offload/optimizer/nvme.py)."""
+    back ([Note: the pool is a budget] in offload/optimizer/sizing.py)."""
     trace = tmp_path / "t" / "trace.json"
     nvme = tmp_path / "nvme"
     nvme.mkdir()

@@ -5,6 +5,7 @@ public names sits loose in infinity/."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "infinity"
@@ -60,3 +61,27 @@ def test_no_package_imports_one_above_it():
             if _rank_of(name) > RANK[package]:
                 upward.append(f"{path.relative_to(ROOT.parent)}:{line} imports {name}")
     assert not upward, "\n".join(upward)
+
+
+def test_every_note_is_where_it_is_cited():
+    """A `[Note: x] in path` names the file whose text defines the Note (a line that begins with
+    it): after files move or split, a citation that still names the old place fails here."""
+    repo = ROOT.parent
+    paths = [p for pattern in ("infinity/**/*.py", "csrc/**/*.h", "csrc/**/*.cpp", "tests/*.py", "bench/*.py")
+             for p in repo.glob(pattern)]
+    texts = {p: p.read_text(errors="replace") for p in paths}
+    defined: dict[str, set[str]] = {}
+    head = re.compile(r'^\s*(?:#|//|""")?\s*\[Note: ([^\]]+)\](?!\)| in )', re.M)
+    for p, text in texts.items():
+        for m in head.finditer(text):
+            defined.setdefault(m.group(1), set()).add(p.relative_to(repo).as_posix())
+    cite = re.compile(r"\[Note: ([^\]]+)\]\)?,?\s+in\s+`?([\w/.]+\.(?:py|h|cpp))")
+    wrong = []
+    for p, text in texts.items():
+        flat = re.sub(r"\s*\n\s*(?:#|//)?\s*", " ", text)  # citations wrap across lines and comments
+        for m in cite.finditer(flat):
+            name, where = m.groups()
+            homes = defined.get(name, set())
+            if not any(h == where or h.endswith("/" + where) for h in homes):
+                wrong.append(f"{p.relative_to(repo)}: [Note: {name}] in {where}, defined in {sorted(homes) or 'none'}")
+    assert not wrong, "\n".join(wrong)

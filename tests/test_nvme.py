@@ -278,7 +278,7 @@ def test_every_step_moves_the_bytes_the_layout_predicts(tmp_path, spill, pool):
         shard_bytes = {u.index: u.shard_numel * 4 for u in engine.units}
         # max_in_cpu 0 and no reuse window: a backward gather reads the unit's shard unless it is
         # still in a pool buffer (its last read's buffer not back yet, or the shard cached in an
-        # idle buffer: [Note: cache memory] in tiers/cache.py); and the update writes each shard
+        # idle buffer: [Note: cache memory] in offload/cache.py); and the update writes each shard
         # once. Optimizer state: 12 bytes per
         # element read and written, and 4 more for a gradient spilled in backward and read
         # back for the update.

@@ -1,6 +1,6 @@
 """The NVMe optimizer tier treats buffer_count x sub_group_size as a memory budget and cuts it
 into the pieces that keep its pipeline deep ([Note: the pool is a budget] in
-infinity/offload/optimizer/nvme.py): DeepSpeed's knobs get a deep pipeline in the same bytes, bench/'s
+infinity/offload/optimizer/sizing.py): DeepSpeed's knobs get a deep pipeline in the same bytes, bench/'s
 tuned knobs are left as they are, and the numbers of a step do not depend on the cut."""
 
 from __future__ import annotations

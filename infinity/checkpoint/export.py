@@ -7,7 +7,7 @@ streams each parameter into the file the moment its unit has been read, so host 
 about one unit. `save_16bit_model` does the same from a live engine with the parameters as the
 model computes with them, gathering one unit at a time on every rank and writing on rank 0.
 Neither changes anything in the directory until every file is written ([Note: publishing an
-export] in safetensors_io.py).
+export] in checkpoint/publish.py).
 
 [Note: tiles in an export]
 A tiled weight ([Note: memory-centric tiling] in infinity/zero/tiling.py) is stored as tiles,

@@ -124,7 +124,7 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
             del shard
         if deferred is not None:
             deferred.finish()
-        self.updates = PendingUpdates(self.params, self.optim_state)  # [Note: a unit's update] in engine/step_policy.py
+        self.updates = PendingUpdates(self.params, self.optim_state, self.lifecycle)  # [Note: a unit's update] in engine/step_policy.py
         self.optimizer.bind(self.optim_state, self.units, self._set_trainable_values, self.updates.run_all)
         self.trainable_numel = sum(s.numel for u in self.units for s in u.slots if s.group >= 0)
         self.frozen_numel = sum(s.numel for u in self.units for s in u.slots if s.group < 0)
@@ -182,7 +182,8 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         if offload.device == "nvme":
             from infinity.offload.params.nvme import NvmeParams
             return NvmeParams(self.accelerator, offload, self.config.aio, rank=self.rank, units=self.units,
-                              prefetch_numel=self.config.zero.stage3_prefetch_bucket_size)
+                              prefetch_numel=self.config.zero.stage3_prefetch_bucket_size,
+                              on_damage=self.lifecycle.damaged)
         return ResidentParams(self.accelerator, offload=offload.device == "cpu")
 
     def _optimizer_tier(self):
@@ -199,15 +200,15 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
                                    lambda units: NvmeOptimizerState(
                                        self.accelerator, offload, self.config.aio, self.config.zero.sub_group_size,
                                        rank=self.rank, units=units, at_next_use=mode is UpdateMode.AT_NEXT_USE,
-                                       no_accumulator=at_once,
-                                       update_order=order))
+                                       no_accumulator=at_once, update_order=order,
+                                       on_damage=self.lifecycle.damaged))
         return ResidentOptimizerState(self.accelerator, on_device=offload.device == "none",
                                       units=[u for u in self.units if u.trainable])
 
     def _choices(self, aio_measured: bool, auto_budgets: list[str]) -> dict[str, Any]:
         """What the engine sized itself within the config's budgets, for users and reports: the
         disk's measured aio setting, the optimizer pipeline ([Note: the pool is a budget] in
-        offload/optimizer/nvme.py), "auto" budgets resolved ([Note: host memory before the disk])."""
+        offload/optimizer/sizing.py), "auto" budgets resolved ([Note: host memory before the disk])."""
         chosen: dict[str, Any] = {}
         aio = self.config.aio
         if aio_measured and not aio.tune:

@@ -232,10 +232,14 @@ class Lifecycle:
             self.health, self.why = Health.STEP_FAILED, why
 
     def part_loaded(self, why: str) -> None:
-        self.health, self.why = Health.PART_LOADED, why
+        if self.health is not Health.DAMAGED:  # a worse health stays
+            self.health, self.why = Health.PART_LOADED, why
 
     def damaged(self, why: str) -> None:
-        self.health, self.why = Health.DAMAGED, why
+        """A damage event (the tiers and the step policy report each one): steps and saves are
+        refused until a load replaces every value. The first reason is kept."""
+        if self.health is not Health.DAMAGED:
+            self.health, self.why = Health.DAMAGED, why
 
     def loaded(self) -> None:
         """A load replaced every value: nothing of the step before it carries over."""

@@ -5,7 +5,7 @@ the global gradient norm, with clipping and fp16 loss scaling.
 forward: units are gathered by their pre-hooks (fetcher.py) and released after use.
 backward: the loss is multiplied by loss_scale / gradient_accumulation_steps; as each unit's
   gradients are final they are reduce-scattered (mean over ranks) and accumulated in fp32 in the
-  optimizer tier (host memory when offloaded; [Note: gradients to the host] in optim_shards.py).
+  optimizer tier (host memory when offloaded; [Note: gradients to the host] in offload/optimizer/accumulators.py).
 step (at the accumulation boundary): the global gradient norm (all ranks) gives the clip
   coefficient; fp16 overflow skips the step; otherwise each unit shard is updated by one Adam
   pass that also writes the new compute-dtype shard into the parameter tier.
@@ -84,7 +84,7 @@ Each unit's update of the last step is in one state, held by `PendingUpdates` (t
            shard (`acquire`, or a prefetch one use ahead); so does anything that reads the
            values or the state first (checkpoints, GatheredParameters, the next `step()`).
   PARTIAL  that update raised part way: the pieces it finished are written, the others not
-           (the NVMe tier knows how far: [Note: resuming an update] in nvme_optim.py).
+           (the NVMe tier knows how far: [Note: resuming an update] in offload/optimizer/nvme.py).
 
 The rule after a failure is one of PARTIAL: the next `run()` resumes the update from the first
 piece not done, with the same hyper-parameters, step count and clip coefficient, which gives the
@@ -96,7 +96,7 @@ After an I/O error reaches the user, either every update is applied exactly once
 refuses to go on (`broken`: steps, backward's updates, saves and the forward of a unit whose
 update is pending raise, saying to restore a checkpoint) until a load replaces all of the state.
   * An update at the next use that fails on a read has written back the pieces it finished
-    (and only those: [Note: resuming an update] in nvme_optim.py); it is PARTIAL ([Note: a
+    (and only those: [Note: resuming an update] in offload/optimizer/nvme.py); it is PARTIAL ([Note: a
     unit's update]), and the next use of the unit resumes it from the failed piece, so going on
     gives the numbers of a run without the failure.
   * Anything else damages the state: an update that fails otherwise (a write that failed, a
@@ -104,7 +104,10 @@ update is pending raise, saying to restore a checkpoint) until a load replaces a
     once all pieces were updated), or an update in backward or in `step()` that fails (the
     units updated before it have taken the step, the others not, and the step is abandoned), or
     a backward that failed after updating units. So does any write of new values that failed
-    (the tiers' `damage()`): its bytes are gone.
+    (the swapper tells the tier, the tier the lifecycle): its bytes are gone.
+Damage is an event: whoever meets it reports it to the engine's lifecycle (`Lifecycle.damaged`),
+the one owner of the run's health, and `check_intact` reads the health there; a load that
+replaces every value heals it ([Note: engine lifecycle] in lifecycle.py).
 A failed read outside an update (a parameter fetch, a checkpoint's read) changes nothing: the
 step or save is abandoned and may be tried again.
 
@@ -133,6 +136,7 @@ import torch
 
 from infinity.device.timeline import TIMELINE
 from infinity.engine.accumulation import Accumulation
+from infinity.engine.lifecycle import Health, Lifecycle
 from infinity.device import Device, InFlight
 from infinity.optim.functional import AdamHyper
 from infinity.zero import dist as zdist
@@ -182,17 +186,12 @@ def expected_update_order(units: list[Unit], mode: UpdateMode) -> list[int]:
     return order if mode is UpdateMode.AT_NEXT_USE else order[::-1]
 
 
-def damage_of(params: ParamTier, optim_state: OptimizerTier) -> str | None:
-    """Why the parameters and optimizer state are not those of any step, or None ([Note: failed updates])."""
-    return optim_state.damage() or params.damage()
-
-
-def check_intact(params: ParamTier, optim_state: OptimizerTier, what: str) -> None:
-    """Raises unless the state is that of a step; `what` is refused ([Note: failed updates])."""
-    why = damage_of(params, optim_state)
-    if why is not None:
-        raise RuntimeError(f"{what}: {why}, so the parameters and optimizer state are not those of any step; "
-                           "restore the run from a checkpoint (engine.load_checkpoint, with its optimizer "
+def check_intact(lifecycle: Lifecycle, what: str) -> None:
+    """Raises unless the state is that of a step (the lifecycle's health, which the tiers and
+    this module tell of every damage); `what` is refused ([Note: failed updates])."""
+    if lifecycle.health is Health.DAMAGED:
+        raise RuntimeError(f"{what}: {lifecycle.why}, so the parameters and optimizer state are not those of any "
+                           "step; restore the run from a checkpoint (engine.load_checkpoint, with its optimizer "
                            "states) or build a new engine")
 
 
@@ -228,8 +227,8 @@ class PendingUpdates:
     unit's next use: `step()` leaves them (`leave`), the fetcher runs each before it reads the
     unit's shard (`run`), and whatever reads values or state runs those it touches first."""
 
-    def __init__(self, params: ParamTier, optim_state: OptimizerTier):
-        self.params, self.optim_state = params, optim_state
+    def __init__(self, params: ParamTier, optim_state: OptimizerTier, lifecycle: Lifecycle):
+        self.params, self.optim_state, self.lifecycle = params, optim_state, lifecycle
         self._waiting: dict[int, tuple[Unit, UpdateState]] = {}  # the units not CURRENT, in the order they run
         self._step_args: tuple[list[AdamHyper], int, float] | None = None  # their step's hypers, count, grad scale
 
@@ -255,7 +254,7 @@ class PendingUpdates:
         ends, PARTIAL when it raises ([Note: a unit's update])."""
         if unit.index not in self._waiting:
             return
-        check_intact(self.params, self.optim_state, f"the update of unit {unit.index} that waits for its next use")
+        check_intact(self.lifecycle, f"the update of unit {unit.index} that waits for its next use")
         hypers, step, grad_scale = self._step_args
         filled = False
 
@@ -269,15 +268,15 @@ class PendingUpdates:
         except BaseException as e:
             self._waiting[unit.index] = (unit, UpdateState.PARTIAL)
             if filled or not isinstance(e, OSError):  # updated whole (its commit failed), or not by I/O: no resuming
-                self.optim_state.mark_damaged(unit, f"the update of unit {unit.index} failed ({type(e).__name__}: "
-                                                    f"{e}) and cannot be resumed")
+                self.lifecycle.damaged(f"the update of unit {unit.index} failed ({type(e).__name__}: {e}) and "
+                                       "cannot be resumed")
             raise  # the next run() resumes it, or refuses
         del self._waiting[unit.index]
 
     def run_all(self) -> None:
         """Runs every waiting update. Once the state is damaged none can run: they are dropped
         (what refuses is `check_intact`; a load that replaces everything may follow)."""
-        if self._waiting and damage_of(self.params, self.optim_state) is not None:
+        if self._waiting and self.lifecycle.health is Health.DAMAGED:
             self._waiting.clear()
             self.optim_state.drop_pending()
         for unit, _ in list(self._waiting.values()):
@@ -308,6 +307,7 @@ class StepPolicy:
         # Units updated in the hook that finalizes their gradient (the others wait for step()).
         self.in_hook = updated_in_backward(units, mode)
         self.accumulation = accumulation  # where the accumulation is: read here, owned by the engine
+        self.lifecycle = accumulation.lifecycle  # the run's health: damage is reported to it ([Note: failed updates])
         self._hypers: list[AdamHyper] | None = None  # this step's, once its first unit was updated
         self._updated: set[int] = set()  # units updated this step
         self._updated_in_backward = 0
@@ -356,8 +356,8 @@ class StepPolicy:
         """A backward failed: whatever it updated stays updated, but the step it belonged to is
         over, half applied ([Note: failed updates])."""
         for index in sorted(self._updated):
-            self.optim_state.mark_damaged(self.units[index], f"a backward that updated units as their gradients became "
-                                          f"final failed after updating {len(self._updated)} of them")
+            self.lifecycle.damaged(f"a backward that updated units as their gradients became final failed after "
+                                   f"updating {len(self._updated)} of them")
         self._hypers, self._updated, self._updated_in_backward = None, set(), 0
 
     # ---- failed updates ([Note: failed updates]) -------------------------------------------
@@ -365,11 +365,11 @@ class StepPolicy:
     @property
     def broken(self) -> str | None:
         """Why the parameters and optimizer state are not those of any step, or None."""
-        return damage_of(self.params, self.optim_state)
+        return self.lifecycle.why if self.lifecycle.health is Health.DAMAGED else None
 
     def check_intact(self, what: str) -> None:
         """Raises unless the state is that of a step; `what` is refused."""
-        check_intact(self.params, self.optim_state, what)
+        check_intact(self.lifecycle, what)
 
     # ---- updates after the norm ([Note: updates after the norm]) ---------------------------
 
@@ -469,9 +469,8 @@ class StepPolicy:
             self.write_params(unit, lambda target: self.optim_state.update(
                 unit, self._hypers, self.optimizer.step_count, grad_scale, target))
         except BaseException as e:  # [Note: failed updates]
-            self.optim_state.mark_damaged(unit, f"the update of unit {unit.index} in {where} failed "
-                                                f"({type(e).__name__}: {e}) when {len(self._updated)} other units "
-                                                "had taken the step and it may have taken part of it")
+            self.lifecycle.damaged(f"the update of unit {unit.index} in {where} failed ({type(e).__name__}: {e}) when "
+                                   f"{len(self._updated)} other units had taken the step and it may have taken part of it")
             raise
         self._updated.add(unit.index)
 

@@ -103,9 +103,6 @@ class ParamTier(Protocol):
     def io_stats(self) -> dict[str, float]:
         """NVMe traffic since the last call, for the step report (empty without NVMe)."""
 
-    def damage(self) -> str | None:
-        """Why the shards are not those of any step (a write of new values failed), or None."""
-
     def close(self) -> None: ...
 
 
@@ -167,12 +164,6 @@ class OptimizerTier(Protocol):
     def load_state(self, unit: TierUnit, state: dict[str, torch.Tensor]) -> None:
         """Makes the given kinds of `state` (host fp32; any of master, exp_avg, exp_avg_sq) the unit's;
         all three end the unit's damage."""
-
-    def mark_damaged(self, unit: TierUnit, why: str) -> None:
-        """The unit's state is not that of any step (an update abandoned part way)."""
-
-    def damage(self) -> str | None:
-        """Why the state is not that of any step (a damaged unit, a failed write), or None."""
 
     def set_pending(self, order: list[int]) -> None:
         """These units' updates wait for their next use and run in this order (`updates_can_wait`

@@ -30,7 +30,7 @@ that changes the bytes in place must not borrow them (the write would read torn 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable
+from collections.abc import Callable, Collection, Hashable
 
 import torch
 
@@ -100,6 +100,7 @@ class Swapper(ShardTransfers):
         *,
         read_delay_s: float = 0.0,
         timeout: float | None = 60.0,
+        on_lost: Callable[[str, OSError], None] | None = None,
     ) -> None:
         if not isinstance(store, NvmeStore):
             raise TypeError(f"store: expected an NvmeStore, got {type(store).__name__}")
@@ -116,6 +117,7 @@ class Swapper(ShardTransfers):
         handle = handle if handle is not None else store.handle
         super().__init__(store, pool, cache, handle, write_handle if write_handle is not None else handle,
                          float(read_delay_s), timeout)
+        self.on_lost = on_lost  # `on_lost(kind, error)` for each write that leaves a shard INVALID
 
     # ---- queries -----------------------------------------------------------------------------
 

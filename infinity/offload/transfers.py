@@ -23,7 +23,7 @@ from __future__ import annotations
 import errno
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Protocol
 
 import torch
@@ -73,6 +73,7 @@ class ShardTransfers:
         self._writes = {}
         self._unreported = []
         self._lost = {}
+        self.on_lost: Callable[[str, OSError], None] | None = None  # told of every write that loses a shard's bytes
         self._parked: dict[ShardKey, tuple[torch.Tensor, int]] = {}  # failed write's buffer -> loans out
         self._counters = SwapCounters()
         self._cond = threading.Condition(threading.Lock())  # guards every Shard and the fields above
@@ -204,6 +205,8 @@ class ShardTransfers:
         failure = self._transfer_error(shard, error, "write", "its bytes on NVMe are invalid until it is written again")
         shard.failure = (transfer, failure)
         self._lost[(shard.kind, shard.key)] = failure
+        if self.on_lost is not None:  # the owner of the run's health hears of it now
+            self.on_lost(shard.kind, failure)
         shard.holders = 0  # fetches that waited on this write fail with it, as with a failed read
         if transfer is not None:
             self._unreported.append(failure)

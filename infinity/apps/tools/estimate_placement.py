@@ -9,7 +9,7 @@ parameter elements sharded over W ranks (t = T/W, z = Z/W):
     exp_avg, exp_avg_sq (12 t) in the offload_optimizer tier, and an fp32 gradient accumulator
     (4 t): on the device for "none", in host memory for "cpu", in host memory up to
     `max_grad_in_cpu` elements for "nvme" and spilled to NVMe beyond ([Note: gradient spill] in
-    infinity/offload/optimizer/nvme.py);
+    infinity/offload/optimizer/accumulators.py);
   * the new bf16 values of a shard staged on the optimizer's side when the shard lives on the
     other side (offload_param none with the optimizer offloaded, or cpu with it on the device;
     `ResidentParams.update_target`): 2 t;
@@ -128,7 +128,7 @@ def _param_items(model: ModelSize, world: int, param: str, nvme_path: str) -> tu
     largest = max(parts, default=1)
     per_unit = 2 if any(u.trainable and u.frozen for u in model.units) else 1
     # The pool's least: the engine cuts buffer_count x buffer_size into more buffers of the largest
-    # shard where the host's free memory allows ([Note: the pool is a budget] in offload/optimizer/nvme.py).
+    # shard where the host's free memory allows ([Note: the pool is a budget] in offload/optimizer/sizing.py).
     count = max(defaults.buffer_count, MIN_BUFFERS, 2 * per_unit)
     cached = min(len(parts), defaults.max_in_cpu // largest)  # max_in_cpu counts elements
     pool = (count + cached) * _page(largest * HALF)
@@ -159,7 +159,7 @@ def _optimizer_items(model: ModelSize, world: int, optimizer: str, nvme_path: st
     per_piece = len(KINDS) + (1 if spilled else 0)
     asked = max(defaults.buffer_count, 3 * per_piece)  # the knob; the engine cuts its bytes into `count` buffers
     # The pipeline's least pool: the engine grows it into what the knobs allow of the host's free
-    # memory when it is built ([Note: the pool is a budget] in offload/optimizer/nvme.py).
+    # memory when it is built ([Note: the pool is a budget] in offload/optimizer/sizing.py).
     target, count = choose_pieces(trains, zero.sub_group_size, asked, per_piece, host_elements=1)
     piece = max((n for t in trains for _, n in cut_pieces(t, target)), default=1)  # [Note: the pool is a budget]
     items = [Item("nvme", "fp32 master + exp_avg + exp_avg_sq", len(KINDS) * FP32 * t),

@@ -50,7 +50,6 @@ class ResidentOptimizerState:
         self._state: dict[int, dict[str, torch.Tensor]] = {}
         self._grads: dict[int, torch.Tensor] = {}
         self._landing = None if on_device else GradientLanding(device, units, "offload_optimizer")
-        self._damaged: dict[int, str] = {}  # unit -> why its state is not of any step, until a load replaces it
 
     def add(self, unit: TierUnit, master: torch.Tensor) -> None:
         master = master.to(torch.float32, copy=True)
@@ -115,14 +114,6 @@ class ResidentOptimizerState:
     def finish_step(self) -> None:
         pass
 
-    def mark_damaged(self, unit: TierUnit, why: str) -> None:
-        """The unit's state is not that of any step (its update was abandoned part way): `damage()`
-        says why until `load_state` replaces all of it."""
-        self._damaged.setdefault(unit.index, why)
-
-    def damage(self) -> str | None:
-        return next(iter(self._damaged.values()), None)
-
     def drop_pending(self) -> None:
         pass  # updates never wait for the next forward here (`updates_can_wait` is False)
 
@@ -149,8 +140,6 @@ class ResidentOptimizerState:
         for k in self.KINDS:
             if k in state:
                 self._state[unit.index][k].copy_(state[k])
-        if all(k in state for k in self.KINDS):  # all of it replaced: no longer damaged
-            self._damaged.pop(unit.index, None)
 
     def close(self) -> None:
         self._consume_landed()

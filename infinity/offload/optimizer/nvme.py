@@ -39,9 +39,7 @@ A read that failed holds nothing; every other buffer an update holds when a read
 fails (the piece's other kinds, the piece read ahead, the gradient it was given, the reads of
 its later pieces issued ahead) goes back to the pool before the error is raised: nothing waits
 for a buffer that nobody will release. A failed write leaves its shard INVALID: its bytes are
-never taken for good, and the state is damaged (
-
-[Note: resuming an update]).
+never taken for good, and the state is damaged ([Note: resuming an update]).
 
 [Note: resuming an update]
 An update writes each piece back as soon as it is updated (or keeps it, held, in its buffers:
@@ -53,14 +51,15 @@ same arguments, starts at the first piece not done: the result is the same, bit 
 update that never failed. A failed read changes nothing on disk, so that is exact whenever the
 failure is an OSError and no shard of the unit lost its bytes to a failed write. Otherwise (a
 write failed, a gradient spilled to a shard whose write failed, any other exception) the unit is
-damaged: `damage()` says so until a load replaces all of its state, and the step policy refuses
-to go on ([Note: updates after the norm] in step_policy.py). The parameter tier keeps the target
+damaged: the tier tells the engine's lifecycle (`on_damage`), which refuses steps and saves until a
+load replaces all of the state ([Note: failed updates] in infinity/engine/step_policy.py). The parameter tier keeps the target
 buffer of an unfinished update, with the values of the pieces done, for the resumed one.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import psutil
 import torch
@@ -99,8 +98,10 @@ class NvmeOptimizerState:
     updates_can_wait = True  # their I/O then overlaps the next forward ([Note: updates after the norm] in step_policy.py)
 
     def __init__(self, device: Device, offload, aio, sub_group_size: int, *, rank: int, units: list[TierUnit],
-                 at_next_use: bool, no_accumulator: set[int] = frozenset(), update_order: list[int] | None = None):
+                 at_next_use: bool, no_accumulator: set[int] = frozenset(), update_order: list[int] | None = None,
+                 on_damage: Callable[[str], None] = lambda why: None):
         self.device = device
+        self._on_damage = on_damage  # the run's health hears why its state is not a step's ([Note: resuming an update])
         update_order = update_order or [u.index for u in reversed(units)]
         self.acc = Accumulators(device, units, offload.max_grad_in_cpu, set(no_accumulator), update_order)
         # Units with something to update; the others' state is never read for an update.
@@ -128,7 +129,7 @@ class NvmeOptimizerState:
         self.pool = BufferPool(buffers, largest * 4, name="offload_optimizer", pin=(device.pin() or None) if offload.pin_memory else False,
                                on_release=device.scribble)
         # A second handle for writes, so that reads never queue behind them.
-        self.swapper = Swapper(self.store, self.pool, None, self.handle, make_handle(aio))
+        self.swapper = Swapper(self.store, self.pool, None, self.handle, make_handle(aio), on_lost=self._lost_write)
         self.acc.bind(self.swapper, self.pool)
         self.pieces = Pieces(self.swapper, cuts)
         self._hold_spread([index for index in update_order if index in self._updatable])
@@ -146,7 +147,6 @@ class NvmeOptimizerState:
         # The last pending order: the next step's, too ([Note: reading ahead in the expected order]).
         self._last_pending_order = list(self._expected) if at_next_use else []
         self._resume: dict[int, int] = {}  # unit -> pieces of its unfinished update done ([Note: resuming an update])
-        self._damaged: dict[int, str] = {}  # unit -> why its state is not of any step, until a load replaces it
         self._at_next_use = at_next_use
         self._tally = IOTally(self.swapper)
 
@@ -336,8 +336,9 @@ class NvmeOptimizerState:
                 self.pieces.untake(pieces[j], (), handles)
             self._drop_early(only=index)
             if not isinstance(e, OSError) or self._lost(index):  # [Note: resuming an update]
-                self.mark_damaged(unit, f"the update of unit {index} failed at piece {k} of {len(pieces)} "
-                                        f"({type(e).__name__}: {e}) and cannot be resumed")
+                self._resume.pop(index, None)
+                self._on_damage(f"the update of unit {index} failed at piece {k} of {len(pieces)} "
+                                f"({type(e).__name__}: {e}) and cannot be resumed")
             raise
         finally:
             if fresh is not None:
@@ -379,20 +380,11 @@ class NvmeOptimizerState:
         return any(self.swapper.state(kind, p.key) is ShardState.INVALID
                    for kind in self._kinds(index) for p in self.pieces.of[index])
 
-    def mark_damaged(self, unit: TierUnit, why: str) -> None:
-        """The unit's state is not that of any step (an update failed part way and cannot resume,
-        or was applied in a step that was abandoned): `damage()` says why until `load_state`
-        replaces all of it."""
-        self._damaged.setdefault(unit.index, why)
-        self._resume.pop(unit.index, None)
-
-    def damage(self) -> str | None:
-        """Why the state is not that of any step, or None: a damaged unit, or a write of master or
-        moments that failed (its bytes are lost until written again)."""
-        if self._damaged:
-            return next(iter(self._damaged.values()))
-        lost = self.swapper.lost(KINDS)
-        return None if lost is None else f"a write of optimizer state failed ({lost.strerror})"
+    def _lost_write(self, kind: str, error: OSError) -> None:
+        """A write of master or moments failed: those bytes are lost until written again, so the
+        state is not a step's. (A spilled gradient's loss damages only the update that meets it.)"""
+        if kind in KINDS:
+            self._on_damage(f"a write of optimizer state failed ({error.strerror})")
 
     def drop_pending(self) -> None:
         """The pending updates will not run (the state is damaged): their reads ahead go back."""
@@ -470,8 +462,7 @@ class NvmeOptimizerState:
             if kind in state:
                 self._write_all(unit.index, kind, state[kind])
         self.swapper.flush()  # the sources are views of `state`: alive until here
-        if all(kind in state for kind in KINDS):  # all of it replaced: no longer damaged
-            self._damaged.pop(unit.index, None)
+        if all(kind in state for kind in KINDS):  # all of it replaced: an unfinished update is gone
             self._resume.pop(unit.index, None)
 
     def io_stats(self) -> dict[str, float]:

@@ -3,8 +3,6 @@ budget the config gives (`offload_optimizer.buffer_count` x `sub_group_size`, ca
 free memory): the one place these are decided. The tier (nvme.py) holds and streams the pieces
 as chosen here; `infinity estimate` and the host budget read the same functions.
 
-[Note: cutting pieces]).
-
 [Note: cutting pieces]
 Every pool buffer is as large as the largest piece, and a piece takes one buffer per kind
 whatever its size. Cut at sub_group_size with the remainder left over, a transformer block of
@@ -16,30 +14,6 @@ of equal size, rounded up to PIECE_ALIGN: a piece is at most 1.5x sub_group_size
 sub-groups, cut at parameter boundaries, also exceed it), and `infinity estimate`'s pool
 follows the same cut (`cut_pieces`).
 
-[Note: the pool is a budget]), so when piece k's read fails, pieces 0..k-1 hold the new values
-on disk, on their way there or in the pool, and the others the old ones. Running
-the whole update again would apply Adam twice to 0..k-1, so the tier records how many pieces are
-done (`_resume`, set before a piece's writes start) and the next `update` of the unit, with the
-same arguments, starts at the first piece not done: the result is the same, bit for bit, as one
-update that never failed. A failed read changes nothing on disk, so that is exact whenever the
-failure is an OSError and no shard of the unit lost its bytes to a failed write. Otherwise (a
-write failed, a gradient spilled to a shard whose write failed, any other exception) the unit is
-damaged: `damage()` says so until a load replaces all of its state, and the step policy refuses
-to go on ([Note: updates after the norm] in step_policy.py). The parameter tier keeps the target
-buffer of an unfinished update, with the values of the pieces done, for the resumed one.
-
-[Note: gradient spill]
-Gradients are reduced to this rank's shard and accumulated in fp32 on the host. When the update
-waits for the step (clipping or fp16 needs the global norm first, or several micro-steps
-accumulate), every unit needs an accumulator until then: units are given one in host memory in
-the order the step updates them while `max_grad_in_cpu` elements last (backward order; forward
-order when the updates wait for the next forward, where the embedding's gradient, final last,
-is the first one needed); the gradients of the others spill to the
-store as kind "grad", cut into the same pieces as the state, so the update reads them beside
-master, exp_avg and exp_avg_sq (4 bytes a parameter written in backward and read in the step;
-a later micro-step reads, adds and writes back). With the update in backward on one micro-step
-no accumulator is needed: the fp32 shard goes straight into the update.
-
 [Note: the pool is a budget]
 `offload_optimizer.buffer_count` buffers of a `sub_group_size` sub-group (what DeepSpeed allocates
 for them, a sub-group being no larger than the state) bound the host memory of the pipeline,
@@ -49,13 +23,14 @@ and chooses how to cut the state into pieces and how many buffers of the largest
 of them, for the most state the pool holds from one step to the next:
 
   * Held pieces stay in their buffers from one update to the next, neither read nor written
-    (`_keep`): their newest bytes are in memory only, where every reader of the state (the
-    update, checkpoints, `state`) finds them, and are written back the moment the pool lets go
-    of the piece (`_give_back`: the held set changes, a load replaces the state, the state is
+    (HELD_DIRTY: [Note: a piece's place] in pieces.py): their newest bytes are in memory only,
+    where every reader of the state (the update, checkpoints, `state`) finds them, and are
+    written back the moment the pool lets go
+    of the piece (`Pieces.let_go`: the held set changes, a load replaces the state, the state is
     damaged), never dropped unwritten; at `close` the store goes with them. The NVMe copy is
     swap space, not a checkpoint, so nothing is lost that a write each step would have kept.
     The pieces that stream instead are spread evenly over the order the step
-    updates them (expected, then as each step went: `_hold_spread`), so each is read while the
+    updates them (expected, then as each step went: `held_spread`), so each is read while the
     held ones before it update and their units compute; when the updates wait for the next
     forward, reads ahead fill every buffer but two pieces' (they are issued in the order the
     updates take them, so none waits on a later piece's buffer). Streaming the last pieces

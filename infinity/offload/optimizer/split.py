@@ -1,5 +1,5 @@
 """`offload_optimizer.max_in_cpu`: the optimizer state of some units in host memory, the rest on
-NVMe ([Note: host memory before the disk] in host_budget.py).
+NVMe ([Note: host memory before the disk] in offload/placement.py).
 
 `SplitOptimizerState` has the methods of the other optimizer tiers and hands each call about a
 unit to the tier that holds it: `ResidentOptimizerState` in host memory for the units kept,
@@ -75,9 +75,6 @@ class SplitOptimizerState:
     def update(self, unit: TierUnit, hypers: list[AdamHyper], step: int, grad_scale: float, out: torch.Tensor) -> None:
         self._tier(unit).update(unit, hypers, step, grad_scale, out)
 
-    def mark_damaged(self, unit: TierUnit, why: str) -> None:
-        self._tier(unit).mark_damaged(unit, why)
-
     def master(self, unit: TierUnit) -> torch.Tensor:
         return self._tier(unit).master(unit)
 
@@ -121,9 +118,6 @@ class SplitOptimizerState:
     def drop_pending(self) -> None:
         self.memory.drop_pending()
         self.disk.drop_pending()
-
-    def damage(self) -> str | None:
-        return self.memory.damage() or self.disk.damage()
 
     def flush(self) -> None:
         self.memory.flush()

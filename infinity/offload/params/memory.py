@@ -121,9 +121,6 @@ class ResidentParams:
     def io_stats(self) -> dict[str, float]:
         return {}  # nothing crosses to NVMe
 
-    def damage(self) -> str | None:
-        return None  # no write can fail
-
     def flush(self) -> None:
         for index in list(self._commits):
             self.device.wait_host(self._commits.pop(index))

@@ -16,6 +16,8 @@ back (`commit` -> evict); the frozen one is written once, at start.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import psutil
 import torch
 
@@ -38,7 +40,8 @@ def _parts(unit: TierUnit) -> list[tuple[str, int]]:
 class NvmeParams:
     """The NVMe parameter tier (same methods as `ResidentParams`)."""
 
-    def __init__(self, device: Device, offload, aio, *, rank: int, units: list[TierUnit], prefetch_numel: int = 0):
+    def __init__(self, device: Device, offload, aio, *, rank: int, units: list[TierUnit], prefetch_numel: int = 0,
+                 on_damage: Callable[[str], None] = lambda why: None):
         self.device = device
         self._units = {u.index: u for u in units}
         layout: dict[str, dict[int, int]] = {KIND: {}, FROZEN: {}}
@@ -63,7 +66,7 @@ class NvmeParams:
         self._spare = parts
         # A buffer larger than the largest shard would only hold unused pinned memory: the bytes
         # of buffer_count x buffer_size (what DeepSpeed pins for them) are cut into buffers of the
-        # largest shard instead ([Note: the pool is a budget] in nvme_optim.py), as many more as
+        # largest shard instead ([Note: the pool is a budget] in offload/optimizer/sizing.py), as many more as
         # the prefetch reads ahead (`prefetch_numel`, stage3_prefetch_bucket_size elements), so it
         # finds buffers to read into; never more than there are shards, nor a quarter of the
         # host's free memory.
@@ -77,13 +80,15 @@ class NvmeParams:
                                min(offload.buffer_size * itemsize, largest), shard_sizes=sizes, name="offload_param",
                                pin=(device.pin() or None) if offload.pin_memory else False, on_release=device.scribble)
         # The cache may also keep released shards in the pool's idle buffers: a transfer that needs
-        # a buffer drops a cached shard at once ([Note: cache memory] in tiers/cache.py), so this
+        # a buffer drops a cached shard at once ([Note: cache memory] in offload/cache.py), so this
         # costs no memory and no read, and a unit used again soon (the head at the turn from
         # forward to backward, every unit under stage3_max_reuse_distance 0) is not read again.
         self.cache = HostCache(max_in_cpu + count * min(offload.buffer_size * itemsize, largest),
                                name="offload_param")
         # A second handle for writes, so that reads never queue behind them.
-        self.swapper = Swapper(self.store, self.pool, self.cache, self.handle, make_handle(aio))
+        # A failed write of new values loses them: the run's health hears of it at once.
+        self.swapper = Swapper(self.store, self.pool, self.cache, self.handle, make_handle(aio),
+                               on_lost=lambda kind, e: on_damage(f"a write of parameters failed ({e.strerror})"))
         self._prefetched: dict[int, list] = {}  # unit index -> FetchHandles, one per part
         self._copying: dict[int, list[InFlight]] = {}  # read, on its way to the device, not yet fetched
         self._held: dict[int, list[InFlight]] = {}  # unit index fetched -> its parts' host -> device copies
@@ -214,7 +219,7 @@ class NvmeParams:
     def update_target(self, unit: TierUnit, on_device: bool) -> torch.Tensor:
         self._before_write(unit.index)
         if unit.index in self._targets:  # an update that failed part way resumes into the same buffer
-            target, was_on_device = self._targets[unit.index]  # ([Note: resuming an update] in nvme_optim.py)
+            target, was_on_device = self._targets[unit.index]  # ([Note: resuming an update] in offload/optimizer/nvme.py)
             assert was_on_device == on_device, unit
             return target
         if on_device:  # copied into a pool buffer at commit
@@ -261,12 +266,6 @@ class NvmeParams:
     def flush(self) -> None:
         self._return(block=True)
         self.swapper.flush()
-
-    def damage(self) -> str | None:
-        """Why the shards are not those of any step: a write of new values that failed (its bytes
-        are lost until written again), or None."""
-        lost = self.swapper.lost()
-        return None if lost is None else f"a write of parameters failed ({lost.strerror})"
 
     def io_stats(self) -> dict[str, float]:
         """Traffic since the last call: bytes, GB/s, and how much of the I/O time was hidden."""
