@@ -21,7 +21,7 @@ def test_one_failed_transfer_of_optimizer_state(tmp_path, clip, op, monkeypatch)
     # A pool of 9 buffers of a unit's state, as the knobs read literally: a pool cut for depth
     # ([Note: the pool is a budget]) holds this tiny model's whole state and reads nothing again
     # after the first step, so the failure would never be met.
-    monkeypatch.setattr(nvme_optim, "choose_pieces", lambda shards, sgs, count, per_piece, host=None:
+    monkeypatch.setattr(nvme_optim, "choose_pieces", lambda shards, sgs, count, per_piece, host=None, **_:
                         (int(sgs), max(count, 3 * per_piece)))
     cfg = config(3, "nvme", "nvme", clip=clip)
     z = cfg["zero_optimization"]

@@ -154,10 +154,11 @@ def test_auto_is_accepted_only_where_infinity_resolves_it():
         load_config({**minimal, "zero_optimization": {"offload_optimizer": {"max_in_cpu": "lots"}}})
 
 
-def test_auto_keeps_the_whole_state_where_it_fits_without_the_optimizer_pool(tmp_path, model):
-    """A state that fits in what is free only once the optimizer's NVMe pool (48 pieces here) is
-    not kept back is kept whole: no NVMe tier, so no pool, is made then. A byte less, and the
-    margin with the pool applies again, keeping less than all of it."""
+def test_auto_keeps_the_whole_state_where_it_fits_else_uses_the_room_one_way(tmp_path, model):
+    """A state that fits in what is free (with every gradient accumulator, and no optimizer pool)
+    is kept whole: no NVMe tier, so no pool, is made then. A byte less, and the room goes either to
+    whole units beside the knobs' pool or to the pool, never to both ([Note: host memory before
+    the disk]); here, small units in pieces of one sub-group, to the pool."""
     from infinity.offload.placement import OPTIMIZER_BYTES, _margin
     (tmp_path / "nvme").mkdir()
     cfg = _config(tmp_path / "nvme", "auto")
@@ -167,10 +168,41 @@ def test_auto_keeps_the_whole_state_where_it_fits_without_the_optimizer_pool(tmp
     state = sum(u.train_shard_numel for u in _trainable(engine))
     engine.close()
     config_ = load_config(cfg)
-    lean, full = _margin(config_, units, total, all_kept=True), _margin(config_, units, total)
-    assert full - lean > 40 * 4  # the pool's margin is kept back otherwise
+    lean = _margin(config_, units, total, 0, all_kept=True)
     just = lean + state * OPTIMIZER_BYTES
-    assert resolve_max_in_cpu(config_, units, available=just, total_memory=total).zero.offload_optimizer.max_in_cpu \
-        == state
-    assert resolve_max_in_cpu(config_, units, available=just - 1,
-                              total_memory=total).zero.offload_optimizer.max_in_cpu < state
+    kept = resolve_max_in_cpu(config_, units, available=just, total_memory=total).zero.offload_optimizer
+    assert (kept.max_in_cpu, kept.pool_elements) == (state, None)
+    short = resolve_max_in_cpu(config_, units, available=just - 1, total_memory=total).zero.offload_optimizer
+    room = just - 1 - _margin(config_, units, total, just - 1)
+    assert (short.max_in_cpu, short.pool_elements) == (0, room // 4) and short.pool_elements > 2 * state
+    tight = resolve_max_in_cpu(config_, units, available=lean + state, total_memory=total).zero.offload_optimizer
+    assert tight.max_in_cpu < state and (tight.max_in_cpu == 0) == (tight.pool_elements is not None)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs /proc/self/io")
+def test_auto_never_moves_more_bytes_than_max_in_cpu_0(tmp_path, model, monkeypatch):
+    """With host memory for a part of the state only, "auto" uses it for whole units or for the
+    NVMe tier's pool, whichever streams less: a step moves no more bytes (/proc/self/io) than with
+    max_in_cpu 0 and its knobs' pool, and the numbers are the same."""
+    from infinity.offload import placement
+    from infinity.offload.optimizer import sizing
+    for name in ("MIN_PIECE", "MIN_STREAMED_PIECE", "MIN_CACHED_PIECE"):  # pieces of this model's size
+        monkeypatch.setattr(sizing, name, 1024)
+    zero, zero_losses, zero_moved = _train(model, tmp_path / "zero", 0)
+    state = sum(u.train_shard_numel for u in _trainable(zero))
+    config_ = load_config(_config(tmp_path / "zero", "auto"))
+    margin = placement._margin(config_, zero.units, 64 << 30, 0)
+    zero_state = {u.index: zero.optim_state.state(u) for u in _trainable(zero)}
+    zero.close()
+    free = margin + state * placement.OPTIMIZER_BYTES // 2  # half the state's bytes beyond the margin
+    memory = placement.psutil.virtual_memory()
+    monkeypatch.setattr(placement.psutil, "virtual_memory", lambda: memory._replace(available=free, total=64 << 30))
+    auto, auto_losses, auto_moved = _train(model, tmp_path / "auto", "auto")
+    chosen = auto.config.zero.offload_optimizer
+    assert 0 < chosen.max_in_cpu < state or chosen.pool_elements is not None  # the room is used, one way
+    assert 0 < auto_moved <= zero_moved, (auto_moved, zero_moved)
+    assert auto_losses == zero_losses
+    for u in _trainable(auto):
+        for kind, value in auto.optim_state.state(u).items():
+            assert torch.equal(value, zero_state[u.index][kind]), (u.index, kind)
+    auto.close()

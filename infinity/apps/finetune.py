@@ -25,7 +25,7 @@ from tqdm import tqdm
 from infinity.apps.finetune_args import add_arguments, check_arguments
 from infinity.apps.finetune_config import (
     DEFAULT_BATCH,
-    HOST_SHARE,
+    BUILTIN_SHARE,
     OPTIMIZER_BUFFERS,
     PARAM_BUFFERS,
     PIECE,
@@ -51,7 +51,7 @@ from infinity.apps.finetune_model import (
 )
 
 __all__ = [
-    "DEFAULT_BATCH", "DEFAULT_MODEL", "HOST_SHARE", "LORA_TARGETS", "OPTIMIZER_BUFFERS", "PARAM_BUFFERS", "PIECE",
+    "BUILTIN_SHARE", "DEFAULT_BATCH", "DEFAULT_MODEL", "LORA_TARGETS", "OPTIMIZER_BUFFERS", "PARAM_BUFFERS", "PIECE",
     "PROMPT", "SAMPLE_WINDOW", "TILE_SIZE", "LoRALinear", "add_arguments", "add_lora", "build_model",
     "builtin_budget", "check_arguments", "check_model_sizes", "describe_choices", "export_model", "generate",
     "largest_unit_numel", "read_model", "run",

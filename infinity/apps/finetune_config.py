@@ -7,8 +7,10 @@ from __future__ import annotations
 import psutil
 from torch import nn
 
+from infinity.offload.optimizer.sizing import max_piece
+
 DEFAULT_BATCH = 4  # sequences per step of the built-in config
-HOST_SHARE = 5  # [Note: the built-in config's host budget]: a fifth of the machine's memory
+BUILTIN_SHARE = 5  # [Note: the built-in config's host budget]: a fifth of the machine's memory
 TILE_SIZE = 1 << 25  # zero_optimization.tile_size's default: no unit of the built-in config is larger
 PIECE = 25_000_000  # sub_group_size: optimizer-state pieces of 100 MB of fp32 (bench/'s tuned value)
 PARAM_BUFFERS = 6
@@ -41,13 +43,13 @@ def builtin_budget(total_memory: int, largest_unit: int, largest_trainable: int)
     """[Note: the built-in config's host budget] for a machine of `total_memory` bytes and a
     model whose largest unit has these elements (in all, trainable): (budget in bytes, parameter
     buffers, elements a buffer, optimizer piece elements, gradient elements kept in memory)."""
-    budget = total_memory // HOST_SHARE
+    budget = total_memory // BUILTIN_SHARE
     largest = -(-max(largest_unit, 1) // (1 << 20)) << 20  # with room for the shard's alignment padding
     # Six buffers where they fit in a third of the budget (a 3B model's layers), down to the four
     # a unit with frozen and trainable parts needs (LoRA over a 20B base: a layer of 1.1 GB in bf16).
     count = max(4, min(PARAM_BUFFERS, budget // 3 // (2 * largest)))
     param_pool = count * largest * 2  # bf16
-    piece = min(int(1.5 * PIECE), largest_trainable)  # at most 1.5x sub_group_size
+    piece = min(max_piece(PIECE), largest_trainable)  # the most a piece of the tier's cut can be
     optimizer_pool = OPTIMIZER_BUFFERS * piece * 4
     return budget, count, largest, piece, max(0, budget - param_pool - optimizer_pool) // 4
 

@@ -305,7 +305,8 @@ def _unknown_key_message(key: str, section: str, valid: tuple[str, ...]) -> str:
 
 
 def _field_names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in fields(cls))
+    """The JSON keys of a section: its fields, but those the engine resolves (`_RESOLVED`)."""
+    return tuple(f.name for f in fields(cls) if f.name not in getattr(cls, "_RESOLVED", ()))
 
 
 def _required_fields(cls: type) -> tuple[str, ...]:

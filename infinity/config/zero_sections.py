@@ -64,6 +64,7 @@ class OffloadOptimizerConfig:
     """Where optimizer state lives (`zero_optimization.offload_optimizer`); Adam runs on CPU."""
 
     _PATH: ClassVar[str] = "zero_optimization.offload_optimizer"
+    _RESOLVED: ClassVar[tuple[str, ...]] = ("pool_elements",)  # set by the engine, never a JSON key
 
     device: str = _spec(_choice, OFFLOAD_DEVICES, default="none")
     """"none" (accelerator memory), "cpu" (host memory) or "nvme" (files under nvme_path)."""
@@ -88,6 +89,11 @@ class OffloadOptimizerConfig:
     """(infinity) fp32 gradient elements kept in host memory with device "nvme" while they
     accumulate for the step; the gradients of the units beyond it spill to the NVMe store. Not
     needed when the update runs during backward on one micro-step (no clipping, no fp16)."""
+    pool_elements: int | None = _spec(_optional(_size), default=None)
+    """Not a JSON key: fp32 elements of host memory the NVMe tier's pool may take, which the
+    placement plan sets when max_in_cpu "auto" resolves (the pool then holds in memory as much of
+    the state as those bytes allow: [Note: host memory before the disk] in offload/placement.py).
+    None: the pool's budget is buffer_count x sub_group_size."""
 
     def __post_init__(self) -> None:
         _validate(self)

@@ -15,12 +15,21 @@ with everything on NVMe (the same kernel over the same elements).
 
 "auto" in either `max_in_cpu` asks for the budget to be derived from what the host has free at
 start: the memory available (/proc/meminfo's MemAvailable) less a margin kept back for
-activations, the transfer pools and gradient accumulators not yet allocated, and the rest of
-the process (the larger of 2 GiB and a tenth of the machine's memory); where the whole
-optimizer state fits without the optimizer's NVMe pool, that pool is not kept back, as no pool
-is made (every gradient accumulator is then kept in memory instead). Parameters come first
-(2 bytes an element in bf16 save 4 bytes of reads a step, and forward and backward wait for
-them), then optimizer state (12 bytes an element save 24). The budget chosen is logged.
+activations, the parameters' transfer pool and gradient accumulators not yet allocated, and the
+rest of the process (the larger of 2 GiB and a tenth of the machine's memory). Parameters come
+first (2 bytes an element in bf16 save 4 bytes of reads a step, and forward and backward wait for
+them), then optimizer state (12 bytes an element save 24). Where the whole optimizer state fits,
+it all stays in host memory (no NVMe tier, no pool, every gradient accumulator in memory).
+Where it does not, the room is used one of two ways, whichever leaves fewer elements of state to
+stream each step (`streamed_elements`, from the same sizing the tier uses): whole units kept in
+host memory beside the NVMe tier's pool as the knobs size it, or no unit kept whole and the room
+given to the pool (`pool_elements`), which holds as many pieces from step to step as its bytes
+allow ([Note: the pool is a budget] in optimizer/sizing.py). Keeping units beside a pool the
+knobs left short made the 134M GPT move 375 MB a step where `max_in_cpu` 0 moved 223 MB (a pool
+with the room holds pieces of every unit); with a few large units and a pool whose streaming
+buffers would take most of the room, keeping units whole moves less. Either way "auto" moves no
+more than 0: the room's pool has the knobs' bytes at least. The budget chosen is logged and kept
+in `engine.chosen`.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import logging
 import psutil
 
 from infinity.config import InfinityConfig
+from infinity.offload.optimizer.sizing import STATE_KINDS, host_elements, pool_bytes, streamed_elements
 from infinity.offload.protocols import TierUnit
 
 log = logging.getLogger("infinity")
@@ -51,25 +61,49 @@ def units_in_memory(units: list[TierUnit], budget: int, order: list[int]) -> lis
     return kept
 
 
-def _margin(config: InfinityConfig, units: list[TierUnit], total_memory: int, *, all_kept: bool = False) -> int:
-    """Bytes kept back from the memory available: the NVMe pools and gradient accumulators the
-    tiers are about to allocate, plus the larger of 2 GiB and a tenth of the machine's memory.
-    `all_kept`: every unit's optimizer state in host memory, so no optimizer pool, and every
-    gradient accumulator in memory."""
+def _margin(config: InfinityConfig, units: list[TierUnit], total_memory: int, available: int, *,
+            all_kept: bool = False) -> int:
+    """Bytes kept back from the memory available: the pools and gradient accumulators the tiers
+    are about to allocate, plus the larger of 2 GiB and a tenth of the machine's memory.
+    `all_kept`: every unit's optimizer state in host memory, so no optimizer pool and every
+    gradient accumulator in memory. With optimizer max_in_cpu "auto" the optimizer's pool is not
+    kept back: it takes what remains (`resolve_max_in_cpu`)."""
     zero = config.zero
     margin = max(MIN_MARGIN, total_memory // 10)
     largest = max((u.shard_numel for u in units), default=0)
     itemsize = config.compute_dtype.itemsize
     if zero.offload_param.device == "nvme":
         margin += zero.offload_param.buffer_count * max(zero.offload_param.buffer_size, largest) * itemsize
-    if zero.offload_optimizer.device == "nvme":
-        trainable = sum(u.train_shard_numel for u in units if u.trainable)
-        if all_kept:
-            return margin + 4 * trainable
-        piece = min(max((u.train_shard_numel for u in units), default=0), int(1.5 * zero.sub_group_size))
-        margin += max(zero.offload_optimizer.buffer_count, 9) * piece * 4
-        margin += 4 * min(trainable, zero.offload_optimizer.max_grad_in_cpu)
+    offload = zero.offload_optimizer
+    if offload.device == "nvme":
+        trains = [u.train_shard_numel for u in units if u.trainable]
+        grads = sum(trains) if all_kept else min(sum(trains), offload.max_grad_in_cpu)
+        margin += 4 * grads
+        if not all_kept and offload.max_in_cpu != "auto":  # the knobs' pool, as the tier will size it
+            per_piece = STATE_KINDS + (1 if grads < sum(trains) else 0)
+            margin += pool_bytes(trains, zero.sub_group_size, offload.buffer_count, per_piece,
+                                 host_elements(available))
     return margin
+
+
+def _optimizer_in_memory(config: InfinityConfig, units: list[TierUnit], room: int, available: int) -> tuple[int, int | None]:
+    """(max_in_cpu, pool_elements) for optimizer state larger than `room` bytes of host memory:
+    whole units kept there beside the knobs' pool, or the room given to the pool; whichever
+    leaves fewer elements to stream each step ([Note: host memory before the disk])."""
+    zero, offload = config.zero, config.zero.offload_optimizer
+    shards = [u.train_shard_numel for u in units if u.trainable]
+    if not shards or room <= 0:
+        return 0, None
+    per_piece = STATE_KINDS + (1 if sum(shards) > offload.max_grad_in_cpu else 0)
+    host = host_elements(available)
+    knobs = pool_bytes(shards, zero.sub_group_size, offload.buffer_count, per_piece, host)
+    budget = max(0, room - knobs) // OPTIMIZER_BYTES
+    kept = units_in_memory([u for u in units if u.trainable], budget, [u.index for u in reversed(units)])
+    rest = [u.train_shard_numel for u in units if u.trainable and u not in kept]
+    split = streamed_elements(rest, zero.sub_group_size, offload.buffer_count, per_piece, host)
+    pooled = streamed_elements(shards, zero.sub_group_size, offload.buffer_count, per_piece, host,
+                               planned=room // 4)
+    return (budget, None) if kept and split < pooled else (0, room // 4)
 
 
 def resolve_max_in_cpu(config: InfinityConfig, units: list[TierUnit], *, available: int | None = None,
@@ -87,11 +121,12 @@ def resolve_max_in_cpu(config: InfinityConfig, units: list[TierUnit], *, availab
     offload_param, offload_optimizer = zero.offload_param, zero.offload_optimizer
     params_wanted = sum(u.shard_numel for u in units) if param_auto and offload_param.device == "nvme" else 0
     state_wanted = sum(u.train_shard_numel for u in units if u.trainable) if offload_optimizer.device == "nvme" else 0
-    margin = _margin(config, units, total_memory)
+    margin = _margin(config, units, total_memory, available)
+    whole = False  # the whole optimizer state stays in host memory
     if optim_auto and state_wanted:
-        # Kept whole, the state needs no optimizer pool: the pool's bytes may hold state instead.
-        lean = _margin(config, units, total_memory, all_kept=True)
-        if params_wanted * config.compute_dtype.itemsize + state_wanted * OPTIMIZER_BYTES <= available - lean:
+        lean = _margin(config, units, total_memory, available, all_kept=True)
+        whole = params_wanted * config.compute_dtype.itemsize + state_wanted * OPTIMIZER_BYTES <= available - lean
+        if whole:
             margin = lean
     room = max(0, available - margin)
     param_bytes = 0
@@ -101,11 +136,14 @@ def resolve_max_in_cpu(config: InfinityConfig, units: list[TierUnit], *, availab
         param_bytes = elements * itemsize
         offload_param = dataclasses.replace(offload_param, max_in_cpu=elements)
     if optim_auto:
-        elements = min(state_wanted, (room - param_bytes) // OPTIMIZER_BYTES)
-        offload_optimizer = dataclasses.replace(offload_optimizer, max_in_cpu=elements)
-    log.info("infinity: max_in_cpu \"auto\": %.1f GiB of host memory available, %.1f GiB kept back (pools, "
-             "gradient accumulators, activations), so offload_param.max_in_cpu %s and offload_optimizer.max_in_cpu "
-             "%s elements", available / 2**30, margin / 2**30, offload_param.max_in_cpu,
-             offload_optimizer.max_in_cpu)
+        kept, pool = (state_wanted, None) if whole else _optimizer_in_memory(config, units, room - param_bytes,
+                                                                             available)
+        offload_optimizer = dataclasses.replace(offload_optimizer, max_in_cpu=kept, pool_elements=pool)
+    log.info("infinity: max_in_cpu \"auto\": %.1f GiB of host memory available, %.1f GiB kept back (parameter "
+             "pool, gradient accumulators, activations), so offload_param.max_in_cpu %s and "
+             "offload_optimizer.max_in_cpu %s elements%s", available / 2**30, margin / 2**30,
+             offload_param.max_in_cpu, offload_optimizer.max_in_cpu,
+             "" if offload_optimizer.pool_elements is None else
+             f", and the optimizer's NVMe pool up to {offload_optimizer.pool_elements * 4 / 2**30:.1f} GiB")
     zero = dataclasses.replace(zero, offload_param=offload_param, offload_optimizer=offload_optimizer)
     return dataclasses.replace(config, zero=zero)

@@ -22,7 +22,7 @@ import torch
 
 from infinity.apps.tools.estimate_model import ModelSize
 from infinity.apps.tools.estimate_placement import FP32, HALF
-from infinity.offload.optimizer.nvme import KINDS, choose_pieces, cut_pieces
+from infinity.offload.optimizer.sizing import STATE_KINDS, host_elements, pool_size
 
 
 def activation_bytes(cfg: dict, tokens: int, lora_rank: int | None = None) -> int:
@@ -69,12 +69,11 @@ def finetune_host_peak(model: ModelSize, cfg: dict, cpu_bytes: int, tokens: int,
     largest_trainable = max(u.trainable for u in units)
     _, count, buffer, piece, grads = builtin_budget(cpu_bytes, largest, largest_trainable)
     shards = [u.trainable for u in units if u.trainable]
-    per_piece = len(KINDS) + (1 if model.trainable > grads else 0)
-    host = psutil.virtual_memory().available // 4 // FP32  # the tier's share of free memory (nvme_optim.HOST_SHARE)
+    per_piece = STATE_KINDS + (1 if model.trainable > grads else 0)
     optimizer_pool = buffers = 0
     if shards:
-        target, buffers = choose_pieces(shards, PIECE, OPTIMIZER_BUFFERS, per_piece, host)
-        optimizer_pool = buffers * max(n for numel in shards for _, n in cut_pieces(numel, target)) * FP32
+        buffers, elements = pool_size(shards, PIECE, OPTIMIZER_BUFFERS, per_piece, host_elements())  # as the tier does
+        optimizer_pool = buffers * elements * FP32
     return [
         ("the process (Python, torch, infinity: measured here)", psutil.Process().memory_info().rss),
         (f"parameter pool ({count} buffers of the largest unit)", count * buffer * HALF),

@@ -53,7 +53,7 @@ from infinity.io import PAGE_SIZE
 from infinity.apps.tools.estimate_machine import Machine
 from infinity.apps.tools.estimate_model import ModelSize, UnitSize
 from infinity.offload.nvme_io import MIN_BUFFERS
-from infinity.offload.optimizer.nvme import KINDS, choose_pieces, cut_pieces
+from infinity.offload.optimizer.sizing import STATE_KINDS as KINDS_COUNT, choose_pieces, cut_pieces
 
 HALF = 2  # bytes of a bf16 element, the compute dtype the recommended config enables
 FP32 = 4
@@ -146,7 +146,7 @@ def _optimizer_items(model: ModelSize, world: int, optimizer: str, nvme_path: st
     landing = Item("host", "gradient landing buffers", 2 * _page(HALF * max(trains, default=0)))
     if optimizer != "nvme":
         tier = "device" if optimizer == "none" else "host"
-        items = [Item(tier, "fp32 master + exp_avg + exp_avg_sq", len(KINDS) * FP32 * t),
+        items = [Item(tier, "fp32 master + exp_avg + exp_avg_sq", KINDS_COUNT * FP32 * t),
                  Item(tier, "fp32 gradient accumulators", FP32 * t)]
         return items + ([landing] if optimizer == "cpu" else []), 0, {"device": optimizer}
     defaults, zero = OffloadOptimizerConfig(), ZeroConfig()
@@ -156,17 +156,17 @@ def _optimizer_items(model: ModelSize, world: int, optimizer: str, nvme_path: st
             room -= n
         else:
             spilled += n
-    per_piece = len(KINDS) + (1 if spilled else 0)
+    per_piece = KINDS_COUNT + (1 if spilled else 0)
     asked = max(defaults.buffer_count, 3 * per_piece)  # the knob; the engine cuts its bytes into `count` buffers
     # The pipeline's least pool: the engine grows it into what the knobs allow of the host's free
     # memory when it is built ([Note: the pool is a budget] in offload/optimizer/sizing.py).
     target, count = choose_pieces(trains, zero.sub_group_size, asked, per_piece, host_elements=1)
     piece = max((n for t in trains for _, n in cut_pieces(t, target)), default=1)  # [Note: the pool is a budget]
-    items = [Item("nvme", "fp32 master + exp_avg + exp_avg_sq", len(KINDS) * FP32 * t),
+    items = [Item("nvme", "fp32 master + exp_avg + exp_avg_sq", KINDS_COUNT * FP32 * t),
              Item("host", "fp32 gradient accumulators", FP32 * (t - spilled)),
              Item("nvme", "spilled fp32 gradient accumulators", FP32 * spilled),
              Item("host", f"offload_optimizer pool: {count} buffers", count * _page(FP32 * piece)), landing]
-    step = 2 * len(KINDS) * FP32 * t + 2 * FP32 * spilled  # state read and written; spill written and read
+    step = 2 * KINDS_COUNT * FP32 * t + 2 * FP32 * spilled  # state read and written; spill written and read
     return items, step, {"device": "nvme", "nvme_path": nvme_path, "buffer_count": asked}
 
 

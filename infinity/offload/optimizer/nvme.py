@@ -61,7 +61,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-import psutil
 import torch
 
 from infinity.device import Device, InFlight
@@ -70,7 +69,7 @@ from infinity.offload import BufferPool, NvmeStore, Swapper
 from infinity.offload.nvme_io import IOTally, make_handle
 from infinity.offload.optimizer.accumulators import GRAD, Accumulators
 from infinity.offload.optimizer.pieces import Piece, Pieces
-from infinity.offload.optimizer.sizing import HOST_SHARE, choose_pieces, cut_pieces, held_pieces, held_spread
+from infinity.offload.optimizer.sizing import choose_pieces, cut_pieces, held_pieces, held_spread, host_elements
 from infinity.offload.protocols import TierUnit
 from infinity.offload.state import ShardState
 from infinity.offload.store import default_job_id
@@ -107,9 +106,8 @@ class NvmeOptimizerState:
         # Units with something to update; the others' state is never read for an update.
         self._updatable = {u.index for u in units if u.segments}
         self._per_piece = len(KINDS) + (1 if self.acc.spilled else 0)
-        host = psutil.virtual_memory().available // HOST_SHARE // 4  # fp32 elements
         target, buffers = choose_pieces([u.train_shard_numel for u in units], sub_group_size, offload.buffer_count,
-                                        self._per_piece, host)
+                                        self._per_piece, host_elements(), planned=offload.pool_elements)
         cuts = {u.index: cut_pieces(u.train_shard_numel, target) for u in units}
         layout = {kind: {(i, k): n * 4 for i, ps in cuts.items() for k, (_, n) in enumerate(ps)} for kind in KINDS}
         if self.acc.spilled:

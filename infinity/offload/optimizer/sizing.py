@@ -71,6 +71,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import psutil
+
 from infinity.offload.optimizer.accumulators import NORM_ROW
 
 STATE_KINDS = 3  # fp32 master, exp_avg, exp_avg_sq: the buffers one piece of Adam's state takes
@@ -86,16 +88,19 @@ assert PIECE_ALIGN % NORM_ROW == 0  # pieces start on norm rows ([Note: gradient
 
 
 def choose_pieces(shards: list[int], sub_group_size: int, buffer_count: int, per_piece: int,
-                  host_elements: int | None = None, kinds: int = STATE_KINDS) -> tuple[int, int]:
+                  host_elements: int | None = None, kinds: int = STATE_KINDS,
+                  planned: int | None = None) -> tuple[int, int]:
     """(piece target in elements, buffers) for shards of these sizes ([Note: the pool is a budget]).
     `per_piece`: buffers a piece takes (its `kinds` of state, and a spilled gradient's);
-    `host_elements`: the most fp32 elements the pool may take of the host's free memory."""
+    `host_elements`: the most fp32 elements the pool may take of the host's free memory;
+    `planned`: fp32 elements the placement plan gives the pool (max_in_cpu "auto"), taken beside
+    the knobs' budget and not capped by the host's share, which the plan has counted already."""
     asked = max((n for numel in shards for _, n in cut_pieces(numel, sub_group_size)), default=1)
     total = sum(shards)
     # DeepSpeed's buffers: buffer_count sub-groups (a sub-group never larger than the state), and
     # at least the 3 pieces of a pipeline; never more than the host's share.
     budget = max(buffer_count * max(asked, min(int(sub_group_size), total)), 3 * per_piece * asked)
-    budget = max(min(budget, host_elements or budget), 3 * per_piece * asked)
+    budget = max(min(budget, host_elements or budget), 3 * per_piece * asked, planned or 0)
     target = min(int(sub_group_size), max(MIN_PIECE, budget // (PIPELINE_DEPTH * per_piece)))
     sizes = Counter(shards)
     options = []  # (elements of state held from one step to the next, piece target, buffers)
@@ -155,6 +160,12 @@ def _cuts(sizes: Counter, target: int) -> list[int]:
     return sorted(cuts, reverse=True)
 
 
+def max_piece(sub_group_size: int) -> int:
+    """The largest piece a cut at `sub_group_size` can make ([Note: cutting pieces]): what a
+    budget made before the shards are known (the built-in config's) must leave room for."""
+    return int(1.5 * sub_group_size)
+
+
 def cut_pieces(numel: int, sub_group_size: int) -> list[tuple[int, int]]:
     """(start, count) of each piece of a shard of `numel` elements ([Note: cutting pieces])."""
     target = max(PIECE_ALIGN, int(sub_group_size))
@@ -162,6 +173,40 @@ def cut_pieces(numel: int, sub_group_size: int) -> list[tuple[int, int]]:
     size = -(-numel // count)
     size = -(-size // PIECE_ALIGN) * PIECE_ALIGN
     return [(s, min(size, numel - s)) for s in range(0, numel, size)]
+
+
+def host_elements(available: int | None = None) -> int:
+    """The most fp32 elements the pool takes of the host's free memory (`available` bytes, else
+    what the host has free now): a `HOST_SHARE`-th of it."""
+    available = psutil.virtual_memory().available if available is None else available
+    return available // HOST_SHARE // 4
+
+
+def pool_size(shards: list[int], sub_group_size: int, buffer_count: int, per_piece: int,
+              host: int | None = None, planned: int | None = None) -> tuple[int, int]:
+    """(buffers, elements a buffer) of the pool of a tier over `shards`, as the tier sizes it:
+    what the placement plan and `infinity estimate` count, never a formula of their own."""
+    target, buffers = choose_pieces(shards, sub_group_size, buffer_count, per_piece, host, planned=planned)
+    return buffers, max((n for numel in shards for _, n in cut_pieces(numel, target)), default=1)
+
+
+def pool_bytes(shards: list[int], sub_group_size: int, buffer_count: int, per_piece: int,
+               host: int | None = None, planned: int | None = None) -> int:
+    """The host memory of that pool (`pool_size`), in bytes."""
+    buffers, piece = pool_size(shards, sub_group_size, buffer_count, per_piece, host, planned)
+    return buffers * piece * 4
+
+
+def streamed_elements(shards: list[int], sub_group_size: int, buffer_count: int, per_piece: int,
+                      host: int | None = None, planned: int | None = None) -> int:
+    """Elements of a tier's state over `shards` that its pool does not hold from one step to the
+    next, so that each step reads and writes them: what the placement plan compares."""
+    if not shards:
+        return 0
+    target, buffers = choose_pieces(shards, sub_group_size, buffer_count, per_piece, host, planned=planned)
+    cuts = [cut_pieces(numel, target) for numel in shards]
+    held = held_pieces(sum(map(len, cuts)), buffers, per_piece, max(map(len, cuts)))
+    return sum(shards) * (sum(map(len, cuts)) - held) // sum(map(len, cuts))
 
 
 def held_spread(pieces: list[tuple[int, int]], held: int) -> set[tuple[int, int]]:
