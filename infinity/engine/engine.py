@@ -214,9 +214,8 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         if aio_measured and not aio.tune:
             chosen["aio"] = {"block_size": aio.block_size, "queue_depth": aio.queue_depth,
                              "thread_count": aio.thread_count, "engine": aio.engine}
-        pipeline = getattr(getattr(self.optim_state, "disk", self.optim_state), "chosen", None)
-        if pipeline is not None:
-            chosen["offload_optimizer"] = pipeline
+        if self.optim_state.chosen is not None:
+            chosen["offload_optimizer"] = self.optim_state.chosen
         for section in auto_budgets:
             chosen[f"{section}.max_in_cpu"] = getattr(self.config.zero, section).max_in_cpu
         return chosen

@@ -114,6 +114,7 @@ class OptimizerTier(Protocol):
     # Whether updates after the norm may wait for each unit's next use, which then calls
     # `set_pending` and `drop_pending` ([Note: update modes] in step_policy.py).
     updates_can_wait: ClassVar[bool]
+    chosen: dict | None  # what the tier sized itself within the config's budgets (the NVMe pool), for reports
 
     def add(self, unit: TierUnit, master: torch.Tensor) -> None:
         """Takes the unit's first fp32 master values (host)."""

@@ -41,6 +41,7 @@ class ResidentOptimizerState:
 
     KINDS = ("master", "exp_avg", "exp_avg_sq")
     updates_can_wait = False  # nothing to overlap: every update runs in backward or in step()
+    chosen = None  # no pool to size
 
     def __init__(self, device: Device, on_device: bool, units: list[TierUnit]):
         self.device = device

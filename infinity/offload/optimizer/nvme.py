@@ -134,6 +134,8 @@ class NvmeOptimizerState:
         self.chosen = {"piece_elements": largest, "buffers": buffers, "pool_bytes": buffers * largest * 4,
                        "pieces_in_flight": buffers // self._per_piece, "pieces_held": self._held_count,
                        "pieces": pieces}
+        if offload.pool_elements is not None:  # max_in_cpu "auto" gave the pool the room (placement.py)
+            self.chosen["planned_elements"] = offload.pool_elements
         self._ready: list[int] = []  # units in the order their gradients became final, not yet updated
         self._order: list[int] = []  # this step's order of final gradients
         # The previous step's order (before the first, the expected one): what `_read_ahead` follows.

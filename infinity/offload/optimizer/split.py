@@ -52,6 +52,7 @@ class SplitOptimizerState:
         self.memory, self.disk = memory, disk
         self._kept = {u.index for u in kept}
         self.handle = disk.handle  # the NVMe tier's I/O handle (tests, reports)
+        self.chosen = disk.chosen  # what the NVMe tier sized ([Note: the pool is a budget] in sizing.py)
 
     def _tier(self, unit: TierUnit):
         return self.memory if unit.index in self._kept else self.disk
