@@ -33,7 +33,7 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-GPT_FILE = os.path.join(HERE, "..", "infinity", "models", "gpt.py")
+GPT_FILE = os.path.join(HERE, "..", "infinity", "apps", "models", "gpt.py")
 
 
 def load_gpt():
