@@ -145,7 +145,7 @@ def test_state_updated_with_torch_ops_writes_half_precision_values():
     state.accumulate(unit, torch.randn(unit.train_shard_numel, dtype=torch.bfloat16), first=True, last=True)
     out = torch.zeros(unit.train_shard_numel, dtype=torch.bfloat16)
     state.update(unit, [AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.0, True, True)], 1, 1.0, out)
-    new = state.master(unit)
+    new = state.read(unit, "master")
     assert not torch.equal(new, master)
     assert torch.equal(out, new.to(torch.bfloat16))
 

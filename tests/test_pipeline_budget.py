@@ -119,7 +119,7 @@ def test_the_engine_cuts_the_budget_and_computes_the_same_numbers(tmp_path, monk
         least = 9 * -(-max(trains) // 1024) * 1024  # 3 pieces of each of 3 kinds: here more than the state
         assert tier.pool.buffer_count * tier.pool.buffer_size <= max(4 * min(int(1e8), sum(trains)), least) * 4
         results[depth] = (engine_run(engine, data, gas=1), tier.pool.buffer_count,
-                          {u.index: {k: v.clone() for k, v in tier.state(u).items()} for u in engine.units if u.trainable})
+                          {u.index: {k: tier.read(u, k).clone() for k in ("master", "exp_avg", "exp_avg_sq")} for u in engine.units if u.trainable})
         engine.close()
     (loss_a, buffers_a, state_a), (loss_b, buffers_b, state_b) = results[1], results[PIPELINE_DEPTH]
     assert buffers_b > 3 * buffers_a  # many more pieces in flight
@@ -169,7 +169,7 @@ def test_a_pool_short_of_the_state_holds_most_of_it_and_reads_only_the_rest(tmp_
         read = (_read_bytes() - before) / 2
         chosen = engine.chosen["offload_optimizer"]
         tier = engine.optim_state
-        runs[case] = (losses, read, chosen, {u.index: {k: v.clone() for k, v in tier.state(u).items()}
+        runs[case] = (losses, read, chosen, {u.index: {k: tier.read(u, k).clone() for k in ("master", "exp_avg", "exp_avg_sq")}
                                              for u in engine.units if u.trainable})
         engine.close()
     (losses, read, chosen, state_short), (roomy_losses, roomy_read, roomy_chosen, state_roomy) = runs["short"], runs["roomy"]

@@ -138,7 +138,7 @@ class CheckpointFace:
         return self.params.host_copy(unit)
 
     def write_optimizer_shards(self, unit: Unit, values: dict[str, torch.Tensor]) -> None:
-        self.optim_state.load_state(unit, values)
+        self.optim_state.write(unit, values)
 
     def write_param_shard(self, unit: Unit, shard: torch.Tensor) -> None:
         self.params.replace(unit, shard)

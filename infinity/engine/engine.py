@@ -31,6 +31,7 @@ from infinity.device.timeline import TIMELINE
 from infinity.zero import dist as zdist
 from infinity.zero.fetcher import Fetcher
 from infinity.offload.placement import resolve_max_in_cpu
+from infinity.offload.schedule import StepSchedule
 from infinity.zero.hooks import UnitHooks
 from infinity.zero.init import DeferredInit, is_deferred
 from infinity.zero.loss_scaler import LossScaler
@@ -108,7 +109,7 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
                         if getattr(config.zero, section).max_in_cpu == "auto"]
         self.config = config = resolve_max_in_cpu(config, self.units)  # [Note: host memory before the disk]
         self.params = self._param_tier()
-        self.optim_state = self._optimizer_tier()
+        self.optim_state, self.schedule = self._optimizer_tier()
         self.chosen = self._choices(measured, auto_budgets)
         # Decided once, read by the tiers and the policy ([Note: update modes] in engine/step_policy.py).
         self.update_mode = self._update_mode(self.optim_state.updates_can_wait)
@@ -124,11 +125,11 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
             del shard
         if deferred is not None:
             deferred.finish()
-        self.updates = PendingUpdates(self.params, self.optim_state, self.lifecycle)  # [Note: a unit's update] in engine/step_policy.py
+        self.updates = PendingUpdates(self.params, self.optim_state, self.lifecycle, self.schedule)  # [Note: a unit's update] in engine/step_policy.py
         self.optimizer.bind(self.optim_state, self.units, self._set_trainable_values, self.updates.run_all)
         self.trainable_numel = sum(s.numel for u in self.units for s in u.slots if s.group >= 0)
         self.frozen_numel = sum(s.numel for u in self.units for s in u.slots if s.group < 0)
-        self.fetcher = Fetcher(self.units, self.params, zero, self.updates)
+        self.fetcher = Fetcher(self.units, self.params, zero, self.updates, self.schedule)
         self.policy = StepPolicy(self.units, self.params, self.optim_state, self.fetcher, self.updates, self.optimizer,
                                  self.accelerator, self.accumulation, mode=self.update_mode, clip=config.gradient_clipping, scaler=self.scaler,
                                  skip_nonfinite=config.bf16.check_grad_overflow)
@@ -187,6 +188,8 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         return ResidentParams(self.accelerator, offload=offload.device == "cpu")
 
     def _optimizer_tier(self):
+        """The optimizer tier, and the step's orders ([Note: the step's orders] in
+        offload/schedule.py), which start from the order the NVMe tier's updates are expected in."""
         offload = self.config.zero.offload_optimizer
         if offload.device == "nvme" and any(u.trainable for u in self.units):  # else no state, no files
             from infinity.offload.optimizer.nvme import NvmeOptimizerState
@@ -195,15 +198,16 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
             mode = self._update_mode(NvmeOptimizerState.updates_can_wait)
             at_once = gradients_used_at_once(self.units, mode, self.config.batch.gradient_accumulation_steps)
             order = expected_update_order(self.units, mode)
+            schedule = StepSchedule(order, at_next_use=mode is UpdateMode.AT_NEXT_USE)
             # [Note: host memory before the disk] in offload/placement.py: max_in_cpu elements stay in memory.
             return split_by_budget(self.accelerator, offload.max_in_cpu, [u for u in self.units if u.trainable], order,
                                    lambda units: NvmeOptimizerState(
                                        self.accelerator, offload, self.config.aio, self.config.zero.sub_group_size,
-                                       rank=self.rank, units=units, at_next_use=mode is UpdateMode.AT_NEXT_USE,
-                                       no_accumulator=at_once, update_order=order,
-                                       on_damage=self.lifecycle.damaged))
+                                       rank=self.rank, units=units, schedule=schedule,
+                                       at_next_use=mode is UpdateMode.AT_NEXT_USE, no_accumulator=at_once,
+                                       on_damage=self.lifecycle.damaged)), schedule
         return ResidentOptimizerState(self.accelerator, on_device=offload.device == "none",
-                                      units=[u for u in self.units if u.trainable])
+                                      units=[u for u in self.units if u.trainable]), StepSchedule([], at_next_use=False)
 
     def _choices(self, aio_measured: bool, auto_budgets: list[str]) -> dict[str, Any]:
         """What the engine sized itself within the config's budgets, for users and reports: the
@@ -294,6 +298,7 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
     def _abandon_backward(self, what: str) -> None:
         """The accumulation is abandoned: the next micro-step starts a new one, and nothing of
         this pass (gradients in flight, state read ahead) holds a buffer."""
+        self.schedule.end_step()  # the gradients that became final before the failure: their order stands
         self.optim_state.abort_pass()
         self.hooks.reset_backward()
         for unit in self.units:  # what autograd accumulated before the failure, not handed on yet

@@ -143,6 +143,7 @@ from infinity.zero import dist as zdist
 from infinity.zero.fetcher import Fetcher
 from infinity.zero.loss_scaler import LossScaler
 from infinity.offload.protocols import OptimizerTier, ParamTier
+from infinity.offload.schedule import StepSchedule
 from infinity.zero.unit import Unit, UnitState
 from infinity.zero.zero_optimizer import ZeroOptimizer
 
@@ -227,9 +228,10 @@ class PendingUpdates:
     unit's next use: `step()` leaves them (`leave`), the fetcher runs each before it reads the
     unit's shard (`run`), and whatever reads values or state runs those it touches first."""
 
-    def __init__(self, params: ParamTier, optim_state: OptimizerTier, lifecycle: Lifecycle):
+    def __init__(self, params: ParamTier, optim_state: OptimizerTier, lifecycle: Lifecycle, schedule: StepSchedule):
         self.params, self.optim_state, self.lifecycle = params, optim_state, lifecycle
-        self._waiting: dict[int, tuple[Unit, UpdateState]] = {}  # the units not CURRENT, in the order they run
+        self.schedule = schedule  # the order they run in is its `pending` ([Note: the step's orders])
+        self._waiting: dict[int, tuple[Unit, UpdateState]] = {}  # the units not CURRENT
         self._step_args: tuple[list[AdamHyper], int, float] | None = None  # their step's hypers, count, grad scale
 
     def state(self, unit: Unit) -> UpdateState:
@@ -247,7 +249,8 @@ class PendingUpdates:
         assert not self._waiting, "the last step's updates run before the next step's norm"
         self._waiting = {u.index: (u, UpdateState.PENDING) for u in order}
         self._step_args = (hypers, step, grad_scale)
-        self.optim_state.set_pending([u.index for u in order])
+        self.schedule.set_pending([u.index for u in order])
+        self.optim_state.set_pending()
 
     def run(self, unit: Unit) -> None:
         """Runs the unit's waiting update (PENDING), or resumes it (PARTIAL): CURRENT when it
@@ -272,15 +275,17 @@ class PendingUpdates:
                                        "cannot be resumed")
             raise  # the next run() resumes it, or refuses
         del self._waiting[unit.index]
+        self.schedule.ran(unit.index)
 
     def run_all(self) -> None:
         """Runs every waiting update. Once the state is damaged none can run: they are dropped
         (what refuses is `check_intact`; a load that replaces everything may follow)."""
         if self._waiting and self.lifecycle.health is Health.DAMAGED:
             self._waiting.clear()
+            self.schedule.drop_pending()
             self.optim_state.drop_pending()
-        for unit, _ in list(self._waiting.values()):
-            self.run(unit)
+        for index in list(self.schedule.pending):
+            self.run(self._waiting[index][0])
 
 
 class StepOutcome(NamedTuple):
@@ -371,15 +376,6 @@ class StepPolicy:
         """Raises unless the state is that of a step; `what` is refused."""
         check_intact(self.lifecycle, what)
 
-    # ---- updates after the norm ([Note: updates after the norm]) ---------------------------
-
-    def _next_forward_order(self, units: list[Unit]) -> list[Unit]:
-        """`units` in the order of their first use in the recorded schedule, the others after."""
-        first: dict[int, int] = {}
-        for pos, index in enumerate(self.fetcher.schedule or ()):
-            first.setdefault(index, pos)
-        return sorted(units, key=lambda u: (first.get(u.index, 1 << 62), u.index))
-
     # ---- the step -------------------------------------------------------------------------
 
     def step(self, step_number: int) -> StepOutcome:
@@ -387,6 +383,7 @@ class StepPolicy:
             outcome = self._step(step_number)
         finally:  # also when an update failed: the step is abandoned, its buffers given back
             self._hypers, self._updated, self._updated_in_backward = None, set(), 0
+            self.updates.schedule.end_step()  # what the step learnt of the order, for the next one
             self.optim_state.finish_step()
         self.params.flush()  # parameter writes are few (2 bytes a parameter): finish them here
         return outcome
@@ -436,11 +433,16 @@ class StepPolicy:
                     self._update(u, grad_scale, "step")
             elif left:  # [Note: updates after the norm]
                 now = self.optim_state.step_order([u for u in left if u.persistent])
-                later = self._next_forward_order([u for u in left if not u.persistent])
+                later = self._forward_order([u for u in left if not u.persistent])
                 self._begin_update()
                 self.updates.leave(now + later, self._hypers, self.optimizer.step_count, grad_scale)
                 self._update_persistent(now, step_number)
         return StepOutcome(grad_norm, not overflow, self._updated_in_backward)
+
+    def _forward_order(self, units: list[Unit]) -> list[Unit]:
+        """`units` in the order of their first use in the recorded order, the others after."""
+        by_index = {u.index: u for u in units}
+        return [by_index[i] for i in self.updates.schedule.forward_order(list(by_index))]
 
     def _update_persistent(self, units: list[Unit], step_number: int) -> None:
         """Runs the waiting updates of the persistent units now ([Note: persistent units' updates])."""

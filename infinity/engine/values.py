@@ -25,7 +25,7 @@ class FullValues:
         shard = torch.empty(unit.shard_numel, dtype=torch.float32)
         parts = unit.split(shard)
         if unit.trainable:
-            parts.train.copy_(self.optim_state.master(unit))
+            parts.train.copy_(self.optim_state.read(unit, "master"))
         if unit.frozen_shard_numel:
             parts.frozen.copy_(unit.split(self.params.host_copy(unit)).frozen)
         return shard
@@ -59,14 +59,14 @@ class FullValues:
                     "safe_get_full_grad: the gradients were used by the update during backward and are not "
                     "kept (gradient_clipping is 0 and fp16 is off); set gradient_clipping > 0 to keep them "
                     "until step()")
-            local = self.optim_state.grad(unit) if self.lifecycle.grads_final else None
+            local = self.optim_state.read(unit, "grad") if self.lifecycle.grads_final else None
             if local is None:
                 return None
             local = local / self.get_loss_scale()
         elif kind == "master":
-            local = self.optim_state.master(unit)
+            local = self.optim_state.read(unit, "master")
         else:
-            local = self.optim_state.state(unit)[kind]
+            local = self.optim_state.read(unit, kind)
         shard = torch.zeros(unit.shard_numel, dtype=torch.float32)
         unit.split(shard).train.copy_(local)
         return self._gather_full(unit, shard)
@@ -83,7 +83,7 @@ class FullValues:
         self.updates.run(unit)  # [Note: a unit's update] in engine/step_policy.py
         shard = self.accelerator.host(shard)
         if unit.trainable:  # the values were written in the compute dtype; fp32 keeps them exactly
-            self.optim_state.set_master(unit, unit.split(shard).train.to(torch.float32))
+            self.optim_state.write(unit, {"master": unit.split(shard).train.to(torch.float32)})
         self.policy.write_params(unit, new_shard=shard)
 
     def _set_trainable_values(self, unit: Unit, master: torch.Tensor) -> None:
@@ -99,7 +99,7 @@ class FullValues:
         self.updates.run(unit)  # [Note: a unit's update] in engine/step_policy.py
         shard = unit.local_shard(full.to(torch.float32).cpu())
         if unit.trainable:
-            self.optim_state.set_master(unit, unit.split(shard).train.clone())
+            self.optim_state.write(unit, {"master": unit.split(shard).train.clone()})
         self.policy.write_params(unit, new_shard=shard.to(unit.dtype))
 
     def _hook_state_dict(self, model: nn.Module) -> list:

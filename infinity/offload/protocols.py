@@ -108,11 +108,11 @@ class ParamTier(Protocol):
 
 class OptimizerTier(Protocol):
     """fp32 master, exp_avg, exp_avg_sq and gradient accumulator of the trainable part of each
-    unit's shard."""
+    unit's shard: what a tier is. How it follows the step's schedule is `StepListener`'s."""
 
     on_device: bool  # the state lives on the compute device: `update`'s `out` must be there too
-    # Whether updates after the norm may wait for each unit's next use, which then calls
-    # `set_pending` and `drop_pending` ([Note: update modes] in step_policy.py).
+    # Whether updates after the norm may wait for each unit's next use ([Note: update modes] in
+    # step_policy.py): then the tier is a `StepListener` whose reads follow the pending order.
     updates_can_wait: ClassVar[bool]
     chosen: dict | None  # what the tier sized itself within the config's budgets (the NVMe pool), for reports
 
@@ -125,21 +125,6 @@ class OptimizerTier(Protocol):
         moving for the step. Returns the copy that reads `grad_shard`, if one is in flight: the
         caller waits for it (`Device.wait_compute`) before it overwrites that memory."""
 
-    def begin_pass(self, last: bool) -> None:
-        """A training forward starts; `last`: its micro-step ends an accumulation (its gradients are final)."""
-
-    def step_order(self, units: list[TierUnit]) -> list[TierUnit]:
-        """The order in which to update `units` (those whose state is read already first)."""
-
-    def finish_step(self) -> None:
-        """The step's updates are done (or it was abandoned): what it read ahead or kept goes back."""
-
-    def abort_pass(self) -> None:
-        """A backward failed: gradients in flight are dropped, buffers given back."""
-
-    def flush(self) -> None:
-        """Completes the previous step's writes, raising a failed one."""
-
     def grad_sq(self, unit: TierUnit) -> torch.Tensor:
         """Squared 2-norm of the unit's final gradient ([Note: gradient norm by rows]), on the host."""
 
@@ -148,32 +133,43 @@ class OptimizerTier(Protocol):
         """One Adam step of the unit's shard, writing the new values in `out`'s dtype into `out`
         (`ParamTier.update_target(unit, on_device)`)."""
 
-    def master(self, unit: TierUnit) -> torch.Tensor:
-        """A host copy of the unit's fp32 master."""
+    def read(self, unit: TierUnit, kind: str) -> torch.Tensor | None:
+        """The unit's fp32 "master", "exp_avg", "exp_avg_sq" or accumulated "grad" in host memory
+        (a copy, or the tier's own tensor where it lives there: read it before the next update);
+        None for a gradient no accumulator keeps."""
 
-    def set_master(self, unit: TierUnit, values: torch.Tensor) -> None: ...
-    def state(self, unit: TierUnit) -> dict[str, torch.Tensor]:
-        """Host copies of master, exp_avg and exp_avg_sq."""
+    def write(self, unit: TierUnit, values: dict[str, torch.Tensor]) -> None:
+        """Makes the given kinds of `values` (host fp32; any of master, exp_avg, exp_avg_sq) the unit's."""
 
-    def read(self, unit: TierUnit, kind: str) -> torch.Tensor:
-        """The unit's fp32 "master", "exp_avg" or "exp_avg_sq" in host memory (a copy, or the
-        tier's own tensor where it lives there: read it before the next update)."""
-
-    def grad(self, unit: TierUnit) -> torch.Tensor | None:
-        """A host copy of the unit's accumulated fp32 gradient, if one is kept."""
-
-    def load_state(self, unit: TierUnit, state: dict[str, torch.Tensor]) -> None:
-        """Makes the given kinds of `state` (host fp32; any of master, exp_avg, exp_avg_sq) the unit's;
-        all three end the unit's damage."""
-
-    def set_pending(self, order: list[int]) -> None:
-        """These units' updates wait for their next use and run in this order (`updates_can_wait`
-        tiers only): the tier may start reading their state now."""
-
-    def drop_pending(self) -> None:
-        """Forgets the updates waiting for the next forward (they will not run), and their reads ahead."""
+    def flush(self) -> None:
+        """Completes the previous step's writes, raising a failed one."""
 
     def io_stats(self) -> dict[str, float]:
         """NVMe traffic since the last call, for the step report (empty without NVMe)."""
 
     def close(self) -> None: ...
+
+
+class StepListener(Protocol):
+    """How an optimizer tier follows the step ([Note: the step's orders] in offload/schedule.py):
+    when to read state ahead and when to give back what it read. Each call comes after the
+    schedule has recorded what it says."""
+
+    def begin_pass(self, last: bool) -> None:
+        """A training forward starts; `last`: its micro-step ends an accumulation (its gradients are final)."""
+
+    def step_order(self, units: list[TierUnit]) -> list[TierUnit]:
+        """The order in which to update `units` (those whose state is read already first)."""
+
+    def set_pending(self) -> None:
+        """The schedule's pending updates wait for their next use (`updates_can_wait` tiers
+        only): the tier may start reading their state now."""
+
+    def drop_pending(self) -> None:
+        """The pending updates will not run: their reads ahead go back."""
+
+    def finish_step(self) -> None:
+        """The step's updates are done (or it was abandoned): what it read ahead or kept goes back."""
+
+    def abort_pass(self) -> None:
+        """A backward failed: gradients in flight are dropped, buffers given back."""

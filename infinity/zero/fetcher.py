@@ -38,6 +38,7 @@ from typing import Protocol
 from infinity.device.timeline import TIMELINE
 from infinity.config import ZeroConfig
 from infinity.offload.protocols import ParamTier
+from infinity.offload.schedule import StepSchedule
 from infinity.zero.unit import Unit, UnitState
 
 
@@ -53,15 +54,15 @@ class UpdatesBeforeUse(Protocol):
 
 
 class Fetcher:
-    def __init__(self, units: list[Unit], params: ParamTier, zero: ZeroConfig, updates: UpdatesBeforeUse):
+    def __init__(self, units: list[Unit], params: ParamTier, zero: ZeroConfig, updates: UpdatesBeforeUse,
+                 steps: StepSchedule):
         self.units = units
         self.params = params
         self.updates = updates  # their writes change the shards this fetcher reads: run first
+        self.steps = steps  # this fetcher records the uses there ([Note: the step's orders] in offload/schedule.py)
         self.max_live_numel = zero.stage3_max_live_parameters
         self.max_reuse_distance = zero.stage3_max_reuse_distance
         self.prefetch_numel = zero.stage3_prefetch_bucket_size
-        self.schedule: list[int] | None = None
-        self.trace: list[int] = []
         self.on_schedule = False
         self.in_step = False
         self.in_use: dict[int, int] = {}  # unit index -> nesting count of current uses
@@ -70,10 +71,20 @@ class Fetcher:
         self.gather_seconds = 0.0
         self._prefetched: set[int] = set()  # schedule positions whose shard read is already issued
 
+    @property
+    def schedule(self) -> list[int] | None:
+        """The last step's uses ([Note: recorded order]), None before the first."""
+        return self.steps.last_uses
+
+    @property
+    def trace(self) -> list[int]:
+        """This step's uses so far."""
+        return self.steps.uses
+
     # ---- per step -------------------------------------------------------------------------
 
     def begin_step(self) -> None:
-        self.trace = []
+        self.steps.begin_uses()
         self.on_schedule = self.schedule is not None
         self.in_step = True
         self._prefetched = set()  # reads started by `prefetch_next_step` are the tier's: it serves them
@@ -99,8 +110,7 @@ class Fetcher:
         self.in_use.clear()
         self.release_idle()
         self.params.drop_prefetched()  # a shard may change before its next use (optimizer step)
-        if self.in_step and self.trace and self.trace != self.schedule:
-            self.schedule = list(self.trace)
+        if self.in_step and self.steps.end_uses():
             self.params.set_schedule(self.schedule)
         self.in_step = False
         self.on_schedule = False
@@ -121,7 +131,7 @@ class Fetcher:
         """The unit is about to run: gathered on return, and marked in use."""
         pos = len(self.trace)
         if self.in_step:  # [Note: uses outside a step]
-            self.trace.append(unit.index)
+            self.steps.use(unit.index)
         if self.on_schedule and (pos >= len(self.schedule) or self.schedule[pos] != unit.index):
             self.on_schedule = False
         self.in_use[unit.index] = self.in_use.get(unit.index, 0) + 1

@@ -87,7 +87,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"state_dict: no state of this rank's shard of unit {u.name!r} (another model or "
                                      "world size?); engine.load_checkpoint re-shards checkpoints")
             for u in units:
-                tier.load_state(u, state[u.name])
+                tier.write(u, state[u.name])
                 set_params(u, state[u.name]["master"])
         for group, saved in zip(self.param_groups, groups):
             group.update(saved)

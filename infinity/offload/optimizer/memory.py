@@ -16,7 +16,7 @@ import torch
 from infinity.device.timeline import TIMELINE
 from infinity.device import Device, InFlight
 from infinity.optim.functional import AdamHyper, adam_step
-from infinity.offload.optimizer.accumulators import GradientLanding, row_norms_sq
+from infinity.offload.optimizer.accumulators import GRAD, GradientLanding, row_norms_sq
 from infinity.offload.protocols import TierUnit
 
 def adam_reference(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: AdamHyper,
@@ -121,26 +121,16 @@ class ResidentOptimizerState:
     def flush(self) -> None:
         self._consume_landed()
 
-    def master(self, unit: TierUnit) -> torch.Tensor:
-        return self.device.host(self._state[unit.index]["master"])
-
-    def set_master(self, unit: TierUnit, values: torch.Tensor) -> None:
-        self._state[unit.index]["master"].copy_(values)
-
-    def state(self, unit: TierUnit) -> dict[str, torch.Tensor]:
-        return {k: self.device.host(t) for k, t in self._state[unit.index].items()}
-
-    def grad(self, unit: TierUnit) -> torch.Tensor | None:
-        self._consume_landed()
-        return self.device.host(self._grads[unit.index])
-
     def read(self, unit: TierUnit, kind: str) -> torch.Tensor:
+        if kind == GRAD:
+            self._consume_landed()
+            return self.device.host(self._grads[unit.index])
         return self.device.host(self._state[unit.index][kind])
 
-    def load_state(self, unit: TierUnit, state: dict[str, torch.Tensor]) -> None:
+    def write(self, unit: TierUnit, values: dict[str, torch.Tensor]) -> None:
         for k in self.KINDS:
-            if k in state:
-                self._state[unit.index][k].copy_(state[k])
+            if k in values:
+                self._state[unit.index][k].copy_(values[k])
 
     def close(self) -> None:
         self._consume_landed()

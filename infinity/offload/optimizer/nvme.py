@@ -71,6 +71,7 @@ from infinity.offload.optimizer.accumulators import GRAD, Accumulators
 from infinity.offload.optimizer.pieces import Piece, Pieces
 from infinity.offload.optimizer.sizing import choose_pieces, cut_pieces, held_pieces, held_spread, host_elements
 from infinity.offload.protocols import TierUnit
+from infinity.offload.schedule import StepSchedule
 from infinity.offload.state import ShardState
 from infinity.offload.store import default_job_id
 from infinity.optim.functional import AdamHyper, adam_step
@@ -86,9 +87,10 @@ class NvmeOptimizerState:
     no_accumulator: units whose gradient feeds their update the moment it is final (update in
     backward, one micro-step); every other unit's gradient outlives its backward in an
     accumulator, in host memory or spilled ([Note: gradient spill] in accumulators.py).
-    update_order: unit indices in the order the step is expected to update them (default:
-    reverse unit order); the first ones keep their accumulators in memory, and the first step
-    reads ahead in it ([Note: reading ahead in the expected order]).
+    schedule: the step's orders ([Note: the step's orders] in offload/schedule.py): before the
+    first step, its `expected` order is the one the step is expected to update units in (the
+    first ones keep their accumulators in memory, and the first step reads ahead in it: [Note:
+    reading ahead in the expected order]); this tier records the order gradients become final.
     at_next_use: whether the updates wait for each unit's next use (the engine's update mode,
     [Note: update modes] in infinity/engine/step_policy.py), so that they run in forward order.
     """
@@ -97,12 +99,12 @@ class NvmeOptimizerState:
     updates_can_wait = True  # their I/O then overlaps the next forward ([Note: updates after the norm] in step_policy.py)
 
     def __init__(self, device: Device, offload, aio, sub_group_size: int, *, rank: int, units: list[TierUnit],
-                 at_next_use: bool, no_accumulator: set[int] = frozenset(), update_order: list[int] | None = None,
+                 schedule: StepSchedule, at_next_use: bool, no_accumulator: set[int] = frozenset(),
                  on_damage: Callable[[str], None] = lambda why: None):
         self.device = device
+        self.schedule = schedule
         self._on_damage = on_damage  # the run's health hears why its state is not a step's ([Note: resuming an update])
-        update_order = update_order or [u.index for u in reversed(units)]
-        self.acc = Accumulators(device, units, offload.max_grad_in_cpu, set(no_accumulator), update_order)
+        self.acc = Accumulators(device, units, offload.max_grad_in_cpu, set(no_accumulator), schedule.expected)
         # Units with something to update; the others' state is never read for an update.
         self._updatable = {u.index for u in units if u.segments}
         self._per_piece = len(KINDS) + (1 if self.acc.spilled else 0)
@@ -130,22 +132,14 @@ class NvmeOptimizerState:
         self.swapper = Swapper(self.store, self.pool, None, self.handle, make_handle(aio), on_lost=self._lost_write)
         self.acc.bind(self.swapper, self.pool)
         self.pieces = Pieces(self.swapper, cuts)
-        self._hold_spread([index for index in update_order if index in self._updatable])
+        self._hold_spread(schedule.expected)
         self.chosen = {"piece_elements": largest, "buffers": buffers, "pool_bytes": buffers * largest * 4,
                        "pieces_in_flight": buffers // self._per_piece, "pieces_held": self._held_count,
                        "pieces": pieces}
         if offload.pool_elements is not None:  # max_in_cpu "auto" gave the pool the room (placement.py)
             self.chosen["planned_elements"] = offload.pool_elements
-        self._ready: list[int] = []  # units in the order their gradients became final, not yet updated
-        self._order: list[int] = []  # this step's order of final gradients
-        # The previous step's order (before the first, the expected one): what `_read_ahead` follows.
-        self._expected = [index for index in update_order if index in self._updatable]
-        self._final: set[int] = set()  # units whose gradient is final this step
-        self._updated: set[int] = set()
+        self._updated: set[int] = set()  # units updated this step
         self._reading_ahead = False
-        self._pending_order: list[int] = []  # units whose update waits for their next use, in that order
-        # The last pending order: the next step's, too ([Note: reading ahead in the expected order]).
-        self._last_pending_order = list(self._expected) if at_next_use else []
         self._resume: dict[int, int] = {}  # unit -> pieces of its unfinished update done ([Note: resuming an update])
         self._at_next_use = at_next_use
         self._tally = IOTally(self.swapper)
@@ -177,7 +171,7 @@ class NvmeOptimizerState:
         if last:
             self._read_ahead()
         else:
-            self._drop_early(keep=self._pending_order)
+            self._drop_early(keep=self.schedule.pending)
 
     def accumulate(self, unit: TierUnit, grad_shard: torch.Tensor, first: bool, last: bool = False) -> InFlight:
         # [Note: gradients to the host] in accumulators.py: consumed one unit later, or at the update.
@@ -188,10 +182,10 @@ class NvmeOptimizerState:
         cuts = [(p.start, p.numel) for p in self.pieces.of[index]]
         keep = self.acc.consume(index, g, first, last, cuts)
         if last and index in self._updatable:
-            self._final.add(index)
-            self._ready.append(index)
-            self._order.append(index)
-            if not self._last_pending_order:  # pending updates run in forward order: `_read_ahead` follows it
+            self.schedule.gradient_final(index)
+            # Pending updates run in forward order: `_read_ahead` follows that; otherwise this unit's
+            # update comes now, in the order gradients become final.
+            if not any(i in self._updatable for i in self.schedule.last_pending):
                 for p in self.pieces.of[index]:
                     if not self._read_early(p):
                         break  # the pool is as full as the step's own pipeline allows
@@ -205,7 +199,7 @@ class NvmeOptimizerState:
 
     def step_order(self, units: list[TierUnit]) -> list[TierUnit]:
         """Units not yet updated, those whose state reads started in backward first, in that order."""
-        rank = {index: pos for pos, index in enumerate(self._ready)}
+        rank = {index: pos for pos, index in enumerate(self.schedule.final)}
         rest = [u for u in units if u.index not in self._updated]
         return sorted(rest, key=lambda u: rank.get(u.index, len(rank) + u.index))
 
@@ -232,8 +226,8 @@ class NvmeOptimizerState:
         `order` (the expected one, then each step's as it was). Pieces held no longer let go of
         their buffers now, before the new ones take theirs: the pool holds no more pieces than it
         can while the others stream."""
-        held = held_spread([(index, k) for index in order for k in range(len(self.pieces.of[index]))],
-                           self._held_count)
+        held = held_spread([(index, k) for index in order if index in self._updatable
+                            for k in range(len(self.pieces.of[index]))], self._held_count)
         for p in self.pieces.in_memory():
             if p.held and p.key not in held:
                 self.pieces.let_go(p)
@@ -251,7 +245,7 @@ class NvmeOptimizerState:
         pool while the held ones update ([Note: the pool is a budget] in sizing.py)."""
         index = piece.unit
         kinds = [kind for kind in self._kinds(index) if kind not in piece.handles
-                 and (kind != GRAD or index in self._final or index in self._pending_order)]
+                 and (kind != GRAD or index in self.schedule.final or index in self.schedule.pending)]
         if not kinds:
             return True
         if not self.swapper.can_spare((2 if in_order else 3) * self._per_piece + len(kinds)):
@@ -268,11 +262,13 @@ class NvmeOptimizerState:
         self.acc.landing.discard()
         self.finish_step()
 
-    def _read_ahead(self) -> None:
+    def _read_ahead(self, done: int | None = None) -> None:
         """Reads the pieces of the units expected to become final next ([Note: reading ahead in
         the expected order]), as far as the pool allows; first those of pending updates, in the
-        order they will run."""
-        for index in self._pending_order:
+        order they will run (but `done`, whose update just ran)."""
+        for index in self.schedule.pending:
+            if index == done or index not in self._updatable:
+                continue
             for p in self.pieces.of[index][self._resume.get(index, 0):]:
                 if not self._read_early(p, in_order=True):
                     return
@@ -281,8 +277,8 @@ class NvmeOptimizerState:
         # Updates that wait for the next forward take the pending ones first (all read by now),
         # then these in this order; updates in backward or in the step take them in the order
         # gradients become final, which the expected one only predicts.
-        for index in self._expected:
-            if index in self._updated or index not in self.pieces.of:
+        for index in self.schedule.expected:
+            if index in self._updated or index not in self._updatable:
                 continue
             for p in self.pieces.of[index]:
                 if not self._read_early(p, self._at_next_use):
@@ -344,23 +340,18 @@ class NvmeOptimizerState:
             if fresh is not None:
                 self.acc.release(fresh)
         self._resume.pop(index, None)
-        if index in self._pending_order:  # the last step's, not this one's
-            self._pending_order.remove(index)
-            self._final.discard(index)
-        else:
-            if index in self._ready:
-                self._ready.remove(index)
+        if index not in self.schedule.pending:  # this step's, not the last step's (which leaves `pending` now)
             self._updated.add(index)
-        self._read_ahead()
+        self._read_ahead(done=index)
 
-    def set_pending(self, order: list[int]) -> None:
-        """These units' updates run later, in this order ([Note: updates after the norm] in
-        step_policy.py): their reads issued so far are kept for them, and more start now."""
-        self._pending_order = list(order)
-        self._last_pending_order = list(order)
+    def set_pending(self) -> None:
+        """The schedule's pending updates run later, in its order ([Note: updates after the norm]
+        in step_policy.py): their reads issued so far are kept for them, and more start now."""
         self._reading_ahead = False  # the next step's reads start with its forward
         self._read_ahead()
-        for index in self._pending_order:  # a shard whose last write failed fails the step now, not one later
+        for index in self.schedule.pending:  # a shard whose last write failed fails the step now, not one later
+            if index not in self._updatable:
+                continue
             for p in self.pieces.of[index]:
                 for kind in KINDS:
                     if self.swapper.state(kind, p.key) is ShardState.INVALID:
@@ -388,18 +379,14 @@ class NvmeOptimizerState:
 
     def drop_pending(self) -> None:
         """The pending updates will not run (the state is damaged): their reads ahead go back."""
-        self._pending_order = []
-        self._final.clear()
         self._resume.clear()
         self._drop_early(held=True)
 
     def finish_step(self) -> None:
-        if self._order:
-            self._expected, self._order = self._last_pending_order or self._order, []
-            self._hold_spread(self._expected)
-        self._drop_early(keep=self._pending_order)  # reads for an update that did not come (a skipped step)
-        self._ready.clear()
-        self._final = {index for index in self._final if index in self._pending_order}
+        """The step ended (the schedule's orders rolled over first): the pool holds the pieces the
+        next step's order spreads, and reads for an update that did not come (a skipped step) go."""
+        self._hold_spread(self.schedule.expected)
+        self._drop_early(keep=self.schedule.pending)
         self.acc.end_step()  # a skipped step's gradient, never used
         self._updated.clear()
         self._reading_ahead = False
@@ -426,43 +413,26 @@ class NvmeOptimizerState:
                 self.swapper.release(kind, p.key)
         return out
 
-    def master(self, unit: TierUnit) -> torch.Tensor:
-        return self._read_all(unit.index, "master")
-
-    def read(self, unit: TierUnit, kind: str) -> torch.Tensor:
-        return self._read_all(unit.index, kind)
-
-    def _write_all(self, index: int, kind: str, values: torch.Tensor) -> None:
-        for p in self.pieces.of[index]:
-            self.swapper.write(kind, p.key, values[p.start:p.start + p.numel].contiguous())
-
-    def set_master(self, unit: TierUnit, values: torch.Tensor) -> None:
-        self._drop_early(only=unit.index, held=True)  # a shard being written is held by nobody
-        for p in self.pieces.of[unit.index]:
-            self.swapper.write("master", p.key, values[p.start:p.start + p.numel].contiguous())
-            self.swapper.flush()
-
-    def state(self, unit: TierUnit) -> dict[str, torch.Tensor]:
-        return {kind: self._read_all(unit.index, kind) for kind in KINDS}
-
-    def grad(self, unit: TierUnit) -> torch.Tensor | None:
-        """A host copy of the unit's accumulated gradient, or None where none is kept (one
-        that fed its update at once)."""
+    def read(self, unit: TierUnit, kind: str) -> torch.Tensor | None:
+        """A host copy of the unit's fp32 `kind` (master, exp_avg, exp_avg_sq, or its accumulated
+        gradient "grad": None where none is kept, one that fed its update at once)."""
+        if kind != GRAD:
+            return self._read_all(unit.index, kind)
         self.acc.landing.consume_landed()
-        index = unit.index
-        if index in self.acc.host:
-            return self.acc.host[index].clone()
-        if index in self.acc.spilled:
-            return self._read_all(index, GRAD)
-        return None
+        if unit.index in self.acc.host:
+            return self.acc.host[unit.index].clone()
+        return self._read_all(unit.index, GRAD) if unit.index in self.acc.spilled else None
 
-    def load_state(self, unit: TierUnit, state: dict[str, torch.Tensor]) -> None:
+    def write(self, unit: TierUnit, values: dict[str, torch.Tensor]) -> None:
+        """Makes `values` (host fp32, any of master, exp_avg, exp_avg_sq) the unit's state; all
+        three replace an unfinished update ([Note: resuming an update])."""
         self._drop_early(only=unit.index, held=True)  # a shard being written is held by nobody
         for kind in KINDS:
-            if kind in state:
-                self._write_all(unit.index, kind, state[kind])
-        self.swapper.flush()  # the sources are views of `state`: alive until here
-        if all(kind in state for kind in KINDS):  # all of it replaced: an unfinished update is gone
+            if kind in values:
+                for p in self.pieces.of[unit.index]:
+                    self.swapper.write(kind, p.key, values[kind][p.start:p.start + p.numel].contiguous())
+        self.swapper.flush()  # the sources are views of `values`: alive until here
+        if all(kind in values for kind in KINDS):
             self._resume.pop(unit.index, None)
 
     def io_stats(self) -> dict[str, float]:

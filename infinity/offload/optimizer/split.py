@@ -76,23 +76,11 @@ class SplitOptimizerState:
     def update(self, unit: TierUnit, hypers: list[AdamHyper], step: int, grad_scale: float, out: torch.Tensor) -> None:
         self._tier(unit).update(unit, hypers, step, grad_scale, out)
 
-    def master(self, unit: TierUnit) -> torch.Tensor:
-        return self._tier(unit).master(unit)
-
-    def set_master(self, unit: TierUnit, values: torch.Tensor) -> None:
-        self._tier(unit).set_master(unit, values)
-
-    def state(self, unit: TierUnit) -> dict[str, torch.Tensor]:
-        return self._tier(unit).state(unit)
-
-    def grad(self, unit: TierUnit) -> torch.Tensor | None:
-        return self._tier(unit).grad(unit)
-
-    def read(self, unit: TierUnit, kind: str) -> torch.Tensor:
+    def read(self, unit: TierUnit, kind: str) -> torch.Tensor | None:
         return self._tier(unit).read(unit, kind)
 
-    def load_state(self, unit: TierUnit, state: dict[str, torch.Tensor]) -> None:
-        self._tier(unit).load_state(unit, state)
+    def write(self, unit: TierUnit, values: dict[str, torch.Tensor]) -> None:
+        self._tier(unit).write(unit, values)
 
     # ---- about the step ---------------------------------------------------------------------
 
@@ -101,8 +89,8 @@ class SplitOptimizerState:
         return (self.disk.step_order([u for u in units if u.index not in self._kept])
                 + [u for u in units if u.index in self._kept])
 
-    def set_pending(self, order: list[int]) -> None:
-        self.disk.set_pending([index for index in order if index not in self._kept])
+    def set_pending(self) -> None:
+        self.disk.set_pending()  # it reads the schedule's pending order, its own units of it
 
     def begin_pass(self, last: bool) -> None:
         self.memory.begin_pass(last)
