@@ -555,7 +555,8 @@ def test_a_signal_reaches_python_while_a_wait_blocks(tmp_path):
     so that only kill -9 ended it), the read goes on, and waiting again gives its outcome."""
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    child = subprocess.Popen([sys.executable, "-c", _BLOCKED_READ, str(fifo)], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", _BLOCKED_READ, str(fifo)], stdout=subprocess.PIPE, text=True,
+                             cwd=tmp_path)  # not the checkout, which would shadow the installed package
     try:
         assert child.stdout.readline().strip() == "waiting"
         time.sleep(0.3)  # inside wait(), blocked on the pipe
