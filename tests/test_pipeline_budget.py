@@ -219,3 +219,38 @@ def test_held_pieces_are_written_back_before_the_pool_lets_go_of_them(tmp_path):
     assert held_losses == losses
     for name, value in state.items():
         assert torch.equal(held_state[name], value), name
+
+
+def test_reads_issued_out_of_update_order_never_starve_an_update(tmp_path, monkeypatch):
+    """[Note: reads in update order]: the first step reads state ahead in the order construction
+    guesses (the tied embedding's tiles, last in module order, last), while its updates at the next
+    forward take the tiles first (the forward's order). The pool, of many small pieces, some held,
+    then filled with the blocks' reads and the tiles' update waited for a buffer that no update
+    before it would give back: a TimeoutError at the first step's updates. Now the reads out of
+    order go back, an update keeps a held piece only with room beside it, and the numbers are
+    those of the roomy pool's."""
+    for name in ("MIN_PIECE", "MIN_STREAMED_PIECE", "MIN_CACHED_PIECE"):
+        monkeypatch.setattr(sizing, name, 1024)
+    torch.manual_seed(0)
+    model = TinyGPT(layers=4, d=64, vocab=4096)
+    data = batches(3, 4)
+    states = {}
+    for case, count in (("tight", 90), ("roomy", 10_000)):
+        path = tmp_path / case
+        path.mkdir()
+        cfg = config(3, "cpu", "nvme", clip=1.0, tile_size=131072, sub_group_size=4096)
+        cfg["zero_optimization"]["offload_optimizer"].update(nvme_path=str(path), buffer_count=count)
+        engine, *_ = infinity.initialize(model=copy.deepcopy(model), config=cfg)
+        tier = engine.optim_state
+        tier.swapper.timeout = 5.0  # a starved update fails fast
+        assert any(u.name.startswith("emb.tiles") for u in engine.units)
+        losses = engine_run(engine, data, gas=1)
+        states[case] = (losses, {u.index: {k: tier.read(u, k).clone() for k in ("master", "exp_avg", "exp_avg_sq")}
+                                 for u in engine.units if u.trainable})
+        if case == "tight":
+            assert 0 < engine.chosen["offload_optimizer"]["pieces_held"] < engine.chosen["offload_optimizer"]["pieces"]
+        engine.close()
+    assert states["tight"][0] == states["roomy"][0]
+    for index, kinds in states["roomy"][1].items():
+        for kind, value in kinds.items():
+            assert torch.equal(value, states["tight"][1][index][kind]), (index, kind)

@@ -34,6 +34,17 @@ running during backward (no clipping, no fp16: see [Note: update during backward
 the state of a unit is then in memory when its gradient is final, its update runs at once, and
 its writes drain behind the next unit's backward.
 
+[Note: reads in update order]
+An update takes its pieces one after the other and needs buffers for the piece it updates and
+the next; reads issued ahead wait in the pool until their update comes. If the pool fills with
+reads of pieces whose updates come later while a piece updated sooner is still on disk, the
+update waits for a buffer that only a later update would give back: it never comes. So reads
+ahead are issued in the order the updates will take them (`in_order`), keeping two pieces'
+buffers back; when the order changes under reads already issued (the first step's order is a
+guess, and `step()` then learns the forward's), those after the first piece still on disk go back
+(`_in_update_order`); and an updated piece the pool would hold is written back instead when
+keeping it would leave the rest of the update less than a piece's buffers.
+
 [Note: failed transfers give their buffers back]
 A read that failed holds nothing; every other buffer an update holds when a read or a fetch
 fails (the piece's other kinds, the piece read ahead, the gradient it was given, the reads of
@@ -68,7 +79,7 @@ from infinity.device.timeline import TIMELINE
 from infinity.offload import BufferPool, NvmeStore, Swapper
 from infinity.offload.nvme_io import IOTally, make_handle
 from infinity.offload.optimizer.accumulators import GRAD, Accumulators
-from infinity.offload.optimizer.pieces import Piece, Pieces
+from infinity.offload.optimizer.pieces import Piece, Pieces, PieceState
 from infinity.offload.optimizer.sizing import choose_pieces, cut_pieces, held_pieces, held_spread, host_elements
 from infinity.offload.protocols import TierUnit
 from infinity.offload.schedule import StepSchedule
@@ -319,7 +330,9 @@ class NvmeOptimizerState:
                         out[start:start + n].copy_(master)
                 current = None
                 self._resume[index] = k + 1  # before its writes start: never updated twice
-                if piece.held:
+                # A held piece keeps its buffers only where the rest of the update still has a
+                # piece's worth of them beside it ([Note: reads in update order]).
+                if piece.held and self.swapper.can_spare(2 * self._per_piece):
                     self.pieces.keep(piece, dict(zip(kinds, handles)))
                 else:
                     self.pieces.write_back(piece, kinds)
@@ -348,6 +361,7 @@ class NvmeOptimizerState:
         """The schedule's pending updates run later, in its order ([Note: updates after the norm]
         in step_policy.py): their reads issued so far are kept for them, and more start now."""
         self._reading_ahead = False  # the next step's reads start with its forward
+        self._in_update_order()
         self._read_ahead()
         for index in self.schedule.pending:  # a shard whose last write failed fails the step now, not one later
             if index not in self._updatable:
@@ -356,6 +370,19 @@ class NvmeOptimizerState:
                 for kind in KINDS:
                     if self.swapper.state(kind, p.key) is ShardState.INVALID:
                         self.swapper.fetch(kind, p.key)  # raises the error naming the shard
+
+    def _in_update_order(self) -> None:
+        """[Note: reads in update order]: of the pieces read ahead, those after a piece of the
+        pending order that is still on disk go back, unless the pool holds them."""
+        gap = False
+        for index in self.schedule.pending:
+            if index not in self._updatable:
+                continue
+            for p in self.pieces.of[index][self._resume.get(index, 0):]:
+                if p.state is PieceState.ON_DISK:
+                    gap = True
+                elif gap and p.state is PieceState.READ_AHEAD and not p.held:
+                    self.pieces.let_go(p)
 
     def _drop_early(self, keep: list[int] = (), only: int | None = None, held: bool = False) -> None:
         """Lets go of the pieces read ahead, but those of the units in `keep` (`only`: of that unit
