@@ -79,7 +79,8 @@ STATE_KINDS = 3  # fp32 master, exp_avg, exp_avg_sq: the buffers one piece of Ad
 PIECE_ALIGN = 1024  # elements: 4 KiB of fp32, so every piece's extent is O_DIRECT-aligned
 PIPELINE_DEPTH = 16  # pieces the pool should hold at once ([Note: the pool is a budget])
 MIN_PIECE = 1 << 22  # elements: 16 MiB of fp32, two 8 MiB aio blocks per kind
-MIN_STREAMED_PIECE = 1 << 21  # elements: 8 MiB of fp32, the least piece cut to hold more of a state
+MIN_STREAMED_PIECE = 1 << 18  # elements: 1 MiB of fp32 (an aio block), the least piece a state that streams is cut into
+COARSE_PIECE = 1 << 21  # elements: 8 MiB of fp32, the least piece unless a streaming pool needs more pieces
 MIN_CACHED_PIECE = 1 << 18  # elements: 1 MiB of fp32, the smallest piece of a state the pool holds whole
 CACHED_SPARE = 2  # pieces' buffers beyond a whole state held: the first step's reads, spilled gradients
 STREAM_PIECES = 6  # pieces' buffers left to those streamed beside the held ones: updating, reading, writing, 3 read ahead
@@ -117,9 +118,19 @@ def choose_pieces(shards: list[int], sub_group_size: int, buffer_count: int, per
         else:  # never more than the whole state and a pipeline's pieces besides: a buffer past that is never used
             buffers = max(3 * per_piece, min(budget // largest, per_piece * (count + PIPELINE_DEPTH)))
         options.append((total if held == count else held * total // count, cut, buffers))
-    # The largest pieces (fewest transfers) among the cuts that hold within 2% of the most state.
-    most = max(kept for kept, _, _ in options)
-    _, cut, buffers = max((o for o in options if o[0] >= most * 0.98), key=lambda o: o[1])
+
+    def best(among: list) -> tuple:  # the largest pieces (fewest transfers) of those that hold within 2% of the most
+        most = max(kept for kept, _, _ in among)
+        return max((o for o in among if o[0] >= most * 0.98), key=lambda o: o[1])
+
+    # Pieces of at least COARSE_PIECE where the cut allows (each costs the step's thread a little
+    # work), but a state that mostly streams through a pool of few pieces is cut finer, for
+    # PIPELINE_DEPTH pieces in flight ([Note: the pool is a budget]).
+    kept, cut, buffers = best([o for o in options if o[0] == total or o[1] >= COARSE_PIECE] or options)
+    if 2 * kept < total and buffers < per_piece * PIPELINE_DEPTH:
+        deep = [o for o in options if o[2] >= per_piece * PIPELINE_DEPTH]
+        if deep:  # the largest pieces that keep the pipeline that deep
+            kept, cut, buffers = max(deep, key=lambda o: o[1])
     return cut, buffers
 
 
