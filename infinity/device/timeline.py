@@ -31,6 +31,11 @@ import torch
 __all__ = ["TIMELINE", "Timeline"]
 
 
+# Work on the compute thread that the per-step report counts beside its waits, under this name:
+# the optimizer's update (CPU Adam between forward units, or in backward) is time the step's
+# thread does not compute the model, as a wait for a read is.
+ON_THE_STEPS_THREAD = {"adam": "optimizer update"}
+
 class Timeline:
     def __init__(self) -> None:
         self._events: list[tuple] | None = None  # None: not recording
@@ -61,6 +66,8 @@ class Timeline:
                 t1 = time.monotonic()
                 if cat == "wait":
                     self._waits[name] += t1 - t0
+                elif name in ON_THE_STEPS_THREAD:  # work the step waits for as it would for I/O
+                    self._waits[ON_THE_STEPS_THREAD[name]] += t1 - t0
                 if self._events is not None:
                     self._events.append(("X", name, cat, t0, t1, threading.get_ident(), args))
 

@@ -52,7 +52,8 @@ class StepReport:
             log.warning("step %d: forward %.1f ms | backward %.1f ms | step %.1f ms | gather %.1f ms | "
                         "reduce %.1f ms | total %.1f ms | %s", step, 1e3 * r["forward_s"], 1e3 * r["backward_s"],
                         1e3 * r["step_s"], 1e3 * r.get("gather_s", 0.0), 1e3 * r.get("reduce_s", 0.0), 1e3 * total,
-                        waits_summary(r.get("waits", {})))
+                        waits_summary(r.get("waits", {})) + (f"; ran the optimizer's update {r['optimizer_update_s']:.3f} s"
+                                                             if r.get("optimizer_update_s") else ""))
         if self.steps_per_print and step % self.steps_per_print == 0:
             log.warning("step %d: lr %s | loss scale %g | grad norm %.4g | step time %.1f ms", step,
                         ", ".join(f"{lr:.3g}" for lr in r["lr"]), r["loss_scale"], r["grad_norm"], 1e3 * total)
