@@ -1,0 +1,136 @@
+"""The all-NVMe step when the optimizer state does not fit its pool: the streaming pipeline against
+its floors, with the budgets users give (issue [3/7]), interleaved in one process.
+
+    python bench/bench_streaming.py --rounds 5 --nvme-path /work --output streaming_134m.json
+    python bench/bench_streaming.py --clip 0 --rounds 5 --nvme-path /work --output streaming_134m_noclip.json
+
+The model is bench_user_configs.py's 134m GPT (12 x 768, vocab 64000, 134.4M parameters: 1.61 GB of
+fp32 master and moments), bf16, batch 2 x 256, params and optimizer state on NVMe
+(`max_in_cpu` 0 for both), aio 8 MiB blocks at queue depth 32, DeepSpeed's defaults otherwise.
+The optimizer pool's budget is what users write, `offload_optimizer.buffer_count` x
+`sub_group_size` fp32 elements ([Note: the pool is a budget] in
+infinity/offload/optimizer/sizing.py):
+
+  * stream-96m: 12 x 2e6 elements, 96 MB: 6% of the state;
+  * stream-400m: 10 x 1e7, 400 MB: a quarter of it;
+  * stream-1.6g: 16 x 2.5e7, 1.6 GB: the whole state (the pool holds it; the reference point);
+  * cpu: both offloads on device "cpu", the compute floor.
+
+The I/O floor of a case is the bytes its step moved (the engine's report, median over the
+rounds) over this disk, read and written one after the other or both at once, whichever is less
+(bench_user_configs.py's disk measurement, before and after the rounds): what the disk needs for
+the bytes that do not stay in the pool. A step's ratio is taken per round against max(that
+round's compute floor, the I/O floor), then the median (min-max). The per-step report's waits say
+where the step waited (`waits`: seconds per kind of wait, summed over the step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import bench_user_configs as user  # noqa: E402
+from bench_clip import spread  # noqa: E402
+from bench_train import load_gpt  # noqa: E402
+
+
+def _streaming(buffer_count: int, sub_group_size: float):
+    def config(work: str) -> tuple[dict, dict | None]:
+        return ({"sub_group_size": sub_group_size,
+                 "offload_param": {"device": "nvme", "nvme_path": work, "buffer_count": 6, "buffer_size": 1e8,
+                                   "max_in_cpu": 0},
+                 "offload_optimizer": {"device": "nvme", "nvme_path": work, "buffer_count": buffer_count}},
+                user.TUNED_AIO)
+    return config
+
+
+STREAMING = {"stream-96m": _streaming(12, 2e6), "stream-400m": _streaming(10, 1e7),
+             "stream-1.6g": _streaming(16, 2.5e7)}
+user.CASES.update(STREAMING)  # run_rounds builds its engines from bench_user_configs.CASES
+
+
+def floor_of(moved: tuple[float, float], disks: list[dict]) -> float:
+    """Seconds the disk needs for `moved` (bytes read, written): one after the other or both at
+    once, whichever is less, from the medians of the disk's measurements."""
+    med = lambda key: statistics.median(d[key] for d in disks)  # noqa: E731
+    read_gb, write_gb = moved[0] / 1e9, moved[1] / 1e9
+    sequential = read_gb * med("read_s_per_gb") + write_gb * med("write_s_per_gb")
+    return min(sequential, max(read_gb, write_gb) * med("both_s_per_gb"))
+
+
+def summarize(runs: dict, disks: list[dict], cases: list[str]) -> dict:
+    compute = runs["cpu"]["times"]
+    out = {}
+    for case in cases:
+        run = runs[case]
+        entry = {"step_s": spread(run["times"]), "wait_s": statistics.median(run["compute_wait_s"])}
+        line = f"{case:>12}: step {entry['step_s']} s, waited {entry['wait_s']:.3f} s"
+        if case != "cpu":
+            moved = tuple(statistics.median(x) for x in zip(*run["moved_bytes"]))
+            io = floor_of(moved, disks)
+            waits: dict[str, list[float]] = {}
+            for w in run["waits"]:
+                for kind, seconds in w.items():
+                    waits.setdefault(kind, []).append(seconds)
+            entry.update(moved_gb=(moved[0] / 1e9, moved[1] / 1e9), io_floor_s=io,
+                         waits={k: statistics.median(v) for k, v in waits.items()},
+                         over_max_floors=spread([t / max(io, c) for t, c in zip(run["times"], compute)]),
+                         over_cpu=spread([t / c for t, c in zip(run["times"], compute)]))
+            line += (f", moved {moved[0] / 1e9:.2f} / {moved[1] / 1e9:.2f} GB, I/O floor {io:.3f} s | "
+                     f"/ max(floors) {entry['over_max_floors']} | / cpu {entry['over_cpu']}")
+            line += "".join(f"\n{'':>14}waited on {k}: {v:.3f} s" for k, v in sorted(entry["waits"].items()) if v >= 0.001)
+        out[case] = entry
+        print(line)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", nargs="+", choices=[*STREAMING, "cpu"], default=[*STREAMING, "cpu"])
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--disk-bytes", type=int, default=1 << 30)
+    p.add_argument("--nvme-path", default="/work")
+    p.add_argument("--trace-dir", default=None)
+    p.add_argument("--output")
+    args = p.parse_args()
+    if "cpu" not in args.cases:
+        args.cases.append("cpu")
+    gpt = load_gpt()
+    model_cfg = user.MODELS["134m"]
+    num_params = user.gpt_config(gpt, model_cfg).num_params()
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="bench-streaming-", dir=args.nvme_path)
+    try:
+        disks = [user.disk_gbps(work, args.disk_bytes)]
+        runs, configs = user.run_rounds(args, gpt, model_cfg, work)
+        disks.append(user.disk_gbps(work, args.disk_bytes))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"\n{num_params / 1e6:.1f}M parameters, clip {args.clip}, {args.rounds} rounds; disk read "
+          f"{1 / statistics.median(d['read_s_per_gb'] for d in disks):.2f} GB/s, write "
+          f"{1 / statistics.median(d['write_s_per_gb'] for d in disks):.2f} GB/s")
+    summary = summarize(runs, disks, args.cases)
+    if args.output:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=HERE).stdout.strip()
+        with open(args.output, "w") as f:
+            json.dump({"command": " ".join(["python", *sys.argv]), "commit": commit,
+                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "args": vars(args),
+                       "model": model_cfg, "params": num_params, "disk": disks, "configs": configs, "runs": runs,
+                       "summary": summary}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
