@@ -567,7 +567,7 @@ def test_decoupled_weight_decay_follows_deepspeed(name: str, adam_w_mode: bool |
 
 
 @pytest.mark.parametrize(("optimizer", "error", "message"), [
-    ({"type": "SGD"}, ValueError, 'optimizer.type: expected one of "Adam", "AdamW", got "SGD"'),
+    ({"type": "SGD"}, ValueError, 'optimizer.type: expected one of "Adam", "AdamW", "Adagrad", "Lion", got "SGD"'),
     ({"type": "OneBitAdam"}, ValueError,
      'optimizer.type: DeepSpeed optimizer "OneBitAdam" not implemented by infinity'),
     ({"type": "Lamb"}, ValueError, "not implemented by infinity"),

@@ -31,7 +31,8 @@ from typing import Any
 
 from infinity.config._checks import _bool, _float, _int, _join, _show, _size
 from infinity.config.optimizer_sections import (
-    AdamParams,
+    PARAMS_OF_TYPE,
+    _optimizer_type,
     OptimizerConfig,
     SchedulerConfig,
     _SCHEDULER_PARAMS,
@@ -119,7 +120,7 @@ _DEFAULT_ONLY_BF16: dict[str, Any] = {
 _DEFAULT_ONLY_OPTIMIZER: dict[str, Any] = {"legacy_fusion": False}
 _NO_EFFECT_ADAM: dict[str, _Check] = {"torch_adam": _bool}
 _DEFAULT_ONLY_ADAM: dict[str, Any] = {
-    "amsgrad": False, "bias_correction": True, "fp32_optimizer_states": True,
+    "amsgrad": False, "bias_correction": True,
 }
 _NOT_IMPLEMENTED_ADAM = {
     "max_grad_norm": "use the top-level gradient_clipping (DeepSpeed refuses it here too)",
@@ -390,12 +391,13 @@ def _require_divisible(train: int, divisor: int, divisor_text: str) -> None:
 def _parse_optimizer(raw: Any) -> OptimizerConfig:
     keys = _take(raw, "optimizer", ("type", "params"), default_only=_DEFAULT_ONLY_OPTIMIZER,
                  misplaced={name: f"optimizer.params.{name}"
-                            for name in (*_field_names(AdamParams), *_NO_EFFECT_ADAM)},
+                            for cls in set(PARAMS_OF_TYPE.values()) for name in (*_field_names(cls), *_NO_EFFECT_ADAM)},
                  required=("type",))
-    params = _parse_section(keys.get("params", {}), "optimizer.params", AdamParams,
-                            no_effect=_NO_EFFECT_ADAM, default_only=_DEFAULT_ONLY_ADAM,
-                            not_implemented=_NOT_IMPLEMENTED_ADAM)
-    return OptimizerConfig(type=keys["type"], params=params)
+    kind = _optimizer_type(keys["type"], "optimizer.type")  # canonical before its params are read
+    params = _parse_section(keys.get("params", {}), "optimizer.params", PARAMS_OF_TYPE[kind],
+                            no_effect=_NO_EFFECT_ADAM, default_only=_DEFAULT_ONLY_ADAM if kind in ("Adam", "AdamW")
+                            else {"amsgrad": False}, not_implemented=_NOT_IMPLEMENTED_ADAM)
+    return OptimizerConfig(type=kind, params=params)
 
 
 def _parse_scheduler(raw: Any) -> SchedulerConfig:

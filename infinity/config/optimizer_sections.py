@@ -25,13 +25,13 @@ from infinity.config._checks import (
 )
 
 WARMUP_TYPES = ("log", "linear")
-OPTIMIZER_TYPES = ("Adam", "AdamW")
+OPTIMIZER_TYPES = ("Adam", "AdamW", "Adagrad", "Lion")
 SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 
 # DeepSpeed optimizer types that infinity does not provide (lower-cased: DeepSpeed matches them
 # case-insensitively).
 _DEEPSPEED_ONLY_OPTIMIZERS = frozenset({
-    "adagrad", "lamb", "onebitadam", "zerooneadam", "onebitlamb", "lion", "muon", "muadam",
+    "lamb", "onebitadam", "zerooneadam", "onebitlamb", "muon", "muadam",
     "muadamw", "musgd",
 })
 
@@ -62,13 +62,62 @@ class AdamParams:
     """Weight decay, decoupled (AdamW) or added to the gradient (L2), see `adam_w_mode`."""
     adam_w_mode: bool = _spec(_bool, default=True)
     """For type Adam: decoupled weight decay when true (DeepSpeed's default). AdamW ignores it."""
+    fp32_optimizer_states: bool = _spec(_bool, default=True)
+    """False keeps the moments in bfloat16, in memory and on NVMe (DeepSpeed's CPU Adam option);
+    the master stays fp32 ([Note: update rules] in infinity/optim/rules.py)."""
 
     def __post_init__(self) -> None:
         _validate(self)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AdagradParams:
+    """Adagrad hyperparameters (`optimizer.params` of type Adagrad): torch.optim.Adagrad's, with
+    DeepSpeed's CPU Adagrad defaults."""
+
+    _PATH: ClassVar[str] = "optimizer.params"
+
+    lr: float = _spec(_float, minimum=0.0, default=1e-2)
+    """Learning rate (a scheduler, if configured, overwrites it every step)."""
+    eps: float = _spec(_float, minimum=0.0, default=1e-10)
+    """Added to the square root of the sum of squared gradients."""
+    weight_decay: float = _spec(_float, minimum=0.0, default=0.0)
+    """L2 weight decay, added to the gradient (as torch's Adagrad)."""
+    lr_decay: float = _spec(_float, minimum=0.0, default=0.0)
+    """The step size is lr / (1 + (step - 1) * lr_decay)."""
+    initial_accumulator_value: float = _spec(_float, minimum=0.0, default=0.0)
+    """The value the sum of squared gradients starts at."""
+    fp32_optimizer_states: bool = _spec(_bool, default=True)
+    """False keeps the sum in bfloat16, in memory and on NVMe."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LionParams:
+    """Lion hyperparameters (`optimizer.params` of type Lion), with DeepSpeed's defaults."""
+
+    _PATH: ClassVar[str] = "optimizer.params"
+
+    lr: float = _spec(_float, minimum=0.0, default=1e-3)
+    """Learning rate (a scheduler, if configured, overwrites it every step)."""
+    betas: tuple[float, float] = _spec(_betas, default=(0.9, 0.999))
+    """Interpolation of the update's sign (beta1) and of the momentum (beta2)."""
+    weight_decay: float = _spec(_float, minimum=0.0, default=0.0)
+    """Decoupled weight decay: the param is multiplied by 1 - lr * weight_decay."""
+    fp32_optimizer_states: bool = _spec(_bool, default=True)
+    """False keeps the momentum in bfloat16, in memory and on NVMe."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+PARAMS_OF_TYPE = {"Adam": AdamParams, "AdamW": AdamParams, "Adagrad": AdagradParams, "Lion": LionParams}
+
+
 def _optimizer_type(value: Any, path: str) -> str:
-    """Adam or AdamW, matched case-insensitively as DeepSpeed does; returned canonical."""
+    """One of OPTIMIZER_TYPES, matched case-insensitively as DeepSpeed does; returned canonical."""
     if not isinstance(value, str):
         raise TypeError(f"{path}: expected a string, got {_show(value)}")
     for name in OPTIMIZER_TYPES:
@@ -82,22 +131,27 @@ def _optimizer_type(value: Any, path: str) -> str:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OptimizerConfig:
-    """The optimizer infinity builds (section `optimizer`): Adam or AdamW, run on the CPU."""
+    """The optimizer infinity builds (section `optimizer`): Adam, AdamW, Adagrad or Lion."""
 
     _PATH: ClassVar[str] = "optimizer"
 
     type: str = _spec(_optimizer_type)
-    """"Adam" or "AdamW" (any case in JSON, stored canonical)."""
-    params: AdamParams = _spec(_instance, AdamParams, factory=AdamParams)
+    """"Adam", "AdamW", "Adagrad" or "Lion" (any case in JSON, stored canonical)."""
+    params: AdamParams | AdagradParams | LionParams = _spec(_instance, (AdamParams, AdagradParams, LionParams),
+                                                            factory=AdamParams)
     """Hyperparameters."""
 
     def __post_init__(self) -> None:
         _validate(self)
+        expected = PARAMS_OF_TYPE[self.type]
+        if not isinstance(self.params, expected):
+            raise TypeError(f"optimizer.params: type {self.type} takes {expected.__name__}, got "
+                            f"{type(self.params).__name__}")
 
     @property
     def decoupled_weight_decay(self) -> bool:
         """AdamW-style decay: type AdamW, or type Adam with adam_w_mode (DeepSpeed's rule)."""
-        return self.type == "AdamW" or self.params.adam_w_mode
+        return self.type == "AdamW" or getattr(self.params, "adam_w_mode", True)
 
 
 # Fields shared by the schedules, as keyword arguments of `_spec`.

@@ -32,9 +32,9 @@ __all__ = ["TIMELINE", "Timeline"]
 
 
 # Work on the compute thread that the per-step report counts beside its waits, under this name:
-# the optimizer's update (CPU Adam between forward units, or in backward) is time the step's
+# the optimizer's update (its CPU kernel between forward units, or in backward) is time the step's
 # thread does not compute the model, as a wait for a read is.
-ON_THE_STEPS_THREAD = {"adam": "optimizer update"}
+ON_THE_STEPS_THREAD = {"update": "optimizer update"}
 
 class Timeline:
     def __init__(self) -> None:

@@ -107,8 +107,12 @@ class CheckpointFace:
 
     def training_state(self) -> TrainingState:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        optimizer = {"step_count": self.optimizer.step_count, "param_groups": groups}
+        if self.optimizer.rule.client:  # [Note: a client optimizer over shards] in infinity/optim/rules.py
+            self.updates.run_all()
+            optimizer["client"] = self.optimizer.rule.state_dict()
         return TrainingState(self.global_steps, self.skipped_steps, self.global_samples, self.micro_steps,
-                             optimizer={"step_count": self.optimizer.step_count, "param_groups": groups},
+                             optimizer=optimizer,
                              lr_scheduler=getattr(self.lr_scheduler, "state_dict", lambda: None)(),
                              loss_scaler=self.scaler.state_dict() if self.scaler is not None else None,
                              device_rng=self.accelerator.rng_state())
@@ -120,6 +124,8 @@ class CheckpointFace:
             self.optimizer.step_count = state.optimizer["step_count"]
             for group, saved in zip(self.optimizer.param_groups, state.optimizer["param_groups"]):
                 group.update(saved)
+            if self.optimizer.rule.client and state.optimizer.get("client") is not None:
+                self.optimizer.rule.load_state_dict(state.optimizer["client"])
         if state.lr_scheduler is not None and self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state.lr_scheduler)
         if state.loss_scaler is not None and self.scaler is not None:

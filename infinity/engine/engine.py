@@ -19,6 +19,7 @@ from torch import nn
 from infinity.config import InfinityConfig
 from infinity.device import Device, make_device
 from infinity.optim.lr_schedules import build_scheduler
+from infinity.optim.rules import STREAMED
 from infinity.engine.accumulation import Accumulation
 from infinity.engine.checkpoint_face import CheckpointFace
 from infinity.engine.deepspeed_face import DeepSpeedFace
@@ -98,6 +99,10 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         if config.zero.stage == 3:  # before the groups are read: the tiles train in the weight's place
             tile_model(model, config.zero.tile_size, groups)
         self.optimizer = ZeroOptimizer(groups, config.optimizer, optimizer)
+        if self.optimizer.rule.client and config.zero.offload_optimizer.device == "nvme" and not self.inference:
+            raise TypeError(f"optimizer: {self.optimizer.rule.name} runs with its own step() over the shards only with "
+                            "the optimizer state in memory (zero_optimization.offload_optimizer.device \"none\" or "
+                            f"\"cpu\"); the optimizers whose state streams to NVMe are {', '.join(STREAMED)}")
         self.lr_scheduler = lr_scheduler
         if lr_scheduler is None and config.scheduler is not None:
             self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
@@ -191,6 +196,7 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         """The optimizer tier, and the step's orders ([Note: the step's orders] in
         offload/schedule.py), which start from the order the NVMe tier's updates are expected in."""
         offload = self.config.zero.offload_optimizer
+        rule = self.optimizer.rule  # [Note: update rules] in infinity/optim/rules.py
         if offload.device == "nvme" and any(u.trainable for u in self.units):  # else no state, no files
             from infinity.offload.optimizer.nvme import NvmeOptimizerState
             from infinity.offload.optimizer.split import split_by_budget
@@ -205,9 +211,9 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
                                        self.accelerator, offload, self.config.aio, self.config.zero.sub_group_size,
                                        rank=self.rank, units=units, schedule=schedule,
                                        at_next_use=mode is UpdateMode.AT_NEXT_USE, no_accumulator=at_once,
-                                       on_damage=self.lifecycle.damaged)), schedule
+                                       on_damage=self.lifecycle.damaged, rule=rule), rule=rule), schedule
         return ResidentOptimizerState(self.accelerator, on_device=offload.device == "none",
-                                      units=[u for u in self.units if u.trainable]), StepSchedule([], at_next_use=False)
+                                      units=[u for u in self.units if u.trainable], rule=rule), StepSchedule([], at_next_use=False)
 
     def _choices(self, aio_measured: bool, auto_budgets: list[str]) -> dict[str, Any]:
         """What the engine sized itself within the config's budgets, for users and reports: the

@@ -12,39 +12,59 @@ from typing import Any
 
 import torch
 
-from infinity.optim.functional import AdamHyper
+from infinity.optim.rules import AdagradRule, AdamRule, LionRule, rule_for_optimizer
 
 
 def _from_user_optimizer(optimizer: torch.optim.Optimizer) -> tuple[list[dict], dict]:
     name = type(optimizer).__name__
+    defaults = dict(optimizer.defaults)
     if name in ("AdamW", "CPUAdam", "DeepSpeedCPUAdam", "FusedAdam"):
-        adamw = bool(getattr(optimizer, "adamw_mode", optimizer.defaults.get("adamw_mode", name == "AdamW")))
+        defaults["adamw_mode"] = bool(getattr(optimizer, "adamw_mode", defaults.get("adamw_mode", name == "AdamW")))
     elif name == "Adam":
-        adamw = False
-    else:
-        raise TypeError(f"optimizer: infinity runs Adam or AdamW over its shards, got {name}")
-    if optimizer.defaults.get("amsgrad"):
-        raise ValueError("optimizer: amsgrad=True is not supported")
+        defaults["adamw_mode"] = bool(defaults.get("decoupled_weight_decay", False))
     # The user's own group dicts: a scheduler built on that optimizer sets the lr we read.
-    groups = list(optimizer.param_groups)
-    defaults = dict(optimizer.defaults, adamw_mode=adamw)
-    return groups, defaults
+    return list(optimizer.param_groups), defaults
+
+
+def _config_defaults(config: Any) -> dict:
+    """The param-group defaults of the optimizer a config's `optimizer` section names."""
+    p = config.params
+    if config.type == "Adagrad":
+        return {"lr": p.lr, "eps": p.eps, "weight_decay": p.weight_decay, "lr_decay": p.lr_decay,
+                "initial_accumulator_value": p.initial_accumulator_value}
+    if config.type == "Lion":
+        return {"lr": p.lr, "betas": tuple(p.betas), "weight_decay": p.weight_decay}
+    return {"lr": p.lr, "betas": tuple(p.betas), "eps": p.eps, "weight_decay": p.weight_decay,
+            "adamw_mode": config.decoupled_weight_decay, "bias_correction": True}
+
+
+def _config_rule(config: Any):
+    dtype = torch.float32 if config.params.fp32_optimizer_states else torch.bfloat16
+    if config.type == "Adagrad":
+        return AdagradRule(moment_dtype=dtype, initial_accumulator_value=config.params.initial_accumulator_value)
+    if config.type == "Lion":
+        return LionRule(moment_dtype=dtype)
+    return AdamRule(moment_dtype=dtype)
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
-    """Param groups and hyper-parameters of the sharded Adam/AdamW update."""
+    """Param groups and hyper-parameters of the sharded update, and the rule that runs it
+    ([Note: update rules] in infinity/optim/rules.py)."""
 
     def __init__(self, groups: list[dict], config: Any, user_optimizer: torch.optim.Optimizer | None):
         if user_optimizer is not None:
             groups, defaults = _from_user_optimizer(user_optimizer)
+            self.rule = rule_for_optimizer(user_optimizer)  # [Note: update rules] in infinity/optim/rules.py
+            if getattr(self.rule, "name", "") == "Adam":
+                defaults.setdefault("bias_correction", True)
         elif config is not None:
-            p = config.params
-            defaults = {"lr": p.lr, "betas": tuple(p.betas), "eps": p.eps, "weight_decay": p.weight_decay,
-                        "adamw_mode": config.decoupled_weight_decay, "bias_correction": True}
+            defaults = _config_defaults(config)
+            self.rule = _config_rule(config)
         else:  # an engine for inference: every parameter frozen, nothing to update
-            defaults = {"lr": 0.0, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "adamw_mode": True}
+            defaults = {"lr": 0.0, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "adamw_mode": True,
+                        "bias_correction": True}
             groups = groups or [{"params": []}]  # torch refuses an optimizer without a group
-        defaults.setdefault("bias_correction", True)
+            self.rule = AdamRule()
         super().__init__(groups, defaults)
         self.step_count = 0
         self._user_optimizer = user_optimizer  # its schedulers step our (shared) groups
@@ -60,17 +80,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._run_pending = run_pending
 
     def state_dict(self) -> dict:
-        """This rank's whole Adam state in host memory: per unit, the fp32 master, exp_avg and
-        exp_avg_sq of its shard, with the param groups and the step count. For models whose state
+        """This rank's whole optimizer state in host memory: per unit, the fp32 master and the
+        rule's moments of its shard (fp32), with the param groups and the step count (and a client
+        optimizer's own `state_dict()` under "client"). For models whose state
         does not fit in memory use `engine.save_checkpoint`, which streams it to disk."""
         self._run_pending()
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         state = {}
         if self._shards is not None:
             tier, units, _ = self._shards
-            state = {u.name: {kind: tier.read(u, kind).clone() for kind in ("master", "exp_avg", "exp_avg_sq")}
+            state = {u.name: {kind: tier.read(u, kind).clone() for kind in self.rule.kinds}
                      for u in units}
-        return {"state": state, "param_groups": groups, "step_count": self.step_count}
+        out = {"state": state, "param_groups": groups, "step_count": self.step_count}
+        if self.rule.client:
+            out["client"] = self.rule.state_dict()
+        return out
 
     def load_state_dict(self, state_dict: dict) -> None:
         """The inverse of `state_dict()`, for the same model, world size and rank."""
@@ -92,14 +116,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for group, saved in zip(self.param_groups, groups):
             group.update(saved)
         self.step_count = state_dict.get("step_count", self.step_count)
+        if self.rule.client and state_dict.get("client") is not None:
+            self.rule.load_state_dict(state_dict["client"])
 
-    def hypers(self) -> list[AdamHyper]:
-        out = []
-        for g in self.param_groups:
-            b1, b2 = g["betas"]
-            out.append(AdamHyper(float(g["lr"]), float(b1), float(b2), float(g["eps"]), float(g["weight_decay"]),
-                                 bool(g["adamw_mode"]), bool(g["bias_correction"])))
-        return out
+    def hypers(self) -> list:
+        """This step's hyper-parameters of each group, as the rule's kernel takes them."""
+        return self.rule.hypers(self.param_groups)
 
     def step(self, closure=None):
         raise RuntimeError("the update of partitioned parameters runs in engine.step(); call that instead")

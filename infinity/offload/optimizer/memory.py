@@ -1,9 +1,10 @@
-"""Optimizer state over unit shards: fp32 master, exp_avg, exp_avg_sq and the fp32 gradient
-accumulator, kept in host memory (`offload_optimizer.device: cpu`) or on the compute device
-(none). The NVMe tier (`infinity.offload.optimizer.nvme`) has the same methods.
+"""Optimizer state over unit shards: the fp32 master, the update rule's moments ([Note: update
+rules] in infinity/optim/rules.py) and the fp32 gradient accumulator, kept in host memory
+(`offload_optimizer.device: cpu`) or on the compute device (none). The NVMe tier
+(`infinity.offload.optimizer.nvme`) has the same methods.
 
 [Note: one pass per shard]
-The update of a shard is one call to the CPU Adam kernel per param-group segment: it reads
+The update of a shard is one call to the rule's CPU kernel per param-group segment: it reads
 the gradient accumulator, applies the unscale/clip multiplier, updates master and moments and
 writes the new compute-dtype parameter into the parameter tier's target buffer in the same pass.
 """
@@ -15,36 +16,21 @@ import torch
 
 from infinity.device.timeline import TIMELINE
 from infinity.device import Device, InFlight
-from infinity.optim.functional import AdamHyper, adam_step
+from infinity.optim.rules import AdamRule
 from infinity.offload.optimizer.accumulators import GRAD, GradientLanding, row_norms_sq
 from infinity.offload.protocols import TierUnit
-
-def adam_reference(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: AdamHyper,
-                   step: int, grad_scale: float) -> None:
-    """Adam/AdamW with torch ops, in torch's order of operations; for state on a GPU."""
-    g = g * grad_scale
-    if h.adamw_mode:
-        p.mul_(1 - h.lr * h.weight_decay)
-    elif h.weight_decay:
-        g = g.add(p, alpha=h.weight_decay)
-    m.lerp_(g, 1 - h.beta1)
-    v.mul_(h.beta2).addcmul_(g, g, value=1 - h.beta2)
-    bc1 = 1 - h.beta1 ** step if h.bias_correction else 1.0
-    bc2 = 1 - h.beta2 ** step if h.bias_correction else 1.0
-    denom = (v.sqrt() / bc2 ** 0.5).add_(h.eps)
-    p.addcdiv_(m, denom, value=-h.lr / bc1)
-
 
 class ResidentOptimizerState:
     """All state of every shard held in memory: on the compute device (offload none) or in host
     memory (cpu). In host memory the CPU Adam kernel updates it; on an accelerator torch ops do."""
 
-    KINDS = ("master", "exp_avg", "exp_avg_sq")
+    KINDS = ("master", "exp_avg", "exp_avg_sq")  # what checkpoints keep; a rule keeps some of them
     updates_can_wait = False  # nothing to overlap: every update runs in backward or in step()
     chosen = None  # no pool to size
 
-    def __init__(self, device: Device, on_device: bool, units: list[TierUnit]):
+    def __init__(self, device: Device, on_device: bool, units: list[TierUnit], rule=None):
         self.device = device
+        self.rule = rule or AdamRule()
         self.on_device = on_device
         self._where = device.compute if on_device else torch.device("cpu")
         self._cpu_kernel = self._where.type == "cpu"  # decided once: where the state lives
@@ -56,9 +42,13 @@ class ResidentOptimizerState:
         master = master.to(torch.float32, copy=True)
         if self.on_device:
             master = self.device.move(master)
-        self._state[unit.index] = {"master": master, "exp_avg": torch.zeros_like(master),
-                                   "exp_avg_sq": torch.zeros_like(master)}
+        state = {"master": master}
+        for kind in self.rule.moments:
+            state[kind] = torch.full_like(master, self.rule.initial(kind), dtype=self.rule.moment_dtype)
+        self._state[unit.index] = state
         self._grads[unit.index] = torch.zeros_like(master)
+        if self.rule.client:
+            self.rule.register(unit, master)
 
     def accumulate(self, unit: TierUnit, grad_shard: torch.Tensor, first: bool, last: bool = False) -> InFlight | None:
         acc = self._grads[unit.index]
@@ -81,22 +71,25 @@ class ResidentOptimizerState:
         self._consume_landed()
         return self.device.host(row_norms_sq(self._grads[unit.index]).sum())
 
-    def update(self, unit: TierUnit, hypers: list[AdamHyper], step: int, grad_scale: float,
+    def update(self, unit: TierUnit, hypers: list, step: int, grad_scale: float,
                out: torch.Tensor) -> None:
         self._consume_landed()
         s, g = self._state[unit.index], self._grads[unit.index]
+        kernel = self._cpu_kernel and not self.rule.client
         half = None if out.dtype == torch.float32 else out  # the kernel rounds into it in its pass
-        with TIMELINE.span("adam", unit=unit.index):
-            for seg in unit.segments:
-                h = hypers[seg.group]
-                if self._cpu_kernel:
-                    adam_step(s["master"], g, s["exp_avg"], s["exp_avg_sq"], h, step=step, grad_scale=grad_scale,
-                              half_out=half, offset=seg.start, count=seg.count)
+        with TIMELINE.span("update", unit=unit.index):
+            if self.rule.client:
+                self.rule.update(unit, g, grad_scale)
+            for seg in () if self.rule.client else unit.segments:
+                sl = slice(seg.start, seg.start + seg.count)
+                moments = {k: s[k][sl] for k in self.rule.moments}
+                if kernel:
+                    self.rule.kernel(s["master"][sl], g[sl], moments, hypers[seg.group], step=step,
+                                     grad_scale=grad_scale, half_out=None if half is None else half[sl])
                 else:
-                    sl = slice(seg.start, seg.start + seg.count)
-                    adam_reference(s["master"][sl], g[sl], s["exp_avg"][sl], s["exp_avg_sq"][sl], h, step,
-                                   grad_scale)
-            if half is None or not self._cpu_kernel:
+                    self.rule.reference(s["master"][sl], g[sl], moments, hypers[seg.group], step=step,
+                                        grad_scale=grad_scale)
+            if half is None or not kernel:
                 out.copy_(s["master"])  # same memory side (update_target's contract): an ordinary copy
 
     def begin_pass(self, last: bool) -> None:
@@ -125,12 +118,16 @@ class ResidentOptimizerState:
         if kind == GRAD:
             self._consume_landed()
             return self.device.host(self._grads[unit.index])
-        return self.device.host(self._state[unit.index][kind])
+        state = self._state[unit.index]
+        if kind not in state:  # a moment this rule does not keep: checkpoints still hold its zeros
+            return torch.zeros(state["master"].numel(), dtype=torch.float32)
+        return self.device.host(state[kind]).float()
 
     def write(self, unit: TierUnit, values: dict[str, torch.Tensor]) -> None:
+        state = self._state[unit.index]
         for k in self.KINDS:
-            if k in values:
-                self._state[unit.index][k].copy_(values[k])
+            if k in values and k in state:
+                state[k].copy_(values[k])  # into the rule's moment format (rounded to bf16 there)
 
     def close(self) -> None:
         self._consume_landed()

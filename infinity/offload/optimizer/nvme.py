@@ -1,15 +1,15 @@
-"""`offload_optimizer.device: nvme`: fp32 master, exp_avg and exp_avg_sq of every shard live in
-the NVMe store, cut into pieces (sizing.py: [Note: cutting pieces], [Note: the pool is a budget]),
+"""`offload_optimizer.device: nvme`: the fp32 master and the rule's moments (fp32 or bf16: [Note:
+update rules] in infinity/optim/rules.py) of every shard live in the NVMe store, cut into pieces (sizing.py: [Note: cutting pieces], [Note: the pool is a budget]),
 each a record that says where its bytes are (pieces.py: [Note: a piece's place]); gradients wait
 for the update in accumulators (accumulators.py: [Note: gradient spill]). This module is the
 update pipeline over them: what is read ahead, in which order, and how a failed update resumes.
 
 [Note: pipelined step]
-A unit's update streams its pieces through the pool: the three reads of piece k+1 are in
-flight while CPU Adam updates piece k in place, and piece k-1's three writes (issued by
+A unit's update streams its pieces through the pool: the reads of piece k+1 (one per kind) are in
+flight while the CPU kernel updates piece k in place, and piece k-1's writes (issued by
 `release(dirty=True)` the moment its update ended) drain behind both. Pieces of the next unit
 are read while the last pieces of this one are updated, so the disk never waits for a unit
-boundary. The Adam pass also writes the new compute-dtype parameter into the parameter tier's
+boundary. The update's pass also writes the new compute-dtype parameter into the parameter tier's
 target buffer, so no second pass over the shard is needed.
 
 Reads start earlier than the step: when a unit's gradient becomes final during the last
@@ -85,9 +85,8 @@ from infinity.offload.protocols import TierUnit
 from infinity.offload.schedule import StepSchedule
 from infinity.offload.state import ShardState
 from infinity.offload.store import default_job_id
-from infinity.optim.functional import AdamHyper, adam_step
+from infinity.optim.rules import STREAMED, AdamRule
 
-KINDS = ("master", "exp_avg", "exp_avg_sq")
 log = logging.getLogger("infinity")
 
 
@@ -111,18 +110,24 @@ class NvmeOptimizerState:
 
     def __init__(self, device: Device, offload, aio, sub_group_size: int, *, rank: int, units: list[TierUnit],
                  schedule: StepSchedule, at_next_use: bool, no_accumulator: set[int] = frozenset(),
-                 on_damage: Callable[[str], None] = lambda why: None):
+                 on_damage: Callable[[str], None] = lambda why: None, rule=None):
         self.device = device
+        self.rule = rule or AdamRule()
+        if self.rule.client:
+            raise TypeError(f"optimizer: {self.rule.name} cannot stream its state to NVMe; infinity streams "
+                            f"{', '.join(STREAMED)} (or use offload_optimizer.device cpu)")
+        self.kinds = self.rule.kinds  # master, then the rule's moments ([Note: update rules])
         self.schedule = schedule
         self._on_damage = on_damage  # the run's health hears why its state is not a step's ([Note: resuming an update])
         self.acc = Accumulators(device, units, offload.max_grad_in_cpu, set(no_accumulator), schedule.expected)
         # Units with something to update; the others' state is never read for an update.
         self._updatable = {u.index for u in units if u.segments}
-        self._per_piece = len(KINDS) + (1 if self.acc.spilled else 0)
+        self._per_piece = len(self.kinds) + (1 if self.acc.spilled else 0)
         target, buffers = choose_pieces([u.train_shard_numel for u in units], sub_group_size, offload.buffer_count,
                                         self._per_piece, host_elements(), planned=offload.pool_elements)
         cuts = {u.index: cut_pieces(u.train_shard_numel, target) for u in units}
-        layout = {kind: {(i, k): n * 4 for i, ps in cuts.items() for k, (_, n) in enumerate(ps)} for kind in KINDS}
+        layout = {kind: {(i, k): n * self._dtype(kind).itemsize for i, ps in cuts.items() for k, (_, n) in enumerate(ps)}
+                  for kind in self.kinds}
         if self.acc.spilled:
             layout[GRAD] = {(i, k): n * 4 for i in self.acc.spilled for k, (_, n) in enumerate(cuts[i])}
         self.handle = make_handle(aio)
@@ -156,21 +161,28 @@ class NvmeOptimizerState:
         self._tally = IOTally(self.swapper)
 
     def _kinds(self, index: int) -> tuple[str, ...]:
-        return KINDS + (GRAD,) if index in self.acc.spilled else KINDS
+        return self.kinds + (GRAD,) if index in self.acc.spilled else self.kinds
+
+    def _dtype(self, kind: str) -> torch.dtype:
+        """How `kind` is stored: the moments in the rule's format, master and gradient in fp32."""
+        return self.rule.moment_dtype if kind in self.rule.moments else torch.float32
 
     # ---- gradients ------------------------------------------------------------------------
 
     def add(self, unit: TierUnit, master: torch.Tensor) -> None:
         ps = self.pieces.of[unit.index]
-        zeros = torch.zeros(max(p.numel for p in ps), dtype=torch.float32)
+        largest = max(p.numel for p in ps)
+        zeros = torch.zeros(largest, dtype=torch.float32)
+        starts = {kind: torch.full((largest,), self.rule.initial(kind), dtype=self.rule.moment_dtype)
+                  for kind in self.rule.moments}
         for p in ps:
             n = p.numel
             self.swapper.write("master", p.key, master[p.start:p.start + n].contiguous())
-            self.swapper.write("exp_avg", p.key, zeros[:n])
-            self.swapper.write("exp_avg_sq", p.key, zeros[:n])
+            for kind, start in starts.items():
+                self.swapper.write(kind, p.key, start[:n])
             if unit.index in self.acc.spilled:
                 self.swapper.write(GRAD, p.key, zeros[:n])
-        self.swapper.flush()  # the sources are views of `master` and `zeros`: alive until here
+        self.swapper.flush()  # the sources are views of `master`, `starts` and `zeros`: alive until here
 
     def begin_pass(self, last: bool) -> None:
         """A training forward starts; `last`: the accumulation boundary's, whose gradients are
@@ -217,12 +229,12 @@ class NvmeOptimizerState:
     # ---- the update -----------------------------------------------------------------------
 
     def _wait_piece(self, piece: Piece, handles: list) -> list[torch.Tensor]:
-        """The piece's fp32 tensors, in `_kinds` order. If a read failed (its fetch then holds
-        nothing), the piece's other buffers go back and the first error is raised."""
+        """The piece's tensors, in `_kinds` order, each of its kind's dtype. If a read failed (its
+        fetch then holds nothing), the piece's other buffers go back and the first error is raised."""
         tensors, error = [], None
-        for handle in handles:
+        for kind, handle in zip(self._kinds(piece.unit), handles):
             try:
-                tensors.append(self.swapper.wait(handle).view(torch.float32)[:piece.numel])
+                tensors.append(self.swapper.wait(handle).view(self._dtype(kind))[:piece.numel])
             except OSError as e:
                 error = error or e
                 tensors.append(None)
@@ -295,7 +307,7 @@ class NvmeOptimizerState:
                 if not self._read_early(p, self._at_next_use):
                     return
 
-    def update(self, unit: TierUnit, hypers: list[AdamHyper], step: int, grad_scale: float,
+    def update(self, unit: TierUnit, hypers: list, step: int, grad_scale: float,
                out: torch.Tensor) -> None:
         self.acc.landing.consume_landed()
         index = unit.index
@@ -314,18 +326,20 @@ class NvmeOptimizerState:
                 if k + 1 < len(pieces):
                     taken[k + 1] = self.pieces.take(pieces[k + 1], kinds)  # read ahead while this piece updates
                 handles = taken.pop(k)
-                master, m, v, *spilled = self._wait_piece(piece, handles)  # the swapper times the waits
+                got = dict(zip(kinds, self._wait_piece(piece, handles)))  # the swapper times the waits
                 current = piece
                 start, n = piece.start, piece.numel
-                g = spilled[0] if spilled else grad[start:start + n]
-                with TIMELINE.span("adam", unit=index, piece=k):
+                master = got["master"]
+                g = got[GRAD] if GRAD in got else grad[start:start + n]
+                with TIMELINE.span("update", unit=index, piece=k):
                     for seg in unit.segments:
                         lo, hi = max(seg.start, start), min(seg.start + seg.count, start + n)
                         if lo >= hi:
                             continue
                         sl = slice(lo - start, hi - start)
-                        adam_step(master[sl], g[sl], m[sl], v[sl], hypers[seg.group], step=step,
-                                  grad_scale=grad_scale, half_out=None if half is None else half[lo:hi])
+                        self.rule.kernel(master[sl], g[sl], {kind: got[kind][sl] for kind in self.rule.moments},
+                                         hypers[seg.group], step=step, grad_scale=grad_scale,
+                                         half_out=None if half is None else half[lo:hi])
                     if half is None:
                         out[start:start + n].copy_(master)
                 current = None
@@ -367,7 +381,7 @@ class NvmeOptimizerState:
             if index not in self._updatable:
                 continue
             for p in self.pieces.of[index]:
-                for kind in KINDS:
+                for kind in self.kinds:
                     if self.swapper.state(kind, p.key) is ShardState.INVALID:
                         self.swapper.fetch(kind, p.key)  # raises the error naming the shard
 
@@ -401,7 +415,7 @@ class NvmeOptimizerState:
     def _lost_write(self, kind: str, error: OSError) -> None:
         """A write of master or moments failed: those bytes are lost until written again, so the
         state is not a step's. (A spilled gradient's loss damages only the update that meets it.)"""
-        if kind in KINDS:
+        if kind in self.kinds:
             self._on_damage(f"a write of optimizer state failed ({error.strerror})")
 
     def drop_pending(self) -> None:
@@ -435,7 +449,7 @@ class NvmeOptimizerState:
         for p in ps:
             data = self.swapper.wait(self.swapper.fetch(kind, p.key))  # a failed read holds nothing
             try:
-                out[p.start:p.start + p.numel].copy_(data.view(torch.float32)[:p.numel])
+                out[p.start:p.start + p.numel].copy_(data.view(self._dtype(kind))[:p.numel])
             finally:
                 self.swapper.release(kind, p.key)
         return out
@@ -443,8 +457,10 @@ class NvmeOptimizerState:
     def read(self, unit: TierUnit, kind: str) -> torch.Tensor | None:
         """A host copy of the unit's fp32 `kind` (master, exp_avg, exp_avg_sq, or its accumulated
         gradient "grad": None where none is kept, one that fed its update at once)."""
-        if kind != GRAD:
+        if kind in self.kinds:
             return self._read_all(unit.index, kind)
+        if kind != GRAD:  # a moment this rule does not keep: checkpoints still hold its zeros
+            return torch.zeros(unit.train_shard_numel, dtype=torch.float32)
         self.acc.landing.consume_landed()
         if unit.index in self.acc.host:
             return self.acc.host[unit.index].clone()
@@ -454,12 +470,13 @@ class NvmeOptimizerState:
         """Makes `values` (host fp32, any of master, exp_avg, exp_avg_sq) the unit's state; all
         three replace an unfinished update ([Note: resuming an update])."""
         self._drop_early(only=unit.index, held=True)  # a shard being written is held by nobody
-        for kind in KINDS:
+        for kind in self.kinds:
             if kind in values:
+                stored = values[kind].to(self._dtype(kind))  # the rule's moment format
                 for p in self.pieces.of[unit.index]:
-                    self.swapper.write(kind, p.key, values[kind][p.start:p.start + p.numel].contiguous())
+                    self.swapper.write(kind, p.key, stored[p.start:p.start + p.numel].contiguous())
         self.swapper.flush()  # the sources are views of `values`: alive until here
-        if all(kind in values for kind in KINDS):
+        if all(kind in values for kind in self.kinds):
             self._resume.pop(unit.index, None)
 
     def io_stats(self) -> dict[str, float]:

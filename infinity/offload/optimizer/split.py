@@ -16,7 +16,6 @@ from collections.abc import Callable
 import torch
 
 from infinity.device import Device, InFlight
-from infinity.optim.functional import AdamHyper
 from infinity.offload.placement import units_in_memory
 from infinity.offload.optimizer.memory import ResidentOptimizerState
 from infinity.offload.protocols import TierUnit
@@ -25,7 +24,7 @@ log = logging.getLogger("infinity")
 
 
 def split_by_budget(device: Device, budget: int, units: list[TierUnit], order: list[int],
-                    nvme: Callable[[list[TierUnit]], object]):
+                    nvme: Callable[[list[TierUnit]], object], rule=None):
     """The optimizer tier for `units` with `budget` elements of state in host memory: all of it
     there, all on NVMe (`nvme(units)` builds that tier), or split."""
     kept = units_in_memory(units, budget, order)
@@ -34,12 +33,12 @@ def split_by_budget(device: Device, budget: int, units: list[TierUnit], order: l
     if len(kept) == len(units):
         log.info("infinity: offload_optimizer.max_in_cpu %d: the optimizer state of all %d units stays in host "
                  "memory (%d elements); nothing goes to NVMe", budget, len(units), sum(u.train_shard_numel for u in units))
-        return ResidentOptimizerState(device, on_device=False, units=units)
+        return ResidentOptimizerState(device, on_device=False, units=units, rule=rule)
     on_disk = [u for u in units if u not in kept]
     log.info("infinity: offload_optimizer.max_in_cpu %d: the optimizer state of %d of %d units (%d of %d elements) "
              "stays in host memory, the rest on NVMe", budget, len(kept), len(units),
              sum(u.train_shard_numel for u in kept), sum(u.train_shard_numel for u in units))
-    return SplitOptimizerState(ResidentOptimizerState(device, on_device=False, units=kept), nvme(on_disk), kept)
+    return SplitOptimizerState(ResidentOptimizerState(device, on_device=False, units=kept, rule=rule), nvme(on_disk), kept)
 
 
 class SplitOptimizerState:
@@ -73,7 +72,7 @@ class SplitOptimizerState:
     def grad_sq(self, unit: TierUnit) -> torch.Tensor:
         return self._tier(unit).grad_sq(unit)
 
-    def update(self, unit: TierUnit, hypers: list[AdamHyper], step: int, grad_scale: float, out: torch.Tensor) -> None:
+    def update(self, unit: TierUnit, hypers: list, step: int, grad_scale: float, out: torch.Tensor) -> None:
         self._tier(unit).update(unit, hypers, step, grad_scale, out)
 
     def read(self, unit: TierUnit, kind: str) -> torch.Tensor | None:
