@@ -71,6 +71,11 @@ class InfinityPrecision(_EngineDtype, Precision):
     `InfinityStrategy(precision_plugin=InfinityPrecision("16-mixed"))` for fp16 there."""
 
     def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        # Lightning's automatic optimization has already divided the loss by accumulate_grad_batches;
+        # DeepSpeed's backward divides it again, so its gradients are 1/gas^2 of plain Lightning's
+        # (Lightning issue #6170; Adam hardly shows it, SGD does). The engine does not divide twice.
+        if getattr(model, "automatic_optimization", True):
+            kwargs.setdefault("scale_wrt_gas", False)
         model.trainer.strategy.engine.backward(tensor, *args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
