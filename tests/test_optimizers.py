@@ -141,3 +141,146 @@ def test_amsgrad_runs_as_torch_s_own_adam(model):
     _close(engine_run(engine, data, gas=1), ref_losses)
     _params_close(engine, ref)
     engine.close()
+
+
+# ---- moment formats ([Note: moment formats] in infinity/optim/formats.py) --------------------------
+
+from torch import nn  # noqa: E402
+
+from infinity.optim.formats import BLOCK, FORMATS  # noqa: E402
+
+
+def _mlp():
+    torch.manual_seed(0)  # three units of one weight each: a unit's shard is its weight's flat values
+    return nn.Sequential(nn.Linear(64, 128, bias=False), nn.Tanh(), nn.Linear(128, 64, bias=False), nn.Tanh(),
+                         nn.Linear(64, 32, bias=False))
+
+
+def _mlp_data(steps: int):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(8, 64, generator=g) for _ in range(steps)]
+
+
+def _format_config(fmt: str, optim: str, tmp_path, **params) -> dict:
+    offload = {"device": optim}
+    if optim == "nvme":
+        offload["nvme_path"] = str(tmp_path)
+    return {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "moment_format": fmt, **params}},
+            # sub_group_size 1024: the NVMe tier cuts each 8192-element shard into eight pieces
+            "zero_optimization": {"stage": 3, "offload_optimizer": offload, "sub_group_size": 1024,
+                                  "stage3_param_persistence_threshold": 0}}
+
+
+def _reference_with_rounded_moments(fmt: str, steps: int):
+    """torch's fused AdamW (whose bits the CPU kernel gives) with clipping, each moment stored in
+    `fmt` after every step: what the engine computes with its moments in that format."""
+    model, data = _mlp(), _mlp_data(steps)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    store = FORMATS[fmt]
+    losses = []
+    for x in data:
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        for state in opt.state.values():
+            for kind in ("exp_avg", "exp_avg_sq"):
+                flat = state[kind].view(-1)
+                flat.copy_(store.decode(store.encode(flat, kind), flat.numel(), kind))
+        losses.append(loss.item())
+    return losses, model
+
+
+def _engine_losses(engine, steps: int) -> list[float]:
+    losses = []
+    for x in _mlp_data(steps):
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("optim", ["none", "cpu", "nvme"])
+def test_8bit_moments_equal_a_reference_that_rounds_the_same_way(optim, tmp_path):
+    ref_losses, ref = _reference_with_rounded_moments("8bit", STEPS)
+    engine, *_ = infinity.initialize(model=_mlp(), config=_format_config("8bit", optim, tmp_path))
+    _close(_engine_losses(engine, STEPS), ref_losses)
+    _params_close(engine, ref, atol=1e-6)
+    if optim == "nvme":  # 1 byte a moment value and a scale a block: the files hold 8-bit moments
+        sizes = {p.name.split(".")[0]: p.stat().st_size for p in tmp_path.rglob("*.bin")}
+        assert sizes and any("exp_avg" in name for name in sizes), sizes
+    engine.close()
+
+
+def test_8bit_moments_move_a_quarter_of_fp32_bytes(tmp_path):
+    """The optimizer store's files: fp32 moments take 4 bytes a value each, 8-bit ones about 1."""
+    used = {}
+    for fmt in ("fp32", "bf16", "8bit"):
+        path = tmp_path / fmt
+        path.mkdir()
+        cfg = _format_config(fmt, "nvme", path)
+        cfg["zero_optimization"]["sub_group_size"] = 10 ** 6  # a piece a shard: 4 KiB alignment is noise
+        model = nn.Sequential(*(nn.Linear(512, 512, bias=False) for _ in range(3)))
+        engine, *_ = infinity.initialize(model=model, config=cfg)
+        engine.flush_shards()
+        used[fmt] = sum(f.stat().st_size for f in path.rglob("*.bin"))
+        engine.close()
+    n = 3 * 512 * 512
+    # master 4 bytes a value plus two moments: 12, 8 and about 6 bytes a value
+    assert used["fp32"] >= 12 * n and used["bf16"] <= 8.5 * n and used["8bit"] <= 6.5 * n, used
+
+
+def test_the_8bit_format_keeps_each_value_within_its_code_s_step():
+    """Every value comes back within a sixteenth of itself (e4m3's half step) unless it is below
+    the block's range (then it is at most a 2^-9 of the block's scale away); a square's root
+    never rounds to zero; what was decoded encodes to the same values (a checkpoint keeps values)."""
+    g = torch.Generator().manual_seed(0)
+    fmt = FORMATS["8bit"]
+    x = torch.randn(10 * BLOCK + 37, generator=g) * torch.logspace(-8, 2, 10 * BLOCK + 37)
+    for kind, values in (("exp_avg", x), ("exp_avg_sq", x * x)):
+        stored = fmt.encode(values, kind)
+        assert stored.numel() == fmt.nbytes(values.numel()) < 1.02 * values.numel()
+        back = fmt.decode(stored, values.numel(), kind)
+        root = values.abs().sqrt() if kind == "exp_avg_sq" else values.abs()
+        got = back.abs().sqrt() if kind == "exp_avg_sq" else back.abs()
+        top = torch.nn.functional.pad(root, (0, -root.numel() % BLOCK)).view(-1, BLOCK).amax(1)
+        floor = top.repeat_interleave(BLOCK)[:root.numel()] / 448 * 2.0 ** -6  # e4m3's least normal
+        err = (got - root).abs()
+        assert bool((err <= root / 16 + floor * 2.0 ** -3).all())
+        if kind == "exp_avg_sq":
+            assert bool((back[values > 0] > 0).all())
+        assert torch.equal(fmt.decode(fmt.encode(back, kind), values.numel(), kind), back)
+
+
+@pytest.mark.parametrize("optim", ["cpu", "nvme"])
+def test_8bit_moments_resume_exactly(optim, tmp_path):
+    def engine():
+        return infinity.initialize(model=_mlp(), config=_format_config("8bit", optim, tmp_path / "nvme"))[0]
+
+    (tmp_path / "nvme").mkdir()
+    whole = engine()
+    expected = _engine_losses(whole, STEPS)
+    expected_state = whole.consolidated_state_dict()
+    whole.close()
+    first = engine()
+    data = _mlp_data(STEPS)
+    for x in data[:3]:
+        first.backward(first(x).pow(2).mean())
+        first.step()
+    first.save_checkpoint(str(tmp_path / "ckpt"))
+    first.close()
+    second = engine()
+    second.load_checkpoint(str(tmp_path / "ckpt"))
+    losses = []
+    for x in data[3:]:
+        loss = second(x).pow(2).mean()
+        second.backward(loss)
+        second.step()
+        losses.append(loss.item())
+    assert losses == expected[3:]
+    for name, value in second.consolidated_state_dict().items():
+        assert torch.equal(value, expected_state[name]), name
+    second.close()

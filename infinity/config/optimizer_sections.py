@@ -36,6 +36,19 @@ _DEEPSPEED_ONLY_OPTIMIZERS = frozenset({
 })
 
 
+MOMENT_FORMATS = ("fp32", "bf16", "8bit")
+
+
+def _resolve_format(params: Any) -> None:
+    """moment_format from fp32_optimizer_states when unset; the two may not disagree."""
+    implied = "fp32" if params.fp32_optimizer_states else "bf16"
+    if params.moment_format is None:
+        object.__setattr__(params, "moment_format", implied)
+    elif not params.fp32_optimizer_states and params.moment_format == "fp32":
+        raise ValueError("optimizer.params.moment_format: \"fp32\" contradicts fp32_optimizer_states false; "
+                         "give one of them")
+
+
 def _betas(value: Any, path: str) -> tuple[float, float]:
     if not isinstance(value, (list, tuple)) or len(value) != 2:
         raise TypeError(f"{path}: expected a list of two numbers, got {_show(value)}")
@@ -64,10 +77,14 @@ class AdamParams:
     """For type Adam: decoupled weight decay when true (DeepSpeed's default). AdamW ignores it."""
     fp32_optimizer_states: bool = _spec(_bool, default=True)
     """False keeps the moments in bfloat16, in memory and on NVMe (DeepSpeed's CPU Adam option);
-    the master stays fp32 ([Note: update rules] in infinity/optim/rules.py)."""
+    the master stays fp32 ([Note: moment formats] in infinity/optim/formats.py)."""
+    moment_format: str | None = _spec(_optional(_choice), MOMENT_FORMATS, default=None)
+    """(infinity) "fp32", "bf16" or "8bit" (block-wise 8-bit moments); unset: what
+    fp32_optimizer_states says."""
 
     def __post_init__(self) -> None:
         _validate(self)
+        _resolve_format(self)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -89,9 +106,12 @@ class AdagradParams:
     """The value the sum of squared gradients starts at."""
     fp32_optimizer_states: bool = _spec(_bool, default=True)
     """False keeps the sum in bfloat16, in memory and on NVMe."""
+    moment_format: str | None = _spec(_optional(_choice), MOMENT_FORMATS, default=None)
+    """(infinity) "fp32", "bf16" or "8bit"; unset: what fp32_optimizer_states says."""
 
     def __post_init__(self) -> None:
         _validate(self)
+        _resolve_format(self)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,9 +128,12 @@ class LionParams:
     """Decoupled weight decay: the param is multiplied by 1 - lr * weight_decay."""
     fp32_optimizer_states: bool = _spec(_bool, default=True)
     """False keeps the momentum in bfloat16, in memory and on NVMe."""
+    moment_format: str | None = _spec(_optional(_choice), MOMENT_FORMATS, default=None)
+    """(infinity) "fp32", "bf16" or "8bit"; unset: what fp32_optimizer_states says."""
 
     def __post_init__(self) -> None:
         _validate(self)
+        _resolve_format(self)
 
 
 PARAMS_OF_TYPE = {"Adam": AdamParams, "AdamW": AdamParams, "Adagrad": AdagradParams, "Lion": LionParams}

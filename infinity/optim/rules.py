@@ -9,10 +9,10 @@ the new compute-dtype value rounded into `half_out`), `reference` on an accelera
 in the kernel's order). A tier never names an optimizer; the hyper-parameters come from the
 param groups each step (`hypers`), so LR schedulers and users who set `group["lr"]` are heard.
 
-`moment_dtype` is the state format (`optimizer.params.fp32_optimizer_states`): float32, or
-bfloat16, in which case the moments are loaded into fp32, updated there and rounded to nearest
-even on the way back, in memory and on NVMe alike; the master is always fp32. The checkpoint
-keeps fp32 values, which hold bf16 ones exactly, so a resume is exact in either format.
+`format` is how the moments are stored ([Note: moment formats] in infinity/optim/formats.py):
+fp32, bf16 (DeepSpeed's `fp32_optimizer_states: false`) or 8 bits with a scale per block; the
+kernels see fp32 or bf16 values, the tiers decode and encode 8-bit ones around them. The master
+is always fp32.
 
 A client optimizer infinity has no kernel for (torch.optim.SGD, a Lightning module's
 `configure_optimizers`, accelerate's loop) is a `ClientRule`: its own `step()` runs over views
@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from infinity.optim.formats import MomentFormat, moment_format
 from infinity.optim.functional import AdamHyper, adam_step
 
 __all__ = ["AdagradRule", "AdamRule", "ClientRule", "LionRule", "Rule", "STREAMED", "rule_for_optimizer"]
@@ -40,10 +41,8 @@ class Rule:
     moments: ClassVar[tuple[str, ...]]
     client: ClassVar[bool] = False
 
-    def __init__(self, *, moment_dtype: torch.dtype = torch.float32):
-        if moment_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"optimizer state: moments in float32 or bfloat16, got {moment_dtype}")
-        self.moment_dtype = moment_dtype
+    def __init__(self, *, fmt: str = "fp32"):
+        self.format: MomentFormat = moment_format(fmt)
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -62,8 +61,8 @@ class Rule:
         raise NotImplementedError
 
     def reference(self, master, grad, state: dict[str, torch.Tensor], hyper, *, step: int, grad_scale: float) -> None:
-        """The rule with torch ops, for state on an accelerator: moments of `moment_dtype` are
-        updated in fp32 and rounded back, as the kernel does."""
+        """The rule with torch ops, for state on an accelerator: bf16 moments are updated in fp32
+        and rounded back, as the kernel does."""
         wide = {k: v.float() for k, v in state.items()}
         self._torch_math(master, grad * grad_scale, wide, hyper, step)
         for k, v in state.items():
@@ -74,7 +73,7 @@ class Rule:
         raise NotImplementedError
 
     def describe(self) -> str:
-        return f"{self.name} ({'fp32' if self.moment_dtype == torch.float32 else 'bf16'} moments)"
+        return f"{self.name} ({self.format.name} moments)"
 
 
 class AdamRule(Rule):
@@ -115,8 +114,8 @@ class AdagradRule(Rule):
     name = "Adagrad"
     moments = ("exp_avg_sq",)
 
-    def __init__(self, *, moment_dtype: torch.dtype = torch.float32, initial_accumulator_value: float = 0.0):
-        super().__init__(moment_dtype=moment_dtype)
+    def __init__(self, *, fmt: str = "fp32", initial_accumulator_value: float = 0.0):
+        super().__init__(fmt=fmt)
         self.initial_accumulator_value = float(initial_accumulator_value)
 
     def initial(self, kind: str) -> float:
@@ -180,7 +179,7 @@ class ClientRule:
 
     client = True
     moments: tuple[str, ...] = ()
-    moment_dtype = torch.float32
+    format = moment_format("fp32")
     kinds = ("master",)
 
     def __init__(self, user: torch.optim.Optimizer):
@@ -266,19 +265,19 @@ class ClientRule:
         inner.load_state_dict(state)
 
 
-def rule_for_optimizer(optimizer: torch.optim.Optimizer, *, fp32_states: bool | None = None):
+def rule_for_optimizer(optimizer: torch.optim.Optimizer):
     """The rule that runs a user's optimizer object: one of infinity's kernels where the class and
-    its options are the kernel's, else the optimizer's own step (`ClientRule`)."""
+    its options are the kernel's, else the optimizer's own step (`ClientRule`). Its moments' format
+    is its `moment_format` default, else bf16 for `fp32_optimizer_states=False` (DeepSpeed's CPU
+    optimizers' argument), else fp32."""
     name = type(optimizer).__name__
     d = optimizer.defaults
-    if fp32_states is None:
-        fp32_states = bool(d.get("fp32_optimizer_states", True))
-    dtype = torch.float32 if fp32_states else torch.bfloat16
+    dtype = d.get("moment_format") or ("fp32" if d.get("fp32_optimizer_states", True) else "bf16")
     plain = not d.get("maximize", False) and not d.get("differentiable", False)
     if name in ("Adam", "AdamW", "CPUAdam", "DeepSpeedCPUAdam", "FusedAdam") and plain and not d.get("amsgrad"):
-        return AdamRule(moment_dtype=dtype)
+        return AdamRule(fmt=dtype)
     if name in ("CPUAdagrad", "DeepSpeedCPUAdagrad", "Adagrad") and plain:
-        return AdagradRule(moment_dtype=dtype, initial_accumulator_value=d.get("initial_accumulator_value", 0.0))
+        return AdagradRule(fmt=dtype, initial_accumulator_value=d.get("initial_accumulator_value", 0.0))
     if name in ("CPULion", "DeepSpeedCPULion", "Lion") and plain and "betas" in d:
-        return LionRule(moment_dtype=dtype)
+        return LionRule(fmt=dtype)
     return ClientRule(optimizer)

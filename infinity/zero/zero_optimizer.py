@@ -39,12 +39,12 @@ def _config_defaults(config: Any) -> dict:
 
 
 def _config_rule(config: Any):
-    dtype = torch.float32 if config.params.fp32_optimizer_states else torch.bfloat16
+    fmt = config.params.moment_format
     if config.type == "Adagrad":
-        return AdagradRule(moment_dtype=dtype, initial_accumulator_value=config.params.initial_accumulator_value)
+        return AdagradRule(fmt=fmt, initial_accumulator_value=config.params.initial_accumulator_value)
     if config.type == "Lion":
-        return LionRule(moment_dtype=dtype)
-    return AdamRule(moment_dtype=dtype)
+        return LionRule(fmt=fmt)
+    return AdamRule(fmt=fmt)
 
 
 class ZeroOptimizer(torch.optim.Optimizer):

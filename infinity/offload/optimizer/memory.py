@@ -44,7 +44,7 @@ class ResidentOptimizerState:
             master = self.device.move(master)
         state = {"master": master}
         for kind in self.rule.moments:
-            state[kind] = torch.full_like(master, self.rule.initial(kind), dtype=self.rule.moment_dtype)
+            state[kind] = self.rule.format.empty(master.numel(), self.rule.initial(kind), kind, device=master.device)
         self._state[unit.index] = state
         self._grads[unit.index] = torch.zeros_like(master)
         if self.rule.client:
@@ -80,15 +80,21 @@ class ResidentOptimizerState:
         with TIMELINE.span("update", unit=unit.index):
             if self.rule.client:
                 self.rule.update(unit, g, grad_scale)
+            fmt, n = self.rule.format, s["master"].numel()
+            # [Note: moment formats] in infinity/optim/formats.py: 8-bit moments are decoded for the update
+            values = {k: fmt.decode(s[k], n, k) for k in self.rule.moments}
             for seg in () if self.rule.client else unit.segments:
                 sl = slice(seg.start, seg.start + seg.count)
-                moments = {k: s[k][sl] for k in self.rule.moments}
+                moments = {k: v[sl] for k, v in values.items()}
                 if kernel:
                     self.rule.kernel(s["master"][sl], g[sl], moments, hypers[seg.group], step=step,
                                      grad_scale=grad_scale, half_out=None if half is None else half[sl])
                 else:
                     self.rule.reference(s["master"][sl], g[sl], moments, hypers[seg.group], step=step,
                                         grad_scale=grad_scale)
+            if fmt.packed:
+                for k, v in values.items():
+                    fmt.encode(v, k, out=s[k])
             if half is None or not kernel:
                 out.copy_(s["master"])  # same memory side (update_target's contract): an ordinary copy
 
@@ -119,15 +125,21 @@ class ResidentOptimizerState:
             self._consume_landed()
             return self.device.host(self._grads[unit.index])
         state = self._state[unit.index]
+        n = state["master"].numel()
         if kind not in state:  # a moment this rule does not keep: checkpoints still hold its zeros
-            return torch.zeros(state["master"].numel(), dtype=torch.float32)
-        return self.device.host(state[kind]).float()
+            return torch.zeros(n, dtype=torch.float32)
+        if kind == "master":
+            return self.device.host(state[kind])
+        return self.device.host(self.rule.format.to_fp32(state[kind], n, kind))
 
     def write(self, unit: TierUnit, values: dict[str, torch.Tensor]) -> None:
         state = self._state[unit.index]
         for k in self.KINDS:
             if k in values and k in state:
-                state[k].copy_(values[k])  # into the rule's moment format (rounded to bf16 there)
+                if k == "master":
+                    state[k].copy_(values[k])
+                else:  # into the rule's moment format
+                    self.rule.format.encode(values[k].to(state[k].device), k, out=state[k])
 
     def close(self) -> None:
         self._consume_landed()

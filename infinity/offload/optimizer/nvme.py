@@ -126,7 +126,7 @@ class NvmeOptimizerState:
         target, buffers = choose_pieces([u.train_shard_numel for u in units], sub_group_size, offload.buffer_count,
                                         self._per_piece, host_elements(), planned=offload.pool_elements)
         cuts = {u.index: cut_pieces(u.train_shard_numel, target) for u in units}
-        layout = {kind: {(i, k): n * self._dtype(kind).itemsize for i, ps in cuts.items() for k, (_, n) in enumerate(ps)}
+        layout = {kind: {(i, k): self._nbytes(kind, n) for i, ps in cuts.items() for k, (_, n) in enumerate(ps)}
                   for kind in self.kinds}
         if self.acc.spilled:
             layout[GRAD] = {(i, k): n * 4 for i in self.acc.spilled for k, (_, n) in enumerate(cuts[i])}
@@ -159,13 +159,26 @@ class NvmeOptimizerState:
         self._resume: dict[int, int] = {}  # unit -> pieces of its unfinished update done ([Note: resuming an update])
         self._at_next_use = at_next_use
         self._tally = IOTally(self.swapper)
+        self._scratch_room: dict[str, torch.Tensor] = {}
 
     def _kinds(self, index: int) -> tuple[str, ...]:
         return self.kinds + (GRAD,) if index in self.acc.spilled else self.kinds
 
-    def _dtype(self, kind: str) -> torch.dtype:
-        """How `kind` is stored: the moments in the rule's format, master and gradient in fp32."""
-        return self.rule.moment_dtype if kind in self.rule.moments else torch.float32
+    def _nbytes(self, kind: str, n: int) -> int:
+        """The bytes of n values of `kind`: moments in the rule's format ([Note: moment formats] in
+        infinity/optim/formats.py), master and gradient in fp32."""
+        return self.rule.format.nbytes(n) if kind in self.rule.moments else 4 * n
+
+    def _stored(self, kind: str, raw: torch.Tensor, n: int) -> torch.Tensor:
+        """A buffer of `kind` as what is stored: n fp32 values, or the moment format's form."""
+        return self.rule.format.view(raw, n) if kind in self.rule.moments else raw.view(torch.float32)[:n]
+
+    def _scratch(self, kind: str, n: int) -> torch.Tensor:
+        """fp32 room for an 8-bit moment's piece while it updates, one per kind, reused."""
+        room = self._scratch_room.get(kind)
+        if room is None or room.numel() < n:
+            room = self._scratch_room[kind] = torch.empty(n, dtype=torch.float32)
+        return room[:n]
 
     # ---- gradients ------------------------------------------------------------------------
 
@@ -173,13 +186,15 @@ class NvmeOptimizerState:
         ps = self.pieces.of[unit.index]
         largest = max(p.numel for p in ps)
         zeros = torch.zeros(largest, dtype=torch.float32)
-        starts = {kind: torch.full((largest,), self.rule.initial(kind), dtype=self.rule.moment_dtype)
-                  for kind in self.rule.moments}
+        fmt = self.rule.format
+        starts = {}  # each piece size's first moments, in the stored form (8-bit ones hold scales too)
         for p in ps:
             n = p.numel
             self.swapper.write("master", p.key, master[p.start:p.start + n].contiguous())
-            for kind, start in starts.items():
-                self.swapper.write(kind, p.key, start[:n])
+            for kind in self.rule.moments:
+                if (kind, n) not in starts:
+                    starts[kind, n] = fmt.empty(n, self.rule.initial(kind), kind)
+                self.swapper.write(kind, p.key, starts[kind, n])
             if unit.index in self.acc.spilled:
                 self.swapper.write(GRAD, p.key, zeros[:n])
         self.swapper.flush()  # the sources are views of `master`, `starts` and `zeros`: alive until here
@@ -234,7 +249,7 @@ class NvmeOptimizerState:
         tensors, error = [], None
         for kind, handle in zip(self._kinds(piece.unit), handles):
             try:
-                tensors.append(self.swapper.wait(handle).view(self._dtype(kind))[:piece.numel])
+                tensors.append(self._stored(kind, self.swapper.wait(handle), piece.numel))
             except OSError as e:
                 error = error or e
                 tensors.append(None)
@@ -331,15 +346,21 @@ class NvmeOptimizerState:
                 start, n = piece.start, piece.numel
                 master = got["master"]
                 g = got[GRAD] if GRAD in got else grad[start:start + n]
+                fmt = self.rule.format
                 with TIMELINE.span("update", unit=index, piece=k):
+                    values = {kind: fmt.decode(got[kind], n, kind, out=self._scratch(kind, n) if fmt.packed else None)
+                              for kind in self.rule.moments}
                     for seg in unit.segments:
                         lo, hi = max(seg.start, start), min(seg.start + seg.count, start + n)
                         if lo >= hi:
                             continue
                         sl = slice(lo - start, hi - start)
-                        self.rule.kernel(master[sl], g[sl], {kind: got[kind][sl] for kind in self.rule.moments},
+                        self.rule.kernel(master[sl], g[sl], {kind: v[sl] for kind, v in values.items()},
                                          hypers[seg.group], step=step, grad_scale=grad_scale,
                                          half_out=None if half is None else half[lo:hi])
+                    if fmt.packed:
+                        for kind, v in values.items():
+                            fmt.encode(v, kind, out=got[kind])
                     if half is None:
                         out[start:start + n].copy_(master)
                 current = None
@@ -449,7 +470,9 @@ class NvmeOptimizerState:
         for p in ps:
             data = self.swapper.wait(self.swapper.fetch(kind, p.key))  # a failed read holds nothing
             try:
-                out[p.start:p.start + p.numel].copy_(data.view(self._dtype(kind))[:p.numel])
+                stored = self._stored(kind, data, p.numel)
+                out[p.start:p.start + p.numel].copy_(self.rule.format.to_fp32(stored, p.numel, kind)
+                                                     if kind in self.rule.moments else stored)
             finally:
                 self.swapper.release(kind, p.key)
         return out
@@ -470,12 +493,16 @@ class NvmeOptimizerState:
         """Makes `values` (host fp32, any of master, exp_avg, exp_avg_sq) the unit's state; all
         three replace an unfinished update ([Note: resuming an update])."""
         self._drop_early(only=unit.index, held=True)  # a shard being written is held by nobody
+        sources = []
         for kind in self.kinds:
             if kind in values:
-                stored = values[kind].to(self._dtype(kind))  # the rule's moment format
                 for p in self.pieces.of[unit.index]:
-                    self.swapper.write(kind, p.key, stored[p.start:p.start + p.numel].contiguous())
-        self.swapper.flush()  # the sources are views of `values`: alive until here
+                    part = values[kind][p.start:p.start + p.numel]
+                    if kind in self.rule.moments:  # the rule's moment format, block by block of the piece
+                        part = self.rule.format.encode(part, kind)
+                    sources.append(part.contiguous())
+                    self.swapper.write(kind, p.key, sources[-1])
+        self.swapper.flush()  # the sources (views of `values`, or encoded from them) are alive until here
         if all(kind in values for kind in self.kinds):
             self._resume.pop(unit.index, None)
 
