@@ -283,3 +283,20 @@ def test_the_finetune_peak_is_predicted_within_15_percent(tmp_path, lora):
     assert run.returncode == 0, run.stderr[-2000:]
     measured = int(run.stdout.split("VmHWM")[-1])
     assert abs(predicted - measured) <= 0.15 * measured, (predicted / 2 ** 20, measured / 2 ** 20)
+
+
+def test_it_says_which_moment_format_fits_a_7b_full_fine_tune_on_this_machine(tmp_path, capsys):
+    """llama-7b on a 24 GiB, 70 GB-disk machine without a GPU: fp32 moments (about 16 bytes a
+    parameter on NVMe) fit nowhere; 8-bit ones fit, and the table with them recommends that block."""
+    argv = ["estimate", "--model", "llama-7b", "--gpus", "0", "--cpu-mem", "24G", "--nvme-free", "70G",
+            "--nvme-path", str(tmp_path)]
+    assert infinity_main(argv) == 0
+    out = capsys.readouterr().out
+    formats = {line.split()[0]: line for line in out[out.index("moment formats"):].splitlines()[1:4]}
+    assert "nothing fits" in formats["fp32"] and "nothing fits" not in formats["8bit"], formats
+    assert infinity_main(argv + ["--moment-format", "8bit"]) == 0
+    out = capsys.readouterr().out
+    block = json.loads(out[out.index("\n{") + 1:out.index("\n}\n") + 2])
+    assert block["optimizer"]["params"]["moment_format"] == "8bit"
+    parsed = load_config({"train_micro_batch_size_per_gpu": 1, **block})
+    assert parsed.optimizer.params.moment_format == "8bit"

@@ -406,6 +406,10 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
                  "units_updated_in_backward": outcome.updated_in_backward,
                  "trainable_params": self.trainable_numel, "frozen_params": self.frozen_numel,
                  **self.params.io_stats(), **{f"optimizer_{k}": v for k, v in self.optim_state.io_stats().items()}}
+        # the optimizer's bytes a step per trainable parameter, both ways ([Note: moment formats] in infinity/optim/formats.py)
+        moved = facts.get("optimizer_nvme_read_bytes", 0) + facts.get("optimizer_nvme_write_bytes", 0)
+        facts["optimizer"] = self.optimizer.rule.describe()
+        facts["optimizer_nvme_bytes_per_param"] = moved / max(1, self.trainable_numel)
         self.report.finish_step(self.global_steps, facts, {"gather": self.fetcher.gather_seconds,
                                                            "reduce": self.hooks.reduce_seconds})
         trace = self.config.trace

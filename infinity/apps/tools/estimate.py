@@ -126,10 +126,25 @@ NOTES = (
 )
 
 
-def report(model: ModelSize, machine: Machine, tokens: int, finetune: list[tuple[str, int]] | None = None) -> str:
+def _formats(model: ModelSize, machine: Machine, shown: str) -> list[str]:
+    """Which placement each moment format would take first ([Note: moment formats] in
+    infinity/optim/formats.py): the bytes of optimizer state differ, the numerics are the user's call."""
+    lines = ["", "moment formats (optimizer.params.moment_format; their numerics differ, the choice is yours):"]
+    for fmt, per in (("fp32", "12"), ("bf16", "8"), ("8bit", "about 6")):
+        best = recommend(placements(model, machine.world, machine.nvme_path, fmt), machine)
+        where = ("nothing fits" if best is None else
+                 f"offload_param {best.param}, offload_optimizer {best.optimizer} fits (NVMe {human_bytes(best.nvme)}, "
+                 f"host {human_bytes(best.host)})")
+        mark = " (the table above)" if fmt == shown else ""
+        lines.append(f"  {fmt:<5} {per} bytes of master and moments a trainable parameter: {where}{mark}")
+    return lines
+
+
+def report(model: ModelSize, machine: Machine, tokens: int, finetune: list[tuple[str, int]] | None = None,
+           fmt: str = "fp32") -> str:
     """The whole printout: header, table, recommendation (a JSON block), `infinity finetune`'s
     peak (`finetune_host_peak`, where given), notes."""
-    options = placements(model, machine.world, machine.nvme_path)
+    options = placements(model, machine.world, machine.nvme_path, fmt)
     flops = step_flops(model, tokens)
     unit = "GPU" if machine.gpus else "CPU"
     lines = [f"model: {_describe_model(model)}", _describe_machine(machine)]
@@ -138,7 +153,8 @@ def report(model: ModelSize, machine: Machine, tokens: int, finetune: list[tuple
     seconds = flops / (machine.world * machine.tflops * 1e12)
     lines.append(f"step: {tokens:,} tokens x (6 x trainable + 4 x frozen) = {flops:.3g} FLOPs; at "
                  f"{machine.tflops:.3g} TFLOP/s per {unit}: {seconds:.3g} s of compute")
-    lines += [f"bytes per rank (world size {machine.world}), ZeRO stage 3, bf16, Adam; activations not counted:", ""]
+    lines += [f"bytes per rank (world size {machine.world}), ZeRO stage 3, bf16, Adam with {fmt} moments; activations "
+              "not counted:", ""]
     lines += _table(options, model, machine, tokens)
     best = recommend(options, machine)
     lines.append("")
@@ -149,6 +165,7 @@ def report(model: ModelSize, machine: Machine, tokens: int, finetune: list[tuple
         lines.append(f"recommended: offload_param {best.param}, offload_optimizer {best.optimizer} "
                      "(the first row that fits; rows in order of preference)")
         lines.append(json.dumps(config_block(best), indent=2))
+    lines += _formats(model, machine, fmt)
     if finetune:
         total = sum(n for _, n in finetune)
         fits = "fits" if total <= machine.cpu_bytes else "does not fit"
@@ -251,6 +268,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="freeze this fraction of every unit's parameters")
     parser.add_argument("--largest-unit", metavar="COUNT", type=parse_params,
                         help="with --params: parameters of the largest unit (default params/32)")
+    parser.add_argument("--moment-format", choices=("fp32", "bf16", "8bit"), default="fp32",
+                        help="the optimizer's moments in the table (optimizer.params.moment_format; default fp32)")
 
 
 def model_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelSize:
@@ -285,5 +304,5 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     finetune = None
     if args.model is not None and machine.gpus == 0:  # the device is the host: the whole step is host memory
         finetune = finetune_host_peak(model, load_architecture(args.model)[1], machine.cpu_bytes, tokens, args.lora)
-    print(report(model, machine, tokens, finetune))
+    print(report(model, machine, tokens, finetune, args.moment_format))
     return 0

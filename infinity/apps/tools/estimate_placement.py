@@ -6,7 +6,8 @@ The figures follow how the engine stores things, per rank, with T trainable and 
 parameter elements sharded over W ranks (t = T/W, z = Z/W):
   * parameter shards: 2 bytes (bf16) a parameter, t + z, in the offload_param tier;
   * trainable parameters only ([Note: frozen parameters] in infinity/zero/unit.py): fp32 master,
-    exp_avg, exp_avg_sq (12 t) in the offload_optimizer tier, and an fp32 gradient accumulator
+    exp_avg, exp_avg_sq (12 t with fp32 moments, 8 t with bf16 ones, about 6 t with 8-bit ones:
+    [Note: moment formats] in infinity/optim/formats.py) in the offload_optimizer tier, and an fp32 gradient accumulator
     (4 t): on the device for "none", in host memory for "cpu", in host memory up to
     `max_grad_in_cpu` elements for "nvme" and spilled to NVMe beyond ([Note: gradient spill] in
     infinity/offload/optimizer/accumulators.py);
@@ -53,6 +54,7 @@ from infinity.io import PAGE_SIZE
 from infinity.apps.tools.estimate_machine import Machine
 from infinity.apps.tools.estimate_model import ModelSize, UnitSize
 from infinity.offload.nvme_io import MIN_BUFFERS
+from infinity.optim.formats import FORMATS
 from infinity.offload.optimizer.sizing import STATE_KINDS as KINDS_COUNT, choose_pieces, cut_pieces
 
 HALF = 2  # bytes of a bf16 element, the compute dtype the recommended config enables
@@ -79,6 +81,7 @@ class Placement:
     step_nvme_bytes: int
     """Bytes one rank reads and writes on NVMe in a step ([Note: FLOP model])."""
     zero: dict
+    moment_format: str = "fp32"  # the optimizer's moments ([Note: moment formats] in infinity/optim/formats.py)
 
     def tier_bytes(self, tier: str) -> int:
         return sum(i.nbytes for i in self.items if i.tier == tier)
@@ -139,15 +142,17 @@ def _param_items(model: ModelSize, world: int, param: str, nvme_path: str) -> tu
     return items, 2 * shards + HALF * t, block  # read in forward and backward, trainable part written
 
 
-def _optimizer_items(model: ModelSize, world: int, optimizer: str, nvme_path: str) -> tuple[list[Item], int, dict]:
-    """(items, NVMe bytes a step, offload_optimizer block) of the optimizer tier."""
+def _optimizer_items(model: ModelSize, world: int, optimizer: str, nvme_path: str,
+                     fmt: str = "fp32") -> tuple[list[Item], int, dict]:
+    """(items, NVMe bytes a step, offload_optimizer block) of the optimizer tier, its moments in `fmt`."""
     t = _per_rank(model.trainable, world)
+    state = round((FP32 + 2 * FORMATS[fmt].bytes_per_value()) * t)  # the master and Adam's two moments
+    what = f"fp32 master + exp_avg + exp_avg_sq ({fmt} moments)"
     trains = [_per_rank(u.trainable, world) for u in model.units if u.trainable]  # backward order
     landing = Item("host", "gradient landing buffers", 2 * _page(HALF * max(trains, default=0)))
     if optimizer != "nvme":
         tier = "device" if optimizer == "none" else "host"
-        items = [Item(tier, "fp32 master + exp_avg + exp_avg_sq", KINDS_COUNT * FP32 * t),
-                 Item(tier, "fp32 gradient accumulators", FP32 * t)]
+        items = [Item(tier, what, state), Item(tier, "fp32 gradient accumulators", FP32 * t)]
         return items + ([landing] if optimizer == "cpu" else []), 0, {"device": optimizer}
     defaults, zero = OffloadOptimizerConfig(), ZeroConfig()
     room, spilled = defaults.max_grad_in_cpu, 0
@@ -162,11 +167,11 @@ def _optimizer_items(model: ModelSize, world: int, optimizer: str, nvme_path: st
     # memory when it is built ([Note: the pool is a budget] in offload/optimizer/sizing.py).
     target, count = choose_pieces(trains, zero.sub_group_size, asked, per_piece, host_elements=1)
     piece = max((n for t in trains for _, n in cut_pieces(t, target)), default=1)  # [Note: the pool is a budget]
-    items = [Item("nvme", "fp32 master + exp_avg + exp_avg_sq", KINDS_COUNT * FP32 * t),
+    items = [Item("nvme", what, state),
              Item("host", "fp32 gradient accumulators", FP32 * (t - spilled)),
              Item("nvme", "spilled fp32 gradient accumulators", FP32 * spilled),
              Item("host", f"offload_optimizer pool: {count} buffers", count * _page(FP32 * piece)), landing]
-    step = 2 * KINDS_COUNT * FP32 * t + 2 * FP32 * spilled  # state read and written; spill written and read
+    step = 2 * state + 2 * FP32 * spilled  # state read and written; spill written and read
     return items, step, {"device": "nvme", "nvme_path": nvme_path, "buffer_count": asked}
 
 
@@ -186,18 +191,18 @@ def _preference(param: str, optimizer: str) -> tuple[int, int, int]:
     return max(p, o), p + o, p
 
 
-def placements(model: ModelSize, world: int, nvme_path: str) -> list[Placement]:
-    """Every offload choice for ZeRO stage 3, in the order of preference."""
+def placements(model: ModelSize, world: int, nvme_path: str, fmt: str = "fp32") -> list[Placement]:
+    """Every offload choice for ZeRO stage 3, in the order of preference, with moments in `fmt`."""
     out = []
     for param, optimizer in sorted(((p, o) for p in TIERS for o in TIERS), key=lambda po: _preference(*po)):
         param_items, param_io, param_block = _param_items(model, world, param, nvme_path)
-        optim_items, optim_io, optim_block = _optimizer_items(model, world, optimizer, nvme_path)
+        optim_items, optim_io, optim_block = _optimizer_items(model, world, optimizer, nvme_path, fmt)
         items = _working_set(model) + param_items + optim_items + _staging(model, world, param, optimizer)
         zero = {"stage": 3, "offload_param": param_block, "offload_optimizer": optim_block}
         if optimizer == "nvme":
             zero["sub_group_size"] = ZeroConfig().sub_group_size
         out.append(Placement(param=param, optimizer=optimizer, items=tuple(i for i in items if i.nbytes),
-                             step_nvme_bytes=param_io + optim_io, zero=zero))
+                             step_nvme_bytes=param_io + optim_io, zero=zero, moment_format=fmt))
     return out
 
 
@@ -236,4 +241,7 @@ def recommend(options: list[Placement], machine: Machine) -> Placement | None:
 
 def config_block(p: Placement) -> dict:
     """The part of a DeepSpeed config that asks for placement `p`."""
-    return {"bf16": {"enabled": True}, "zero_optimization": p.zero}
+    block = {"bf16": {"enabled": True}, "zero_optimization": p.zero}
+    if p.moment_format != "fp32":
+        block["optimizer"] = {"type": "AdamW", "params": {"moment_format": p.moment_format}}
+    return block
