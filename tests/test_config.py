@@ -567,10 +567,10 @@ def test_decoupled_weight_decay_follows_deepspeed(name: str, adam_w_mode: bool |
 
 
 @pytest.mark.parametrize(("optimizer", "error", "message"), [
-    ({"type": "SGD"}, ValueError, 'optimizer.type: expected one of "Adam", "AdamW", "Adagrad", "Lion", got "SGD"'),
+    ({"type": "SGD"}, ValueError, 'optimizer.type: expected one of "Adam", "AdamW", "Adagrad", "Lion", "Lamb", got "SGD"'),
     ({"type": "OneBitAdam"}, ValueError,
      'optimizer.type: DeepSpeed optimizer "OneBitAdam" not implemented by infinity'),
-    ({"type": "Lamb"}, ValueError, "not implemented by infinity"),
+    ({"type": "OneBitLamb"}, ValueError, "not implemented by infinity"),
     ({"params": {"lr": 1e-3}}, ValueError, "optimizer.type: required key is missing"),
     ({"type": 1}, TypeError, "optimizer.type: expected a string, got 1"),
     ({"type": "Adam", "lr": 1e-3}, ValueError,

@@ -96,7 +96,7 @@ def test_a_client_optimizer_with_state_on_nvme_is_a_clear_error(model, tmp_path)
     cfg = _no_optimizer_section(optim="nvme")
     cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(tmp_path)
     m = copy.deepcopy(model)
-    with pytest.raises(TypeError, match=r"SGD .*offload_optimizer.device.*Adam, AdamW, Adagrad, Lion"):
+    with pytest.raises(TypeError, match=r"SGD .*offload_optimizer.device.*Adam, AdamW, Adagrad, Lion, Lamb"):
         infinity.initialize(model=m, optimizer=_sgd(m.parameters()), config=cfg)
     assert not any(tmp_path.rglob("*.bin")), "nothing written for an engine that never started"
 
@@ -284,3 +284,51 @@ def test_8bit_moments_resume_exactly(optim, tmp_path):
     for name, value in second.consolidated_state_dict().items():
         assert torch.equal(value, expected_state[name]), name
     second.close()
+
+
+# ---- LAMB ([Note: LAMB's two passes] in infinity/optim/rules.py) -----------------------------------
+
+
+def _lamb_reference(steps: int, *, lr=1e-2, betas=(0.9, 0.999), eps=1e-6, wd=0.01, max_coeff=10.0, min_coeff=0.01):
+    """Plain PyTorch, one tensor at a time, as DeepSpeed's FusedLamb defines the step."""
+    model, data = _mlp(), _mlp_data(steps)
+    state = {p: (torch.zeros_like(p), torch.zeros_like(p)) for p in model.parameters()}
+    losses = []
+    for t, x in enumerate(data, start=1):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with torch.no_grad():
+            for p in model.parameters():
+                m, v = state[p]
+                m.mul_(betas[0]).add_(p.grad, alpha=1 - betas[0])
+                v.mul_(betas[1]).addcmul_(p.grad, p.grad, value=1 - betas[1])
+                u = m / (v.sqrt() + eps) + wd * p
+                w_norm, u_norm = p.double().norm().item(), u.double().norm().item()
+                ratio = min(max(w_norm / u_norm, min_coeff), max_coeff) if w_norm and u_norm else 1.0
+                size = lr * (1 - betas[1] ** t) ** 0.5 / (1 - betas[0] ** t)
+                p.sub_(size * ratio * u)
+        model.zero_grad()
+        losses.append(loss.item())
+    return losses, model
+
+
+def _lamb_config(optim: str, tmp_path, **zero) -> dict:
+    cfg = _format_config("fp32", optim, tmp_path)
+    cfg["optimizer"] = {"type": "Lamb", "params": {"lr": 1e-2, "eps": 1e-6, "weight_decay": 0.01}}
+    cfg["zero_optimization"].update(zero)
+    return cfg
+
+
+@pytest.mark.parametrize("optim,tiled", [("none", False), ("cpu", False), ("nvme", False), ("cpu", True),
+                                         ("nvme", True)])
+def test_lamb_equals_deepspeed_s_fused_lamb_per_tensor(optim, tiled, tmp_path):
+    """Each tensor's trust ratio from its whole norms, also where the weight is cut into tiles (in
+    separate units) and its state into NVMe pieces of 1024 elements."""
+    ref_losses, ref = _lamb_reference(STEPS)
+    zero = {"tile_size": 2048} if tiled else {}
+    engine, opt, *_ = infinity.initialize(model=_mlp(), config=_lamb_config(optim, tmp_path, **zero))
+    assert opt.rule.name == "Lamb" and (len(engine.units) > 3) == tiled
+    _close(_engine_losses(engine, STEPS), ref_losses)
+    _params_close(engine, ref, atol=1e-6)
+    engine.close()

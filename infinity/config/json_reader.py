@@ -396,7 +396,8 @@ def _parse_optimizer(raw: Any) -> OptimizerConfig:
     kind = _optimizer_type(keys["type"], "optimizer.type")  # canonical before its params are read
     params = _parse_section(keys.get("params", {}), "optimizer.params", PARAMS_OF_TYPE[kind],
                             no_effect=_NO_EFFECT_ADAM, default_only=_DEFAULT_ONLY_ADAM if kind in ("Adam", "AdamW")
-                            else {"amsgrad": False}, not_implemented=_NOT_IMPLEMENTED_ADAM)
+                            else {"eps_inside_sqrt": False} if kind == "Lamb" else {"amsgrad": False},
+                            not_implemented=_NOT_IMPLEMENTED_ADAM)
     return OptimizerConfig(type=kind, params=params)
 
 

@@ -25,13 +25,13 @@ from infinity.config._checks import (
 )
 
 WARMUP_TYPES = ("log", "linear")
-OPTIMIZER_TYPES = ("Adam", "AdamW", "Adagrad", "Lion")
+OPTIMIZER_TYPES = ("Adam", "AdamW", "Adagrad", "Lion", "Lamb")
 SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 
 # DeepSpeed optimizer types that infinity does not provide (lower-cased: DeepSpeed matches them
 # case-insensitively).
 _DEEPSPEED_ONLY_OPTIMIZERS = frozenset({
-    "lamb", "onebitadam", "zerooneadam", "onebitlamb", "muon", "muadam",
+    "onebitadam", "zerooneadam", "onebitlamb", "muon", "muadam",
     "muadamw", "musgd",
 })
 
@@ -136,7 +136,41 @@ class LionParams:
         _resolve_format(self)
 
 
-PARAMS_OF_TYPE = {"Adam": AdamParams, "AdamW": AdamParams, "Adagrad": AdagradParams, "Lion": LionParams}
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LambParams:
+    """LAMB hyperparameters (`optimizer.params` of type Lamb): DeepSpeed's FusedLamb's, and its
+    defaults ([Note: LAMB's two passes] in infinity/optim/rules.py)."""
+
+    _PATH: ClassVar[str] = "optimizer.params"
+
+    lr: float = _spec(_float, minimum=0.0, default=1e-3)
+    """Learning rate (a scheduler, if configured, overwrites it every step)."""
+    betas: tuple[float, float] = _spec(_betas, default=(0.9, 0.999))
+    """Decay rates of the first and second moment estimates."""
+    eps: float = _spec(_float, minimum=0.0, default=1e-8)
+    """Added to the square root of the second moment (outside it)."""
+    weight_decay: float = _spec(_float, minimum=0.0, default=0.0)
+    """Added to the update direction as weight_decay * param, inside the trust ratio."""
+    bias_correction: bool = _spec(_bool, default=True)
+    """The step size is lr * sqrt(1 - beta2^t) / (1 - beta1^t); false: lr."""
+    max_coeff: float = _spec(_float, minimum=0.0, default=10.0)
+    """The trust ratio's upper clamp."""
+    min_coeff: float = _spec(_float, minimum=0.0, default=0.01)
+    """The trust ratio's lower clamp."""
+    fp32_optimizer_states: bool = _spec(_bool, default=True)
+    """False keeps the moments in bfloat16, in memory and on NVMe."""
+    moment_format: str | None = _spec(_optional(_choice), MOMENT_FORMATS, default=None)
+    """(infinity) "fp32", "bf16" or "8bit"; unset: what fp32_optimizer_states says."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        _resolve_format(self)
+        if self.min_coeff > self.max_coeff:
+            raise ValueError(f"optimizer.params.min_coeff: {self.min_coeff} is more than max_coeff {self.max_coeff}")
+
+
+PARAMS_OF_TYPE = {"Adam": AdamParams, "AdamW": AdamParams, "Adagrad": AdagradParams, "Lion": LionParams,
+                  "Lamb": LambParams}
 
 
 def _optimizer_type(value: Any, path: str) -> str:
@@ -154,14 +188,14 @@ def _optimizer_type(value: Any, path: str) -> str:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OptimizerConfig:
-    """The optimizer infinity builds (section `optimizer`): Adam, AdamW, Adagrad or Lion."""
+    """The optimizer infinity builds (section `optimizer`): Adam, AdamW, Adagrad, Lion or Lamb."""
 
     _PATH: ClassVar[str] = "optimizer"
 
     type: str = _spec(_optimizer_type)
-    """"Adam", "AdamW", "Adagrad" or "Lion" (any case in JSON, stored canonical)."""
-    params: AdamParams | AdagradParams | LionParams = _spec(_instance, (AdamParams, AdagradParams, LionParams),
-                                                            factory=AdamParams)
+    """"Adam", "AdamW", "Adagrad", "Lion" or "Lamb" (any case in JSON, stored canonical)."""
+    params: AdamParams | AdagradParams | LionParams | LambParams = _spec(
+        _instance, (AdamParams, AdagradParams, LionParams, LambParams), factory=AdamParams)
     """Hyperparameters."""
 
     def __post_init__(self) -> None:

@@ -96,8 +96,9 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         # DeepSpeed's: every parameter is frozen and backward is an error.
         self.inference = optimizer is None and config.optimizer is None
         groups = _param_groups(model, model_parameters, optimizer, self.inference)
+        tiles = {}
         if config.zero.stage == 3:  # before the groups are read: the tiles train in the weight's place
-            tile_model(model, config.zero.tile_size, groups)
+            tiles = tile_model(model, config.zero.tile_size, groups)
         self.optimizer = ZeroOptimizer(groups, config.optimizer, optimizer)
         if self.optimizer.rule.client and config.zero.offload_optimizer.device == "nvme" and not self.inference:
             raise TypeError(f"optimizer: {self.optimizer.rule.name} runs with its own step() over the shards only with "
@@ -110,6 +111,8 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
 
         zero = config.zero
         self.units, modules = self._build_units(model, groups, units)
+        if self.optimizer.rule.two_pass:  # LAMB's per-tensor norms ([Note: LAMB's two passes])
+            self.optimizer.rule.bind(self.units, tiles)
         auto_budgets = [section for section in ("offload_param", "offload_optimizer")
                         if getattr(config.zero, section).max_in_cpu == "auto"]
         self.config = config = resolve_max_in_cpu(config, self.units)  # [Note: host memory before the disk]
@@ -234,7 +237,7 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         """[Note: update modes] in engine/step_policy.py, for an optimizer tier whose updates can
         wait for the next use or not."""
         return choose_update_mode(clip=self.config.gradient_clipping, loss_scaling=self.scaler is not None,
-                                  updates_can_wait=updates_can_wait)
+                                  updates_can_wait=updates_can_wait, whole_tensors=self.optimizer.rule.two_pass)
 
     @property
     def update_in_backward(self) -> bool:

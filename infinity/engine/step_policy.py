@@ -158,10 +158,12 @@ class UpdateMode(enum.Enum):
     AT_NEXT_USE = "at next use"
 
 
-def choose_update_mode(*, clip: float, loss_scaling: bool, updates_can_wait: bool) -> UpdateMode:
+def choose_update_mode(*, clip: float, loss_scaling: bool, updates_can_wait: bool,
+                       whole_tensors: bool = False) -> UpdateMode:
     """The one place the update mode is decided ([Note: update modes]); `updates_can_wait`: the
-    optimizer tier's `updates_can_wait`."""
-    if clip == 0 and not loss_scaling:  # nothing in an update depends on other units
+    optimizer tier's `updates_can_wait`; `whole_tensors`: the rule needs every gradient first
+    (LAMB's norms, [Note: LAMB's two passes] in infinity/optim/rules.py)."""
+    if clip == 0 and not loss_scaling and not whole_tensors:  # nothing in an update depends on other units
         return UpdateMode.IN_BACKWARD
     return UpdateMode.AT_NEXT_USE if updates_can_wait else UpdateMode.IN_STEP
 
@@ -428,6 +430,8 @@ class StepPolicy:
                 log.info("step %d: gradient overflow, skipped; loss scale now %g", step_number, self.scaler.scale)
         else:
             left = [u for u in units if u.index not in self._updated]
+            if self.optimizer.rule.two_pass:  # [Note: LAMB's two passes] in infinity/optim/rules.py
+                self._trust_ratios(left, grad_scale)
             if self.mode is not UpdateMode.AT_NEXT_USE:
                 for u in self.optim_state.step_order(left):
                     self._update(u, grad_scale, "step")
@@ -438,6 +442,17 @@ class StepPolicy:
                 self.updates.leave(now + later, self._hypers, self.optimizer.step_count, grad_scale)
                 self._update_persistent(now, step_number)
         return StepOutcome(grad_norm, not overflow, self._updated_in_backward)
+
+    def _trust_ratios(self, units: list[Unit], grad_scale: float) -> None:
+        """The first of LAMB's passes over every unit's state, summed over ranks: the ratios its
+        updates use."""
+        rule, hypers = self.optimizer.rule, self.optimizer.hypers()
+        sums = torch.zeros(rule.tensors, 2, dtype=torch.float64)
+        for u in units:
+            sums += self.optim_state.norms(u, hypers, self.optimizer.step_count + 1, grad_scale)
+        total = self.accelerator.move(sums)
+        zdist.all_reduce_sum(total)
+        rule.set_ratios(total.cpu(), hypers)
 
     def _forward_order(self, units: list[Unit]) -> list[Unit]:
         """`units` in the order of their first use in the recorded order, the others after."""

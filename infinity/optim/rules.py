@@ -22,16 +22,17 @@ of the master shards, which it sees as its parameters ([Note: a client optimizer
 from __future__ import annotations
 
 import inspect
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
 from infinity.optim.formats import MomentFormat, moment_format
 from infinity.optim.functional import AdamHyper, adam_step
 
-__all__ = ["AdagradRule", "AdamRule", "ClientRule", "LionRule", "Rule", "STREAMED", "rule_for_optimizer"]
+__all__ = ["AdagradRule", "AdamRule", "ClientRule", "LambHyper", "LambRule", "LionRule", "Rule", "STREAMED",
+           "rule_for_optimizer"]
 
-STREAMED = ("Adam", "AdamW", "Adagrad", "Lion")  # the rules with a kernel: those whose state may live on NVMe
+STREAMED = ("Adam", "AdamW", "Adagrad", "Lion", "Lamb")  # the rules with a kernel: those whose state may live on NVMe
 
 
 class Rule:
@@ -49,9 +50,18 @@ class Rule:
         """The state kinds a shard keeps: its master, then its moments."""
         return ("master",) + self.moments
 
+    two_pass: ClassVar[bool] = False  # LAMB: norms over whole tensors first ([Note: LAMB's two passes])
+
     def initial(self, kind: str) -> float:
         """The value a moment starts at."""
         return 0.0
+
+    def spans(self, unit) -> list:
+        """The runs of a unit's shard the kernel is called on, one hyper-parameter set each."""
+        return unit.segments
+
+    def hyper(self, hypers: list, span):
+        return hypers[span.group]
 
     def hypers(self, groups: list[dict]) -> list:
         raise NotImplementedError
@@ -161,6 +171,124 @@ class LionRule(Rule):
         m.lerp_(g, 1 - h.beta2)
 
 
+class LambHyper(NamedTuple):
+    """One group's LAMB hyper-parameters at a step, and the trust ratio of the tensor a span is of."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    bias_correction: bool = True
+    max_coeff: float = 10.0
+    min_coeff: float = 0.01
+    ratio: float = 1.0
+
+
+class Span(NamedTuple):
+    """A run of a unit's shard that is one parameter tensor's (LAMB's trust ratio is per tensor)."""
+
+    group: int
+    start: int
+    count: int
+    tensor: int  # the tensor's index among every trainable tensor of the model (a tiled weight's tiles share it)
+
+
+# [Note: LAMB's two passes]
+# LAMB (DeepSpeed's FusedLamb) scales a tensor's update by its trust ratio ||p|| / ||u||, with
+# u = m' / (sqrt(v') + eps) + wd p from the new moments, clamped to [min_coeff, max_coeff] (1 where
+# either norm is 0), and lr sqrt(1 - b2^t) / (1 - b1^t) as the step size. A tensor's values are
+# spread over units (a tiled weight's tiles), ranks (its shards) and NVMe pieces, so its norms are
+# known only once every part of it has been read. The step therefore takes two passes: the first
+# (`norms`) reads each unit's state and gradient and sums p^2 and u^2 per tensor in float64,
+# changing nothing; the sums are added over ranks, the ratios set (`set_ratios`); the second is
+# the update, which computes m', v' and u again with the same operations (the same bits) and
+# applies them. A failure in the first pass leaves the state as it was; the second is an update
+# like any other. The first pass reads the optimizer state once more a step: on NVMe, LAMB moves
+# half as much again as Adam.
+
+
+class LambRule(Rule):
+    """LAMB as DeepSpeed's FusedLamb computes it ([Note: LAMB's two passes])."""
+
+    name = "Lamb"
+    moments = ("exp_avg", "exp_avg_sq")
+    two_pass = True
+
+    def __init__(self, *, fmt: str = "fp32"):
+        super().__init__(fmt=fmt)
+        self._spans: dict[int, list[Span]] = {}
+        self.tensors = 0
+        self._ratios: list[float] = []
+
+    def bind(self, units, tiles: dict[int, list] | None = None) -> None:
+        """Each unit's spans, a tensor index per parameter (the tiles of one weight share the weight's)."""
+        of_tile = {id(t): key for key, ts in (tiles or {}).items() for t in ts}
+        index: dict[int, int] = {}
+        for u in units:
+            lo, hi = u.rank * u.train_shard_numel, (u.rank + 1) * u.train_shard_numel
+            spans = []
+            for slot in u.slots:
+                if slot.group < 0:
+                    continue
+                key = of_tile.get(id(slot.param), id(slot.param))
+                tensor = index.setdefault(key, len(index))
+                a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                if a < b:
+                    spans.append(Span(slot.group, a - lo, b - a, tensor))
+            self._spans[u.index] = spans
+        self.tensors = len(index)
+        self._ratios = [1.0] * self.tensors
+
+    def spans(self, unit) -> list[Span]:
+        return self._spans[unit.index]
+
+    def hyper(self, hypers: list, span) -> LambHyper:
+        return hypers[span.group]._replace(ratio=self._ratios[span.tensor])
+
+    def hypers(self, groups: list[dict]) -> list[LambHyper]:
+        return [LambHyper(float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
+                          float(g["weight_decay"]), bool(g.get("bias_correction", True)),
+                          float(g.get("max_coeff", 10.0)), float(g.get("min_coeff", 0.01))) for g in groups]
+
+    def set_ratios(self, sums: torch.Tensor, hypers: list[LambHyper]) -> None:
+        """The trust ratios from the per-tensor sums of p^2 and u^2 (float64 [tensors, 2], every rank's)."""
+        group_of = {s.tensor: s.group for spans in self._spans.values() for s in spans}
+        ratios = []
+        for t, (w_sq, u_sq) in enumerate(sums.tolist()):
+            h = hypers[group_of.get(t, 0)]
+            w, u = w_sq ** 0.5, u_sq ** 0.5
+            ratios.append(min(max(w / u, h.min_coeff), h.max_coeff) if w != 0 and u != 0 else 1.0)
+        self._ratios = ratios
+
+    @staticmethod
+    def _direction(p, g, m, v, h: LambHyper):
+        """m', v' and u, fp32, with one sequence of operations for both passes."""
+        m2 = m.mul(h.beta1).add_(g, alpha=1 - h.beta1)
+        v2 = v.mul(h.beta2).addcmul_(g, g, value=1 - h.beta2)
+        u = m2.div(v2.sqrt().add_(h.eps)).add_(p, alpha=h.weight_decay)
+        return m2, v2, u
+
+    def norm_terms(self, master, grad, state, hyper: LambHyper, *, step: int, grad_scale: float) -> tuple[float, float]:
+        """The first pass over one span: (sum p^2, sum u^2) in float64; nothing changes."""
+        g = grad.float() * grad_scale
+        _, _, u = self._direction(master, g, state["exp_avg"].float(), state["exp_avg_sq"].float(), hyper)
+        return (float(torch.linalg.vector_norm(master, dtype=torch.float64)) ** 2,
+                float(torch.linalg.vector_norm(u, dtype=torch.float64)) ** 2)
+
+    def kernel(self, master, grad, state, hyper, *, step, grad_scale, half_out) -> None:
+        self.reference(master, grad, state, hyper, step=step, grad_scale=grad_scale)
+        if half_out is not None:
+            half_out.copy_(master)
+
+    def _torch_math(self, p, g, s, h: LambHyper, step) -> None:
+        m2, v2, u = self._direction(p, g, s["exp_avg"], s["exp_avg_sq"], h)
+        size = h.lr * (1 - h.beta2 ** step) ** 0.5 / (1 - h.beta1 ** step) if h.bias_correction else h.lr
+        p.add_(u, alpha=-size * h.ratio)
+        s["exp_avg"].copy_(m2)
+        s["exp_avg_sq"].copy_(v2)
+
+
 # [Note: a client optimizer over shards]
 # An optimizer infinity has no kernel for is rebuilt over the shards: the same class, those of its
 # `defaults` its constructor takes as keyword arguments, one group per user group holding views of the fp32 master
@@ -178,6 +306,7 @@ class ClientRule:
     """A user's torch optimizer run over master-shard views ([Note: a client optimizer over shards])."""
 
     client = True
+    two_pass = False
     moments: tuple[str, ...] = ()
     format = moment_format("fp32")
     kinds = ("master",)
@@ -280,4 +409,6 @@ def rule_for_optimizer(optimizer: torch.optim.Optimizer):
         return AdagradRule(fmt=dtype, initial_accumulator_value=d.get("initial_accumulator_value", 0.0))
     if name in ("CPULion", "DeepSpeedCPULion", "Lion") and plain and "betas" in d:
         return LionRule(fmt=dtype)
+    if name in ("CPULamb", "FusedLamb", "Lamb") and plain and not d.get("eps_inside_sqrt", False):
+        return LambRule(fmt=dtype)
     return ClientRule(optimizer)

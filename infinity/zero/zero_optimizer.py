@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from infinity.optim.rules import AdagradRule, AdamRule, LionRule, rule_for_optimizer
+from infinity.optim.rules import AdagradRule, AdamRule, LambRule, LionRule, rule_for_optimizer
 
 
 def _from_user_optimizer(optimizer: torch.optim.Optimizer) -> tuple[list[dict], dict]:
@@ -34,6 +34,9 @@ def _config_defaults(config: Any) -> dict:
                 "initial_accumulator_value": p.initial_accumulator_value}
     if config.type == "Lion":
         return {"lr": p.lr, "betas": tuple(p.betas), "weight_decay": p.weight_decay}
+    if config.type == "Lamb":
+        return {"lr": p.lr, "betas": tuple(p.betas), "eps": p.eps, "weight_decay": p.weight_decay,
+                "bias_correction": p.bias_correction, "max_coeff": p.max_coeff, "min_coeff": p.min_coeff}
     return {"lr": p.lr, "betas": tuple(p.betas), "eps": p.eps, "weight_decay": p.weight_decay,
             "adamw_mode": config.decoupled_weight_decay, "bias_correction": True}
 
@@ -44,6 +47,8 @@ def _config_rule(config: Any):
         return AdagradRule(fmt=fmt, initial_accumulator_value=config.params.initial_accumulator_value)
     if config.type == "Lion":
         return LionRule(fmt=fmt)
+    if config.type == "Lamb":
+        return LambRule(fmt=fmt)
     return AdamRule(fmt=fmt)
 
 

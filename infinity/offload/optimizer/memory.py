@@ -83,20 +83,35 @@ class ResidentOptimizerState:
             fmt, n = self.rule.format, s["master"].numel()
             # [Note: moment formats] in infinity/optim/formats.py: 8-bit moments are decoded for the update
             values = {k: fmt.decode(s[k], n, k) for k in self.rule.moments}
-            for seg in () if self.rule.client else unit.segments:
+            for seg in () if self.rule.client else self.rule.spans(unit):
                 sl = slice(seg.start, seg.start + seg.count)
                 moments = {k: v[sl] for k, v in values.items()}
                 if kernel:
-                    self.rule.kernel(s["master"][sl], g[sl], moments, hypers[seg.group], step=step,
+                    self.rule.kernel(s["master"][sl], g[sl], moments, self.rule.hyper(hypers, seg), step=step,
                                      grad_scale=grad_scale, half_out=None if half is None else half[sl])
                 else:
-                    self.rule.reference(s["master"][sl], g[sl], moments, hypers[seg.group], step=step,
+                    self.rule.reference(s["master"][sl], g[sl], moments, self.rule.hyper(hypers, seg), step=step,
                                         grad_scale=grad_scale)
             if fmt.packed:
                 for k, v in values.items():
                     fmt.encode(v, k, out=s[k])
             if half is None or not kernel:
                 out.copy_(s["master"])  # same memory side (update_target's contract): an ordinary copy
+
+    def norms(self, unit: TierUnit, hypers: list, step: int, grad_scale: float) -> torch.Tensor:
+        """[Note: LAMB's two passes] in infinity/optim/rules.py: this shard's sums of p^2 and u^2
+        per tensor (float64, [tensors, 2]); nothing changes."""
+        self._consume_landed()
+        s, g = self._state[unit.index], self._grads[unit.index]
+        n = s["master"].numel()
+        values = {k: self.rule.format.decode(s[k], n, k) for k in self.rule.moments}
+        out = torch.zeros(self.rule.tensors, 2, dtype=torch.float64)
+        for span in self.rule.spans(unit):
+            sl = slice(span.start, span.start + span.count)
+            out[span.tensor] += torch.tensor(self.rule.norm_terms(
+                s["master"][sl], g[sl], {k: v[sl] for k, v in values.items()}, self.rule.hyper(hypers, span),
+                step=step, grad_scale=grad_scale), dtype=torch.float64)
+        return out
 
     def begin_pass(self, last: bool) -> None:
         pass

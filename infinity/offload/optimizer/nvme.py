@@ -350,13 +350,13 @@ class NvmeOptimizerState:
                 with TIMELINE.span("update", unit=index, piece=k):
                     values = {kind: fmt.decode(got[kind], n, kind, out=self._scratch(kind, n) if fmt.packed else None)
                               for kind in self.rule.moments}
-                    for seg in unit.segments:
+                    for seg in self.rule.spans(unit):
                         lo, hi = max(seg.start, start), min(seg.start + seg.count, start + n)
                         if lo >= hi:
                             continue
                         sl = slice(lo - start, hi - start)
                         self.rule.kernel(master[sl], g[sl], {kind: v[sl] for kind, v in values.items()},
-                                         hypers[seg.group], step=step, grad_scale=grad_scale,
+                                         self.rule.hyper(hypers, seg), step=step, grad_scale=grad_scale,
                                          half_out=None if half is None else half[lo:hi])
                     if fmt.packed:
                         for kind, v in values.items():
@@ -391,6 +391,44 @@ class NvmeOptimizerState:
         if index not in self.schedule.pending:  # this step's, not the last step's (which leaves `pending` now)
             self._updated.add(index)
         self._read_ahead(done=index)
+
+    def norms(self, unit: TierUnit, hypers: list, step: int, grad_scale: float) -> torch.Tensor:
+        """[Note: LAMB's two passes] in infinity/optim/rules.py: this shard's sums of p^2 and u^2 per
+        tensor (float64, [tensors, 2]), piece by piece; nothing is written. The pieces read ahead go
+        back first, so that the reads of this pass find buffers."""
+        self.acc.landing.consume_landed()
+        self._drop_early()
+        index = unit.index
+        kinds = self._kinds(index)
+        grad = self.acc.host.get(index, self.acc.fresh.get(index))
+        out = torch.zeros(self.rule.tensors, 2, dtype=torch.float64)
+        fmt = self.rule.format
+        for piece in self.pieces.of[index]:
+            start, n = piece.start, piece.numel
+            handles = [self.swapper.fetch(kind, piece.key) for kind in kinds]
+            got, error = {}, None
+            for kind, handle in zip(kinds, handles):
+                try:
+                    got[kind] = self._stored(kind, self.swapper.wait(handle), n)
+                except OSError as e:  # a failed fetch holds nothing; the others are given back below
+                    error = error or e
+            try:
+                if error is not None:
+                    raise error
+                g = got[GRAD] if GRAD in got else (grad[start:start + n] if grad is not None
+                                                   else torch.zeros(n, dtype=torch.float32))
+                values = {kind: fmt.decode(got[kind], n, kind) for kind in self.rule.moments}
+                for span in self.rule.spans(unit):
+                    lo, hi = max(span.start, start), min(span.start + span.count, start + n)
+                    if lo < hi:
+                        sl = slice(lo - start, hi - start)
+                        out[span.tensor] += torch.tensor(self.rule.norm_terms(
+                            got["master"][sl], g[sl], {k: v[sl] for k, v in values.items()},
+                            self.rule.hyper(hypers, span), step=step, grad_scale=grad_scale), dtype=torch.float64)
+            finally:
+                for kind in got:
+                    self.swapper.release(kind, piece.key)
+        return out
 
     def set_pending(self) -> None:
         """The schedule's pending updates run later, in its order ([Note: updates after the norm]

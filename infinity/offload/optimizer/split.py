@@ -75,6 +75,9 @@ class SplitOptimizerState:
     def update(self, unit: TierUnit, hypers: list, step: int, grad_scale: float, out: torch.Tensor) -> None:
         self._tier(unit).update(unit, hypers, step, grad_scale, out)
 
+    def norms(self, unit: TierUnit, hypers: list, step: int, grad_scale: float) -> torch.Tensor:
+        return self._tier(unit).norms(unit, hypers, step, grad_scale)
+
     def read(self, unit: TierUnit, kind: str) -> torch.Tensor | None:
         return self._tier(unit).read(unit, kind)
 
