@@ -332,3 +332,31 @@ def test_lamb_equals_deepspeed_s_fused_lamb_per_tensor(optim, tiled, tmp_path):
     _close(_engine_losses(engine, STEPS), ref_losses)
     _params_close(engine, ref, atol=1e-6)
     engine.close()
+
+
+def test_cpu_lamb_is_fused_lamb_and_runs_as_the_engine_s_lamb(tmp_path):
+    """CPULamb in a plain loop equals the per-tensor reference; given to initialize, it is the
+    engine's LAMB over the shards (its state on NVMe)."""
+    from infinity.optim.cpu_lamb import CPULamb
+    ref_losses, ref = _lamb_reference(STEPS)
+    model, losses = _mlp(), []
+    opt = CPULamb(model.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.01)
+    for x in _mlp_data(STEPS):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    _close(losses, ref_losses)
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+    m = _mlp()
+    cfg = _lamb_config("nvme", tmp_path)
+    del cfg["optimizer"]
+    engine, zopt, *_ = infinity.initialize(model=m, optimizer=CPULamb(m.parameters(), lr=1e-2, eps=1e-6,
+                                                                       weight_decay=0.01), config=cfg)
+    assert zopt.rule.name == "Lamb"
+    _close(_engine_losses(engine, STEPS), ref_losses)
+    _params_close(engine, ref, atol=1e-6)
+    engine.close()
