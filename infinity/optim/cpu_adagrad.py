@@ -26,7 +26,9 @@ class CPUAdagrad(KernelOptimizer):
     (which takes its square root from MKL).
 
     weight_decay is L2 (added to the gradient, as torch's); the step size is
-    lr / (1 + (step - 1) * lr_decay). num_threads: threads per update, None for
+    lr / (1 + (step - 1) * lr_decay). A parameter's sum starts, at its first step, at its
+    group's initial_accumulator_value (torch's Adagrad starts every sum, at construction, at the
+    constructor's value, whatever a group says). num_threads: threads per update, None for
     torch.get_num_threads() at each step. fp32_optimizer_states=False keeps the sum in bf16
     ([Note: moment dtype] in kernel_optimizer.py).
     """
