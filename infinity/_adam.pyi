@@ -1,7 +1,9 @@
-"""CPU Adam/AdamW over flat fp32 shards, SIMD path chosen at run time (csrc/adam).
+"""CPU Adam/AdamW, Adagrad and Lion over flat fp32 shards, SIMD path chosen at run time
+(csrc/adam).
 
-Private: use infinity.optim (adam_update, CPUAdam), which checks tensors before their
-addresses reach this module. Addresses are plain integers (tensor.data_ptr()).
+Private: use infinity.optim (adam_update, adagrad_update, lion_update, CPUAdam, CPUAdagrad,
+CPULion), which check tensors before their addresses reach this module. Addresses are plain
+integers (tensor.data_ptr()).
 """
 
 import enum
@@ -12,7 +14,17 @@ class DType(enum.Enum):
     bfloat16 = ...
     float16 = ...
 
+class Rule(enum.Enum):
+    """The update rule of a job (csrc/adam/adam.h)."""
+
+    adam = ...
+    adagrad = ...
+    lion = ...
+
 class HyperParams:
+    """One step's hyper-parameters; each rule reads its own (Adam all but lr_decay; Adagrad lr,
+    eps, weight_decay, lr_decay, step; Lion lr, beta1, beta2, weight_decay)."""
+
     lr: float
     beta1: float
     beta2: float
@@ -22,22 +34,29 @@ class HyperParams:
     step: int
     adamw_mode: bool
     bias_correction: bool
+    rule: Rule
+    lr_decay: float
     def __init__(
         self,
         *,
         lr: float,
-        beta1: float,
-        beta2: float,
-        eps: float,
-        weight_decay: float,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
         grad_scale: float = 1.0,
         step: int = 1,
         adamw_mode: bool = True,
         bias_correction: bool = True,
+        rule: Rule = Rule.adam,
+        lr_decay: float = 0.0,
     ) -> None: ...
 
 class Job:
-    """One tensor of Updater.update_many: the arguments of Updater.update."""
+    """One tensor of Updater.update_many: the arguments of Updater.update. exp_avg and
+    exp_avg_sq are 0 where hyper.rule has no such moment (Adagrad's sum is exp_avg_sq, Lion's
+    momentum exp_avg); both hold moment_dtype elements (float32 or bfloat16). Raises
+    ValueError for a missing buffer the rule needs or a dtype a slot does not take."""
 
     count: int
     def __init__(
@@ -51,6 +70,7 @@ class Job:
         grad_dtype: DType,
         half_out: int = 0,
         half_dtype: DType = DType.none,
+        moment_dtype: DType = DType.float32,
     ) -> None: ...
 
 class Updater:
@@ -74,9 +94,11 @@ class Updater:
         half_dtype: DType = DType.none,
         num_threads: int = 1,
         simd: str = "",
+        moment_dtype: DType = DType.float32,
     ) -> None:
-        """Adam step over `count` elements at the given addresses; the GIL is released.
-        Raises ValueError for an unknown or unsupported `simd` ('' reads INFINITY_SIMD)."""
+        """One step of hyper.rule over `count` elements at the given addresses; the GIL is
+        released. Raises ValueError for an unknown or unsupported `simd` ('' reads
+        INFINITY_SIMD) and for what Job refuses."""
     def stream_inplace(
         self,
         param: int,

@@ -1,4 +1,5 @@
-// CPU Adam / AdamW over flat fp32 shards: plain C++17, no Python, no torch.
+// CPU optimizer kernels over flat fp32 shards (Adam / AdamW, Adagrad, Lion): plain C++17, no
+// Python, no torch.
 //
 // [Note: exact parity with torch]
 // Every element goes through the same IEEE operations, in the same order and with the same
@@ -22,10 +23,46 @@
 //   p = p + (neg_step * m) / d                  addcdiv_(exp_avg, denom, value=-step_size)
 //
 // The build passes -ffp-contract=off so that the compiler never fuses an a*b+c on its own:
-// every fma above is written out, and no other one exists.
+// every fma above and below is written out, and no other one exists.
+//
+// [Note: Adagrad and Lion arithmetic]
+// Adagrad is torch.optim.Adagrad's fused CPU kernel (fused=True), bit for bit on every length
+// (its scalar tail rounds as its vectors do), with clr = lr / (1 + (step - 1) * lr_decay) in
+// double, rounded to float once:
+//
+//   g = g * grad_scale
+//   g = fma(wd, p, g)        (wd != 0)          grad.add(param, alpha=wd)
+//   s = fma(g, g, s)                            sum.addcmul_(grad, grad, value=1)
+//   d = sqrt(s) + eps
+//   p = p + (-clr * g) / d                      param.addcdiv_(grad, std, value=-clr)
+//
+// Torch's single-tensor and foreach paths do the same operations, but take the square root from
+// MKL (not correctly rounded), so they differ from these bits in the last place of a few
+// elements per step, as for Adam.
+// Lion has no torch reference; its order is defined here, in torch's terms (the tests run these
+// torch ops as the reference), with the update direction from the old momentum:
+//
+//   g = g * grad_scale
+//   c = fma(w1, g - m, m) or fma(w1 - 1, g - m, g)    c = exp_avg.lerp(grad, w1), w1 = 1 - beta1
+//   p = p * decay                                       param.mul_(1 - lr * wd)
+//   p = p + (-lr) * sign(c)                             param.add_(c.sign(), alpha=-lr)
+//   m = lerp(m, g, w2)                                  exp_avg.lerp_(grad, 1 - beta2)
+//
+// (-lr) * sign(c) is exact, so the last add rounds once however it is written. sign is
+// torch.sign: +1, -1, or +0 for zeros and NaN (so a NaN gradient leaves p where it was and
+// puts NaN in exp_avg).
+//
+// [Note: bf16 moments]
+// The moment buffers of a call (Adam's exp_avg and exp_avg_sq, Adagrad's sum, Lion's exp_avg)
+// are all fp32 or all bf16. A bf16 moment is widened to fp32 exactly, goes through the fp32
+// arithmetic above in registers (the param update reads the fp32 value, before rounding), and
+// is stored rounded to nearest even, every NaN as 0xFFFF: the bits of `m.float()`, the same
+// fp32 torch ops, then `.to(torch.bfloat16)`. The param (master) stays fp32. Each SIMD file
+// rounds with its own helper, the one it uses for the half copy, so every path gives the same
+// bits.
 //
 // [Note: one definition per instruction set]
-// adam_avx2.cpp and adam_avx512.cpp are compiled with -mavx2 / -mavx512f. An inline function
+// kernels_avx2.cpp and kernels_avx512.cpp are compiled with -mavx2 / -mavx512f. An inline function
 // defined in a header and used by them would be emitted once per file with that file's
 // instructions, and the linker would keep any one of those copies for all callers, so a scalar
 // machine could end up running AVX-512 code. Hence this header declares only plain types and
@@ -34,7 +71,9 @@
 //
 // [Note: memory traffic]
 // With both cores busy the update is bound by memory bandwidth, not arithmetic: 28 bytes a
-// parameter (param, exp_avg, exp_avg_sq read and written, grad read), 2 more for a half copy.
+// parameter for Adam (param, exp_avg, exp_avg_sq read and written, grad read), 20 for Adagrad
+// and Lion (one moment), 4 fewer per moment in bf16, 2 more for a half copy. The measurements
+// below are Adam's; the other rules run the same loop.
 // Measured on the 2-core development machine (EPYC, Zen 4), against torch's fused kernel in
 // the same rounds:
 // - non-temporal stores for the half copy: a plain store first reads the line it writes (2
@@ -58,10 +97,24 @@ namespace infinity::adam {
 
 constexpr size_t kPrefetchBytes = 1536;
 
-// Element type of a buffer the kernel reads (gradient) or writes (half-precision copy).
+// Element type of a buffer the kernel reads (gradient, moments) or writes (moments, half copy).
 enum class DType : uint8_t { kNone, kF32, kBF16, kF16 };
 
+// The update rule a job runs ([Note: exact parity with torch], [Note: Adagrad and Lion
+// arithmetic]).
+enum class Rule : uint8_t { kAdam, kAdagrad, kLion };
+
+// Which moment buffers a rule reads and writes: Adam both, Adagrad its sum in exp_avg_sq (as
+// DeepSpeed's CPU Adagrad names it), Lion exp_avg. Constants, so that no code is emitted for
+// them in any file ([Note: one definition per instruction set]).
+template <Rule R>
+inline constexpr bool kHasExpAvg = R != Rule::kAdagrad;
+template <Rule R>
+inline constexpr bool kHasExpAvgSq = R != Rule::kLion;
+
 // One step's hyper-parameters as the caller holds them: doubles, like torch's param_groups.
+// Each rule reads its own: Adam all but lr_decay; Adagrad lr, eps, weight_decay, lr_decay,
+// step; Lion lr, beta1, beta2, weight_decay.
 struct HyperParams {
   double lr = 1e-3;
   double beta1 = 0.9;
@@ -70,50 +123,63 @@ struct HyperParams {
   double weight_decay = 0.0;
   double grad_scale = 1.0;   // multiplies the gradient before anything else
   int64_t step = 1;          // 1 on the first update, as torch's state["step"] after += 1
-  bool adamw_mode = true;    // decoupled weight decay; false: L2 added to the gradient
+  bool adamw_mode = true;    // Adam: decoupled weight decay; false: L2 added to the gradient
   bool bias_correction = true;
+  Rule rule = Rule::kAdam;
+  double lr_decay = 0.0;     // Adagrad: lr / (1 + (step - 1) * lr_decay)
+};
+
+// torch's lerp(start, end, w) with a scalar weight, as its vectorized kernel computes it.
+struct Lerp {
+  bool small;          // |w| < 0.5: fma(w, end - start, start); else fma(w - 1, end - start, end)
+  float w;
+  float w_minus_1;     // computed in float, as torch's vectorized lerp does
 };
 
 // The float scalars the kernels use, rounded from doubles exactly where torch rounds them.
 struct StepConstants {
+  Rule rule;
   float grad_scale;
-  float decay;          // AdamW: 1 - lr * wd; exactly 1 otherwise (x * 1 == x for every x)
-  float l2;             // Adam: wd, used only when `use_l2`
-  bool use_l2;          // Adam with wd != 0 (torch skips the add when wd == 0)
-  bool lerp_small;      // w < 0.5 picks lerp's first branch
-  float lerp_w;         // w = 1 - beta1
-  float lerp_w_minus_1; // computed in float, as torch's vectorized lerp does
-  float beta2;
+  float decay;          // AdamW, Lion: 1 - lr * wd; exactly 1 otherwise (x * 1 == x for every x)
+  float l2;             // Adam in L2 mode, Adagrad: wd, used only when `use_l2`
+  bool use_l2;          // wd != 0 there (torch skips the add when wd == 0)
+  Lerp lerp1;           // Adam: exp_avg's update, Lion: the direction; w = 1 - beta1
+  Lerp lerp2;           // Lion: exp_avg's update, w = 1 - beta2
+  float beta2;          // Adam
   float one_minus_beta2;
-  float bc2_sqrt;       // sqrt(1 - beta2^step), 1 without bias correction
-  float eps;
-  float neg_step;       // -lr / (1 - beta1^step), -lr without bias correction
+  float bc2_sqrt;       // Adam: sqrt(1 - beta2^step), 1 without bias correction
+  float eps;            // Adam, Adagrad
+  float neg_step;       // Adam: -lr / (1 - beta1^step) (-lr without bias correction);
+                        // Adagrad: -clr; Lion: -lr
 };
 
 StepConstants make_constants(const HyperParams& hp);
 
-// The memory one update touches; all arrays are indexed by the same element index.
+// The memory one update touches; all arrays are indexed by the same element index. A moment
+// the rule does not use (kHasExpAvg, kHasExpAvgSq) may be null.
 struct Buffers {
   float* param;
-  const void* grad;  // grad_dtype elements
-  float* exp_avg;
-  float* exp_avg_sq;
-  void* half_out;    // half_dtype elements, or null with kNone
-  DType grad_dtype;  // kF32, kBF16 or kF16
-  DType half_dtype;  // kNone, kBF16 or kF16
+  const void* grad;    // grad_dtype elements
+  void* exp_avg;       // moment_dtype elements
+  void* exp_avg_sq;    // moment_dtype elements
+  void* half_out;      // half_dtype elements, or null with kNone
+  DType grad_dtype;    // kF32, kBF16 or kF16
+  DType half_dtype;    // kNone, kBF16 or kF16
+  DType moment_dtype;  // kF32 or kBF16 ([Note: bf16 moments])
 };
 
-// Updates elements [begin, end). Every implementation gives the same bits.
+// Updates elements [begin, end) by the rule the constants were made for (c.rule). Every
+// implementation gives the same bits.
 using KernelFn = void (*)(const StepConstants&, const Buffers&, size_t begin, size_t end);
 
 void update_scalar(const StepConstants& c, const Buffers& b, size_t begin, size_t end);
 void update_avx2(const StepConstants& c, const Buffers& b, size_t begin, size_t end);
 void update_avx512(const StepConstants& c, const Buffers& b, size_t begin, size_t end);
 
-// The memory roofline of the update, for benchmarks: the same loads and stores as an update
-// with fp32 gradients and no half output, one add per array (param, exp_avg and exp_avg_sq
-// each += grad) in place of Adam. One per instruction set, as the width of the loads and
-// stores changes what a core gets from memory.
+// The memory roofline of Adam's update, for benchmarks: the same loads and stores as an update
+// with fp32 gradients and moments and no half output, one add per array (param, exp_avg and
+// exp_avg_sq each += grad) in place of Adam. One per instruction set, as the width of the
+// loads and stores changes what a core gets from memory.
 using StreamFn = void (*)(const Buffers&, size_t begin, size_t end);
 
 void stream_scalar(const Buffers& b, size_t begin, size_t end);

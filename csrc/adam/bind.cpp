@@ -1,4 +1,4 @@
-// Python binding of the CPU Adam kernels: infinity._adam. Only this file knows about Python.
+// Python binding of the CPU optimizer kernels: infinity._adam. Only this file knows about Python.
 // Pointers arrive as integers, checked (device, dtype, contiguity, lengths) by the typed facade
 // in infinity/optim/functional.py before they get here.
 #include <pybind11/pybind11.h>
@@ -24,16 +24,36 @@ Simd resolve_or_throw(const std::string& name) {
 }
 
 Buffers make_buffers(uintptr_t param, uintptr_t grad, DType grad_dtype, uintptr_t exp_avg,
-                     uintptr_t exp_avg_sq, uintptr_t half_out, DType half_dtype) {
+                     uintptr_t exp_avg_sq, uintptr_t half_out, DType half_dtype,
+                     DType moment_dtype) {
   return Buffers{reinterpret_cast<float*>(param), reinterpret_cast<const void*>(grad),
-                 reinterpret_cast<float*>(exp_avg), reinterpret_cast<float*>(exp_avg_sq),
-                 reinterpret_cast<void*>(half_out), grad_dtype, half_dtype};
+                 reinterpret_cast<void*>(exp_avg), reinterpret_cast<void*>(exp_avg_sq),
+                 reinterpret_cast<void*>(half_out), grad_dtype, half_dtype, moment_dtype};
+}
+
+// The few things the kernels cannot survive, for callers that bypass the facade: a missing
+// buffer of the rule, or a dtype in a slot that does not take it.
+Job checked_job(const HyperParams& hp, const Buffers& b, size_t count) {
+  auto fail = [](const std::string& what) { throw py::value_error("Job: " + what); };
+  const bool exp_avg = hp.rule != Rule::kAdagrad, exp_avg_sq = hp.rule != Rule::kLion;
+  if (count > 0 && (b.param == nullptr || b.grad == nullptr)) fail("param and grad are required");
+  if (count > 0 && exp_avg && b.exp_avg == nullptr) fail("this rule needs exp_avg");
+  if (count > 0 && exp_avg_sq && b.exp_avg_sq == nullptr) fail("this rule needs exp_avg_sq");
+  if (b.grad_dtype == DType::kNone) fail("grad_dtype must be float32, bfloat16 or float16");
+  if (b.moment_dtype != DType::kF32 && b.moment_dtype != DType::kBF16) {
+    fail("moment_dtype must be float32 or bfloat16");
+  }
+  if (b.half_dtype == DType::kF32) fail("half_dtype must be none, bfloat16 or float16");
+  if (count > 0 && b.half_dtype != DType::kNone && b.half_out == nullptr) {
+    fail("half_out is required with a half_dtype");
+  }
+  return Job{hp, b, count};
 }
 
 }  // namespace
 
 PYBIND11_MODULE(_adam, m) {
-  m.doc() = "CPU Adam/AdamW over flat fp32 shards, SIMD path chosen at run time.";
+  m.doc() = "CPU Adam/AdamW, Adagrad and Lion over flat fp32 shards, SIMD path chosen at run time.";
 
   py::enum_<DType>(m, "DType")
       .value("none", DType::kNone)
@@ -41,15 +61,22 @@ PYBIND11_MODULE(_adam, m) {
       .value("bfloat16", DType::kBF16)
       .value("float16", DType::kF16);
 
+  py::enum_<Rule>(m, "Rule")
+      .value("adam", Rule::kAdam)
+      .value("adagrad", Rule::kAdagrad)
+      .value("lion", Rule::kLion);
+
   py::class_<HyperParams>(m, "HyperParams")
       .def(py::init([](double lr, double beta1, double beta2, double eps, double weight_decay,
-                       double grad_scale, int64_t step, bool adamw_mode, bool bias_correction) {
-             return HyperParams{lr,         beta1, beta2,      eps,           weight_decay,
-                                grad_scale, step,  adamw_mode, bias_correction};
+                       double grad_scale, int64_t step, bool adamw_mode, bool bias_correction,
+                       Rule rule, double lr_decay) {
+             return HyperParams{lr,         beta1, beta2,      eps,  weight_decay,   grad_scale,
+                                step,       adamw_mode, bias_correction, rule, lr_decay};
            }),
-           py::kw_only(), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
-           py::arg("weight_decay"), py::arg("grad_scale") = 1.0, py::arg("step") = 1,
-           py::arg("adamw_mode") = true, py::arg("bias_correction") = true)
+           py::kw_only(), py::arg("lr"), py::arg("beta1") = 0.9, py::arg("beta2") = 0.999,
+           py::arg("eps") = 1e-8, py::arg("weight_decay") = 0.0, py::arg("grad_scale") = 1.0,
+           py::arg("step") = 1, py::arg("adamw_mode") = true, py::arg("bias_correction") = true,
+           py::arg("rule") = Rule::kAdam, py::arg("lr_decay") = 0.0)
       .def_readwrite("lr", &HyperParams::lr)
       .def_readwrite("beta1", &HyperParams::beta1)
       .def_readwrite("beta2", &HyperParams::beta2)
@@ -58,20 +85,23 @@ PYBIND11_MODULE(_adam, m) {
       .def_readwrite("grad_scale", &HyperParams::grad_scale)
       .def_readwrite("step", &HyperParams::step)
       .def_readwrite("adamw_mode", &HyperParams::adamw_mode)
-      .def_readwrite("bias_correction", &HyperParams::bias_correction);
+      .def_readwrite("bias_correction", &HyperParams::bias_correction)
+      .def_readwrite("rule", &HyperParams::rule)
+      .def_readwrite("lr_decay", &HyperParams::lr_decay);
 
   py::class_<Job>(m, "Job")
       .def(py::init([](const HyperParams& hp, uintptr_t param, uintptr_t grad, uintptr_t exp_avg,
                        uintptr_t exp_avg_sq, size_t count, DType grad_dtype, uintptr_t half_out,
-                       DType half_dtype) {
-             return Job{hp,
-                        make_buffers(param, grad, grad_dtype, exp_avg, exp_avg_sq, half_out,
-                                     half_dtype),
-                        count};
+                       DType half_dtype, DType moment_dtype) {
+             return checked_job(hp,
+                                make_buffers(param, grad, grad_dtype, exp_avg, exp_avg_sq,
+                                             half_out, half_dtype, moment_dtype),
+                                count);
            }),
            py::arg("hyper"), py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
            py::arg("exp_avg_sq"), py::arg("count"), py::arg("grad_dtype"),
            py::arg("half_out") = 0, py::arg("half_dtype") = DType::kNone,
+           py::arg("moment_dtype") = DType::kF32,
            "One tensor of Updater.update_many: the arguments of Updater.update.")
       .def_readonly("count", &Job::count);
 
@@ -83,18 +113,22 @@ PYBIND11_MODULE(_adam, m) {
           "update",
           [](Updater& u, const HyperParams& hp, uintptr_t param, uintptr_t grad,
              uintptr_t exp_avg, uintptr_t exp_avg_sq, size_t count, DType grad_dtype,
-             uintptr_t half_out, DType half_dtype, int num_threads, const std::string& simd) {
+             uintptr_t half_out, DType half_dtype, int num_threads, const std::string& simd,
+             DType moment_dtype) {
             const Simd path = resolve_or_throw(simd);
-            const Buffers b = make_buffers(param, grad, grad_dtype, exp_avg, exp_avg_sq,
-                                           half_out, half_dtype);
+            const Job job = checked_job(hp,
+                                        make_buffers(param, grad, grad_dtype, exp_avg, exp_avg_sq,
+                                                     half_out, half_dtype, moment_dtype),
+                                        count);
             py::gil_scoped_release release;
-            u.update(hp, b, count, num_threads, path);
+            u.update(job.hp, job.buffers, job.count, num_threads, path);
           },
           py::arg("hyper"), py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
           py::arg("exp_avg_sq"), py::arg("count"), py::arg("grad_dtype"),
           py::arg("half_out") = 0, py::arg("half_dtype") = DType::kNone,
-          py::arg("num_threads") = 1, py::arg("simd") = "",
-          "Adam step over `count` elements at the given addresses; the GIL is released.")
+          py::arg("num_threads") = 1, py::arg("simd") = "", py::arg("moment_dtype") = DType::kF32,
+          "One step of hyper.rule over `count` elements at the given addresses; the GIL is "
+          "released.")
       .def(
           "update_many",
           [](Updater& u, const std::vector<Job>& jobs, int num_threads, const std::string& simd) {
@@ -103,14 +137,14 @@ PYBIND11_MODULE(_adam, m) {
             u.update_many(jobs, num_threads, path);
           },
           py::arg("jobs"), py::arg("num_threads") = 1, py::arg("simd") = "",
-          "Every job's Adam step in one parallel region; the GIL is released.")
+          "Every job's step in one parallel region; the GIL is released.")
       .def(
           "stream_inplace",
           [](Updater& u, uintptr_t param, uintptr_t grad, uintptr_t exp_avg,
              uintptr_t exp_avg_sq, size_t count, int num_threads, const std::string& simd) {
             const Simd path = resolve_or_throw(simd);
             const Buffers b = make_buffers(param, grad, DType::kF32, exp_avg, exp_avg_sq, 0,
-                                           DType::kNone);
+                                           DType::kNone, DType::kF32);
             py::gil_scoped_release release;
             u.stream(b, count, num_threads, path);
           },

@@ -1,4 +1,4 @@
-// Per-step scalars of the update, derived as torch.optim.AdamW derives them in Python: in double
+// Per-step scalars of the update, derived as torch.optim derives them in Python: in double
 // precision, with Python's `**` (C pow, also for the square root: torch writes
 // `bias_correction2 ** 0.5`), then rounded to float when they meet a float tensor.
 #include <cmath>
@@ -6,26 +6,52 @@
 #include "adam.h"
 
 namespace infinity::adam {
+namespace {
+
+Lerp make_lerp(double one_minus_beta) {
+  Lerp l{};
+  l.w = static_cast<float>(one_minus_beta);
+  l.small = std::fabs(l.w) < 0.5f;
+  l.w_minus_1 = l.w - 1.0f;
+  return l;
+}
+
+}  // namespace
 
 StepConstants make_constants(const HyperParams& hp) {
   StepConstants c{};
   const double step = static_cast<double>(hp.step);
-  const double bias_correction1 = hp.bias_correction ? 1.0 - std::pow(hp.beta1, step) : 1.0;
-  const double bias_correction2 = hp.bias_correction ? 1.0 - std::pow(hp.beta2, step) : 1.0;
   const bool decay = hp.weight_decay != 0.0;
-
+  c.rule = hp.rule;
   c.grad_scale = static_cast<float>(hp.grad_scale);
-  c.decay = decay && hp.adamw_mode ? static_cast<float>(1.0 - hp.lr * hp.weight_decay) : 1.0f;
-  c.use_l2 = decay && !hp.adamw_mode;
+  c.decay = 1.0f;
   c.l2 = static_cast<float>(hp.weight_decay);
-  c.lerp_w = static_cast<float>(1.0 - hp.beta1);
-  c.lerp_small = std::fabs(c.lerp_w) < 0.5f;
-  c.lerp_w_minus_1 = c.lerp_w - 1.0f;
-  c.beta2 = static_cast<float>(hp.beta2);
-  c.one_minus_beta2 = static_cast<float>(1.0 - hp.beta2);
-  c.bc2_sqrt = static_cast<float>(std::pow(bias_correction2, 0.5));
   c.eps = static_cast<float>(hp.eps);
-  c.neg_step = static_cast<float>(-(hp.lr / bias_correction1));
+  switch (hp.rule) {
+    case Rule::kAdam: {
+      const double bias_correction1 = hp.bias_correction ? 1.0 - std::pow(hp.beta1, step) : 1.0;
+      const double bias_correction2 = hp.bias_correction ? 1.0 - std::pow(hp.beta2, step) : 1.0;
+      if (decay && hp.adamw_mode) c.decay = static_cast<float>(1.0 - hp.lr * hp.weight_decay);
+      c.use_l2 = decay && !hp.adamw_mode;
+      c.lerp1 = make_lerp(1.0 - hp.beta1);
+      c.beta2 = static_cast<float>(hp.beta2);
+      c.one_minus_beta2 = static_cast<float>(1.0 - hp.beta2);
+      c.bc2_sqrt = static_cast<float>(std::pow(bias_correction2, 0.5));
+      c.neg_step = static_cast<float>(-(hp.lr / bias_correction1));
+      break;
+    }
+    case Rule::kAdagrad:
+      // torch: clr = lr / (1 + (step - 1) * lr_decay), then value=-clr meets the tensors.
+      c.use_l2 = decay;
+      c.neg_step = static_cast<float>(-(hp.lr / (1.0 + (step - 1.0) * hp.lr_decay)));
+      break;
+    case Rule::kLion:
+      if (decay) c.decay = static_cast<float>(1.0 - hp.lr * hp.weight_decay);
+      c.lerp1 = make_lerp(1.0 - hp.beta1);
+      c.lerp2 = make_lerp(1.0 - hp.beta2);
+      c.neg_step = static_cast<float>(-hp.lr);
+      break;
+  }
   return c;
 }
 

@@ -1,6 +1,10 @@
 """CPU optimizers over offloaded fp32 shards (infinity._adam underneath)."""
 
+from infinity.optim.cpu_adagrad import CPUAdagrad, DeepSpeedCPUAdagrad
 from infinity.optim.cpu_adam import CPUAdam, DeepSpeedCPUAdam
-from infinity.optim.functional import adam_update, available_simd_paths, simd_path
+from infinity.optim.cpu_lion import CPULion, DeepSpeedCPULion
+from infinity.optim.functional import (adagrad_update, adam_update, available_simd_paths, lion_update,
+                                       simd_path)
 
-__all__ = ["CPUAdam", "DeepSpeedCPUAdam", "adam_update", "available_simd_paths", "simd_path"]
+__all__ = ["CPUAdagrad", "CPUAdam", "CPULion", "DeepSpeedCPUAdagrad", "DeepSpeedCPUAdam", "DeepSpeedCPULion",
+           "adagrad_update", "adam_update", "available_simd_paths", "lion_update", "simd_path"]

@@ -1,17 +1,22 @@
-"""The functional entry of CPU Adam: one call updates one flat fp32 shard, or a range of it.
+"""The functional entry of the CPU optimizers: one call updates one flat fp32 shard, or a range
+of it, by one rule (Adam/AdamW, Adagrad, Lion).
 
-This is what the engine calls per unit shard; `CPUAdam.step` passes all its parameters to
-the kernel in one call instead, as `kernel_job`s ([Note: one step, one kernel call] in
-cpu_adam.py). It checks every tensor (device, dtype, contiguity, length) before a pointer
-crosses into `infinity._adam`, which trusts what it is given.
+This is what the engine calls per unit shard (`adam_step`, `adagrad_step`, `lion_step`);
+`CPUAdam.step` and its siblings pass all their parameters to the kernel in one call instead, as
+`kernel_job`s ([Note: one step, one kernel call] in kernel_optimizer.py). It checks every tensor
+(device, dtype, contiguity, length) and hyper-parameter before a pointer crosses into
+`infinity._adam`, which trusts what it is given.
 
 [Note: what one call does]
 For the elements [offset, offset + count) of the flat views of the tensors, in one pass over
-memory: grad * grad_scale, the Adam or AdamW step on param / exp_avg / exp_avg_sq in place,
-and, when `half_out` is given, the new param rounded to nearest even into `half_out` (the copy
-that goes back to the accelerator or to NVMe). The result is the same on every SIMD path, bit
-for bit, and equals torch.optim.AdamW's (or Adam's, with L2 weight decay) fused CPU kernel on
-the same fp32 values ([Note: exact parity with torch] in csrc/adam/adam.h).
+memory: grad * grad_scale, the rule's step on param and its moments in place, and, when
+`half_out` is given, the new param rounded to nearest even into `half_out` (the copy that goes
+back to the accelerator or to NVMe). The moments are all fp32 or all bf16 ([Note: bf16
+moments] in csrc/adam/adam.h); param is fp32. The result is the same on every SIMD path, bit
+for bit: for Adam it equals torch.optim.AdamW's (or Adam's, with L2 weight decay) fused CPU
+kernel on the same fp32 values ([Note: exact parity with torch] in csrc/adam/adam.h), for
+Adagrad torch.optim.Adagrad's fused CPU kernel, and Lion follows the order of [Note: Adagrad
+and Lion arithmetic] in csrc/adam/adam.h.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ import torch
 
 from infinity._native import _adam
 
-__all__ = ["AdamHyper", "adam_step", "adam_update", "available_simd_paths", "simd_path"]
+__all__ = ["AdagradHyper", "AdamHyper", "LionHyper", "adagrad_step", "adagrad_update", "adam_step", "adam_update",
+           "available_simd_paths", "lion_step", "lion_update", "simd_path"]
 
 _GRAD_DTYPES = {
     torch.float32: _adam.DType.float32,
@@ -32,6 +38,7 @@ _GRAD_DTYPES = {
     torch.float16: _adam.DType.float16,
 }
 _HALF_DTYPES = {torch.bfloat16: _adam.DType.bfloat16, torch.float16: _adam.DType.float16}
+_MOMENT_DTYPES = {torch.float32: _adam.DType.float32, torch.bfloat16: _adam.DType.bfloat16}
 
 # One pool of worker threads for every caller that brings no Updater of its own; its threads
 # sleep between calls. Created on first use so that importing infinity starts no thread.
@@ -90,19 +97,40 @@ def check_tensor(name: str, tensor: object, dtypes, numel: int | None) -> torch.
     return tensor
 
 
+def check_range(where: str, name: str, value: float, low: float, high: float | None = None, *,
+                high_open: bool = False) -> None:
+    """Raises ValueError naming `name` unless low <= value (and value <= high, or < high when
+    `high_open`); NaN is never in range."""
+    above = high is not None and (value >= high if high_open else value > high)
+    if not low <= value or above:
+        expected = f">= {low:g}" if high is None else f"in [{low:g}, {high:g}{')' if high_open else ']'}"
+        raise ValueError(f"{where}invalid {name}: {value} (expected {expected})")
+
+
 def check_hyper_params(lr: float, beta1: float, beta2: float, eps: float,
                        weight_decay: float) -> None:
-    """Raises ValueError naming the first hyper-parameter out of range (as torch.optim does)."""
-    if not 0.0 <= lr:
-        raise ValueError(f"invalid lr: {lr} (expected >= 0)")
-    if not 0.0 <= beta1 < 1.0:
-        raise ValueError(f"invalid beta1 (betas[0]): {beta1} (expected in [0, 1))")
-    if not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"invalid beta2 (betas[1]): {beta2} (expected in [0, 1))")
-    if not 0.0 <= eps:
-        raise ValueError(f"invalid eps: {eps} (expected >= 0)")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"invalid weight_decay: {weight_decay} (expected >= 0)")
+    """Raises ValueError naming the first Adam hyper-parameter out of range (as torch.optim does)."""
+    check_range("", "lr", lr, 0.0)
+    check_range("", "beta1 (betas[0])", beta1, 0.0, 1.0, high_open=True)
+    check_range("", "beta2 (betas[1])", beta2, 0.0, 1.0, high_open=True)
+    check_range("", "eps", eps, 0.0)
+    check_range("", "weight_decay", weight_decay, 0.0)
+
+
+def check_adagrad_hyper(lr: float, eps: float, weight_decay: float, lr_decay: float, where: str = "") -> None:
+    """Raises ValueError naming the first Adagrad hyper-parameter out of range (as torch's Adagrad)."""
+    check_range(where, "lr", lr, 0.0)
+    check_range(where, "eps", eps, 0.0)
+    check_range(where, "weight_decay", weight_decay, 0.0)
+    check_range(where, "lr_decay", lr_decay, 0.0)
+
+
+def check_lion_hyper(lr: float, beta1: float, beta2: float, weight_decay: float, where: str = "") -> None:
+    """Raises ValueError naming the first Lion hyper-parameter out of range."""
+    check_range(where, "lr", lr, 0.0)
+    check_range(where, "beta1 (betas[0])", beta1, 0.0, 1.0)
+    check_range(where, "beta2 (betas[1])", beta2, 0.0, 1.0)
+    check_range(where, "weight_decay", weight_decay, 0.0)
 
 
 class AdamHyper(NamedTuple):
@@ -117,6 +145,24 @@ class AdamHyper(NamedTuple):
     bias_correction: bool = True
 
 
+class AdagradHyper(NamedTuple):
+    """Adagrad's hyper-parameters of one param group (torch.optim.Adagrad's; L2 weight decay)."""
+
+    lr: float
+    eps: float
+    weight_decay: float
+    lr_decay: float = 0.0
+
+
+class LionHyper(NamedTuple):
+    """Lion's hyper-parameters of one param group (decoupled weight decay)."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    weight_decay: float
+
+
 def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
               hyper: AdamHyper, *, step: int, grad_scale: float = 1.0, half_out: torch.Tensor | None = None,
               offset: int = 0, count: int | None = None) -> None:
@@ -124,6 +170,27 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
     adam_update(param, grad, exp_avg, exp_avg_sq, step=step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
                 eps=hyper.eps, weight_decay=hyper.weight_decay, adamw_mode=hyper.adamw_mode,
                 bias_correction=hyper.bias_correction, grad_scale=grad_scale, half_out=half_out, offset=offset,
+                count=count)
+
+
+def adagrad_step(param: torch.Tensor, grad: torch.Tensor, exp_avg_sq: torch.Tensor, hyper: AdagradHyper, *,
+                 step: int, grad_scale: float = 1.0, half_out: torch.Tensor | None = None, offset: int = 0,
+                 count: int | None = None) -> None:
+    """`adagrad_update` with one group's hyper-parameters as an `AdagradHyper` (the engine's call)."""
+    adagrad_update(param, grad, exp_avg_sq, step=step, lr=hyper.lr, eps=hyper.eps,
+                   weight_decay=hyper.weight_decay, lr_decay=hyper.lr_decay, grad_scale=grad_scale,
+                   half_out=half_out, offset=offset, count=count)
+
+
+def lion_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, hyper: LionHyper, *, step: int,
+              grad_scale: float = 1.0, half_out: torch.Tensor | None = None, offset: int = 0,
+              count: int | None = None) -> None:
+    """`lion_update` with one group's hyper-parameters as a `LionHyper` (the engine's call). Lion
+    has no step count: `step` is checked (>= 1) and otherwise unused, so that every rule's step
+    function takes the same arguments."""
+    _check_step("lion_step", step)
+    lion_update(param, grad, exp_avg, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
+                weight_decay=hyper.weight_decay, grad_scale=grad_scale, half_out=half_out, offset=offset,
                 count=count)
 
 
@@ -151,9 +218,10 @@ def adam_update(
 ) -> None:
     """One Adam (adamw_mode=False: L2 decay) or AdamW step over a flat shard, in place.
 
-    param, exp_avg, exp_avg_sq: contiguous fp32 CPU tensors of one length (any shape: the
-    update sees their flat views). grad: the same length, fp32, bf16 or fp16. half_out: None,
-    or the same length in bf16 or fp16, receives the updated param.
+    param: a contiguous fp32 CPU tensor (any shape: the update sees its flat view). exp_avg,
+    exp_avg_sq: the same length, both fp32 or both bf16 ([Note: bf16 moments] in
+    csrc/adam/adam.h). grad: the same length, fp32, bf16 or fp16. half_out: None, or the same
+    length in bf16 or fp16, receives the updated param.
     step: the step number of this update, 1 on the first (torch's state["step"] after += 1).
     grad_scale: multiplies the gradient first (loss-scale unscale times clip coefficient).
     offset, count: update only elements [offset, offset + count) (count=None: to the end), so
@@ -162,23 +230,9 @@ def adam_update(
     best path. updater: the thread pool to run on (None: one shared by the process).
     The GIL is released while the kernel runs.
     """
-    n = check_tensor("adam_update: param", param, (torch.float32,), None).numel()
-    check_tensor("adam_update: grad", grad, _GRAD_DTYPES, n)
-    check_tensor("adam_update: exp_avg", exp_avg, (torch.float32,), n)
-    check_tensor("adam_update: exp_avg_sq", exp_avg_sq, (torch.float32,), n)
-    if half_out is not None:
-        check_tensor("adam_update: half_out", half_out, _HALF_DTYPES, n)
-    if count is None:
-        count = n - offset
-    if offset < 0 or count < 0 or offset + count > n:
-        raise ValueError(
-            f"adam_update: offset={offset}, count={count} is outside the {n} elements of param")
-    try:
-        step = operator.index(step)
-    except TypeError:
-        raise TypeError(f"adam_update: step must be an int, got {step!r}") from None
-    if step < 1:
-        raise ValueError(f"adam_update: step must be >= 1, got {step}")
+    count = check_update("adam_update", param, grad, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, half_out,
+                         offset, count)
+    step = _check_step("adam_update", step)
     check_hyper_params(lr, beta1, beta2, eps, weight_decay)
     hyper = _adam.HyperParams(
         lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
@@ -188,33 +242,113 @@ def adam_update(
                half_out=half_out, offset=offset, count=count, num_threads=num_threads, simd=simd)
 
 
+def adagrad_update(param: torch.Tensor, grad: torch.Tensor, exp_avg_sq: torch.Tensor, *, step: int, lr: float,
+                   eps: float, weight_decay: float, lr_decay: float = 0.0, grad_scale: float = 1.0,
+                   half_out: torch.Tensor | None = None, offset: int = 0, count: int | None = None,
+                   num_threads: int | None = None, simd: str | None = None,
+                   updater: _adam.Updater | None = None) -> None:
+    """One torch.optim.Adagrad step over a flat shard, in place: the bits of torch's fused CPU
+    kernel ([Note: Adagrad and Lion arithmetic] in csrc/adam/adam.h).
+
+    exp_avg_sq: the sum of squared gradients (torch's state["sum"]; DeepSpeed's CPU Adagrad
+    names it exp_avg_sq), fp32 or bf16, starting at initial_accumulator_value. weight_decay is
+    L2 (added to the gradient); the step size is lr / (1 + (step - 1) * lr_decay). The other
+    arguments are adam_update's.
+    """
+    count = check_update("adagrad_update", param, grad, {"exp_avg_sq": exp_avg_sq}, half_out, offset, count)
+    step = _check_step("adagrad_update", step)
+    check_adagrad_hyper(lr, eps, weight_decay, lr_decay, "adagrad_update: ")
+    hyper = _adam.HyperParams(lr=lr, eps=eps, weight_decay=weight_decay, lr_decay=lr_decay, grad_scale=grad_scale,
+                              step=step, rule=_adam.Rule.adagrad)
+    run_update(updater or shared_updater(), hyper, param, grad, None, exp_avg_sq, half_out=half_out,
+               offset=offset, count=count, num_threads=num_threads, simd=simd)
+
+
+def lion_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr: float, beta1: float,
+                beta2: float, weight_decay: float, grad_scale: float = 1.0, half_out: torch.Tensor | None = None,
+                offset: int = 0, count: int | None = None, num_threads: int | None = None,
+                simd: str | None = None, updater: _adam.Updater | None = None) -> None:
+    """One Lion step over a flat shard, in place ([Note: Adagrad and Lion arithmetic] in
+    csrc/adam/adam.h): the direction sign(lerp(exp_avg, grad, 1 - beta1)), decoupled weight
+    decay p * (1 - lr * weight_decay), then exp_avg = lerp(exp_avg, grad, 1 - beta2).
+
+    exp_avg: fp32 or bf16. The other arguments are adam_update's.
+    """
+    count = check_update("lion_update", param, grad, {"exp_avg": exp_avg}, half_out, offset, count)
+    check_lion_hyper(lr, beta1, beta2, weight_decay, "lion_update: ")
+    hyper = _adam.HyperParams(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, grad_scale=grad_scale,
+                              rule=_adam.Rule.lion)
+    run_update(updater or shared_updater(), hyper, param, grad, exp_avg, None, half_out=half_out,
+               offset=offset, count=count, num_threads=num_threads, simd=simd)
+
+
+def check_update(where: str, param: object, grad: object, moments: dict[str, object], half_out: object,
+                 offset: int, count: int | None) -> int:
+    """Checks the tensors of one update (see adam_update) and returns its count; errors start
+    with `where` and name the argument."""
+    n = check_tensor(f"{where}: param", param, (torch.float32,), None).numel()
+    check_tensor(f"{where}: grad", grad, _GRAD_DTYPES, n)
+    first = None
+    for name, moment in moments.items():
+        check_tensor(f"{where}: {name}", moment, _MOMENT_DTYPES, n)
+        if first is None:
+            first = name
+        elif moment.dtype != moments[first].dtype:
+            raise TypeError(f"{where}: {name} has dtype {moment.dtype} and {first} {moments[first].dtype}: "
+                            "the moments must share one dtype (float32 or bfloat16)")
+    if half_out is not None:
+        check_tensor(f"{where}: half_out", half_out, _HALF_DTYPES, n)
+    if count is None:
+        count = n - offset
+    if offset < 0 or count < 0 or offset + count > n:
+        raise ValueError(f"{where}: offset={offset}, count={count} is outside the {n} elements of param")
+    return count
+
+
+def _check_step(where: str, step: object) -> int:
+    try:
+        step = operator.index(step)
+    except TypeError:
+        raise TypeError(f"{where}: step must be an int, got {step!r}") from None
+    if step < 1:
+        raise ValueError(f"{where}: step must be >= 1, got {step}")
+    return step
+
+
 def run_update(updater: _adam.Updater, hyper: _adam.HyperParams, param: torch.Tensor,
-               grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+               grad: torch.Tensor, exp_avg: torch.Tensor | None, exp_avg_sq: torch.Tensor | None, *,
                half_out: torch.Tensor | None, offset: int, count: int,
                num_threads: int | None, simd: str | None) -> None:
-    """The call into the kernel, on tensors already checked (see adam_update)."""
+    """The call into the kernel, on tensors already checked (see check_update)."""
     job = kernel_job(hyper, param, grad, exp_avg, exp_avg_sq, half_out=half_out, offset=offset,
                      count=count)
     updater.update_many([job], num_threads=num_threads or torch.get_num_threads(), simd=simd or "")
 
 
 def kernel_job(hyper: _adam.HyperParams, param: torch.Tensor, grad: torch.Tensor,
-               exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, half_out: torch.Tensor | None,
-               offset: int, count: int) -> _adam.Job:
-    """Elements [offset, offset + count) of tensors already checked (see adam_update), as one
-    job of `Updater.update_many`."""
+               exp_avg: torch.Tensor | None, exp_avg_sq: torch.Tensor | None, *,
+               half_out: torch.Tensor | None, offset: int, count: int) -> _adam.Job:
+    """Elements [offset, offset + count) of tensors already checked (see check_update), as one
+    job of `Updater.update_many`. A moment the rule does not use is None."""
     half_ptr, half_dtype = 0, _adam.DType.none
     if half_out is not None:
         half_ptr = half_out.data_ptr() + 2 * offset
         half_dtype = _HALF_DTYPES[half_out.dtype]
+    moments = [m for m in (exp_avg, exp_avg_sq) if m is not None]
+    moment_dtype = _MOMENT_DTYPES[moments[0].dtype] if moments else _adam.DType.float32
+
+    def address(t: torch.Tensor | None) -> int:
+        return 0 if t is None else t.data_ptr() + t.element_size() * offset
+
     return _adam.Job(
         hyper,
-        param.data_ptr() + 4 * offset,
-        grad.data_ptr() + grad.element_size() * offset,
-        exp_avg.data_ptr() + 4 * offset,
-        exp_avg_sq.data_ptr() + 4 * offset,
+        address(param),
+        address(grad),
+        address(exp_avg),
+        address(exp_avg_sq),
         count,
         _GRAD_DTYPES[grad.dtype],
         half_out=half_ptr,
         half_dtype=half_dtype,
+        moment_dtype=moment_dtype,
     )

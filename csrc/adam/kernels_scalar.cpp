@@ -1,5 +1,6 @@
-// The reference implementation: one element at a time, baseline x86-64 (or any) instructions.
-// Every SIMD path is tested against it bit for bit ([Note: exact parity with torch] in adam.h).
+// The reference implementation of every rule: one element at a time, baseline x86-64 (or any)
+// instructions. Every SIMD path is tested against it bit for bit ([Note: exact parity with
+// torch], [Note: Adagrad and Lion arithmetic] and [Note: bf16 moments] in adam.h).
 // The half-precision conversions are written out in integer arithmetic so that they give
 // torch's bits on any machine, including the NaN encodings of its vectorized converters.
 #include <cmath>
@@ -86,23 +87,70 @@ void store_half(void* out, size_t i, float x) {
   if constexpr (H == DType::kF16) static_cast<uint16_t*>(out)[i] = float_to_f16(x);
 }
 
-template <DType G, DType H, bool L2>
+// A moment's element as a float, and back ([Note: bf16 moments] in adam.h).
+template <DType M>
+float load_moment(const void* moment, size_t i) {
+  if constexpr (M == DType::kF32) return static_cast<const float*>(moment)[i];
+  if constexpr (M == DType::kBF16) return bf16_to_float(static_cast<const uint16_t*>(moment)[i]);
+}
+
+template <DType M>
+void store_moment(void* moment, size_t i, float x) {
+  if constexpr (M == DType::kF32) static_cast<float*>(moment)[i] = x;
+  if constexpr (M == DType::kBF16) static_cast<uint16_t*>(moment)[i] = float_to_bf16(x);
+}
+
+float lerp(const Lerp& l, float start, float end) {
+  const float diff = end - start;
+  return l.small ? std::fma(l.w, diff, start) : std::fma(l.w_minus_1, diff, end);
+}
+
+// torch.sign: +1, -1, and +0 for both zeros and NaN.
+float sign(float x) { return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f); }
+
+// One element of each rule, given its param p and scaled gradient g; returns the new param.
+template <DType M, bool L2>
+float adam(const StepConstants& c, const Buffers& b, size_t i, float p, float g) {
+  p = p * c.decay;
+  if constexpr (L2) g = std::fma(c.l2, p, g);
+  const float m = lerp(c.lerp1, load_moment<M>(b.exp_avg, i), g);
+  float v = load_moment<M>(b.exp_avg_sq, i) * c.beta2;
+  v = std::fma(c.one_minus_beta2 * g, g, v);
+  const float denom = std::sqrt(v) / c.bc2_sqrt + c.eps;
+  store_moment<M>(b.exp_avg, i, m);
+  store_moment<M>(b.exp_avg_sq, i, v);
+  return p + (c.neg_step * m) / denom;
+}
+
+template <DType M, bool L2>
+float adagrad(const StepConstants& c, const Buffers& b, size_t i, float p, float g) {
+  if constexpr (L2) g = std::fma(c.l2, p, g);
+  const float s = std::fma(g, g, load_moment<M>(b.exp_avg_sq, i));
+  const float std_dev = std::sqrt(s) + c.eps;
+  store_moment<M>(b.exp_avg_sq, i, s);
+  return p + (c.neg_step * g) / std_dev;
+}
+
+template <DType M>
+float lion(const StepConstants& c, const Buffers& b, size_t i, float p, float g) {
+  const float m = load_moment<M>(b.exp_avg, i);
+  const float direction = lerp(c.lerp1, m, g);
+  p = p * c.decay;
+  p = p + c.neg_step * sign(direction);
+  store_moment<M>(b.exp_avg, i, lerp(c.lerp2, m, g));
+  return p;
+}
+
+template <Rule R, DType G, DType H, DType M, bool L2>
 struct ScalarLoop {
   static void run(const StepConstants& c, const Buffers& b, size_t begin, size_t end) {
     for (size_t i = begin; i < end; ++i) {
-      float g = load_grad<G>(b.grad, i) * c.grad_scale;
-      float p = b.param[i] * c.decay;
-      if constexpr (L2) g = std::fma(c.l2, p, g);
-      float m = b.exp_avg[i];
-      const float diff = g - m;
-      m = c.lerp_small ? std::fma(c.lerp_w, diff, m) : std::fma(c.lerp_w_minus_1, diff, g);
-      float v = b.exp_avg_sq[i] * c.beta2;
-      v = std::fma(c.one_minus_beta2 * g, g, v);
-      const float denom = std::sqrt(v) / c.bc2_sqrt + c.eps;
-      p = p + (c.neg_step * m) / denom;
+      const float g = load_grad<G>(b.grad, i) * c.grad_scale;
+      float p = b.param[i];
+      if constexpr (R == Rule::kAdam) p = adam<M, L2>(c, b, i, p, g);
+      if constexpr (R == Rule::kAdagrad) p = adagrad<M, L2>(c, b, i, p, g);
+      if constexpr (R == Rule::kLion) p = lion<M>(c, b, i, p, g);
       b.param[i] = p;
-      b.exp_avg[i] = m;
-      b.exp_avg_sq[i] = v;
       store_half<H>(b.half_out, i, p);
     }
   }
@@ -111,15 +159,17 @@ struct ScalarLoop {
 }  // namespace
 
 void update_scalar(const StepConstants& c, const Buffers& b, size_t begin, size_t end) {
-  select_loop<ScalarLoop>(b.grad_dtype, b.half_dtype, c.use_l2)(c, b, begin, end);
+  select_loop<ScalarLoop>(c, b)(c, b, begin, end);
 }
 
 void stream_scalar(const Buffers& b, size_t begin, size_t end) {
   const float* grad = static_cast<const float*>(b.grad);
+  float* exp_avg = static_cast<float*>(b.exp_avg);
+  float* exp_avg_sq = static_cast<float*>(b.exp_avg_sq);
   for (size_t i = begin; i < end; ++i) {
     b.param[i] += grad[i];
-    b.exp_avg[i] += grad[i];
-    b.exp_avg_sq[i] += grad[i];
+    exp_avg[i] += grad[i];
+    exp_avg_sq[i] += grad[i];
   }
 }
 
