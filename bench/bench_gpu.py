@@ -130,8 +130,13 @@ def step_engine(args) -> dict:
             "offload_param": {"device": args.mode, "nvme_path": work, "buffer_count": 8, "buffer_size": 2e8,
                               "max_in_cpu": 0},
             "offload_optimizer": {"device": optim, "nvme_path": work, "buffer_count": args.optim_buffers}}
+    if args.max_grad_in_cpu is not None:
+        zero["offload_optimizer"]["max_grad_in_cpu"] = int(args.max_grad_in_cpu)
+    if args.optim_max_in_cpu is not None:
+        zero["offload_optimizer"]["max_in_cpu"] = int(args.optim_max_in_cpu)
+    adamw = {"lr": 1e-4, "weight_decay": 0.01, "moment_format": args.moment_format}
     config = {"train_micro_batch_size_per_gpu": args.micro, "gradient_clipping": 1.0, "bf16": {"enabled": True},
-              "steps_per_print": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+              "steps_per_print": 1, "optimizer": {"type": "AdamW", "params": adamw},
               "zero_optimization": zero,
               "aio": {"block_size": 8 << 20, "queue_depth": 32, "thread_count": 2}}
     try:
@@ -179,6 +184,10 @@ def main() -> int:
     s.add_argument("--steps", type=int, default=3)
     s.add_argument("--sub-group-size", type=float, default=1e8)
     s.add_argument("--optim-buffers", type=int, default=16)
+    s.add_argument("--moment-format", choices=["fp32", "bf16", "8bit"], default="fp32",
+                   help="optimizer.params.moment_format of the engine's AdamW")
+    s.add_argument("--max-grad-in-cpu", type=float, help="offload_optimizer.max_grad_in_cpu (elements)")
+    s.add_argument("--optim-max-in-cpu", type=float, help="offload_optimizer.max_in_cpu (elements; 0: all on NVMe)")
     s.add_argument("--nvme-path", default=".")
     for q in (c, s):
         q.add_argument("--output")

@@ -34,12 +34,20 @@ fi
 # moments and the spilled gradient 16; about 3.1B parameters on 60 GB free), with plain PyTorch at
 # the same size (its JSON says whether it ran out of GPU memory). On 2026-11-27 the 14 bytes this
 # used to assume asked for 4.36B, which the optimizer's store refused (63.3 GiB for 55.8 free).
+# MOMENT_FORMAT=8bit (or bf16): the optimizer's moments in fewer bytes ([4/7]), the gradient accumulators
+# in host memory (max_grad_in_cpu), so NVMe holds 2 + 4 + 2.03 bytes a parameter; BIG_PARAMS=5e9 asks for
+# that size (the layers that reach it) instead of the most the disk holds; nothing of the optimizer state
+# is kept in host memory (max_in_cpu 0).
 if [ "${BIG:-0}" = 1 ]; then
   nvme=${NVME:-/tmp}
-  big=$(python3 -c "import shutil; n = shutil.disk_usage('$nvme').free * 0.9 / 18; print(max(1, int((n - 32000 * 4096) // (12 * 4096 ** 2))))")
+  fmt=${MOMENT_FORMAT:-fp32}
+  per=$(python3 -c "print({'fp32': 18, 'bf16': 10.1, '8bit': 8.1}['$fmt'])")
+  big=$(python3 -c "import shutil; n = shutil.disk_usage('$nvme').free * 0.9 / $per; n = min(n, float('${BIG_PARAMS:-inf}')); print(max(1, int((n - 32000 * 4096) // (12 * 4096 ** 2))))")
+  extra=""
+  [ "$fmt" != fp32 ] && extra="--moment-format $fmt --max-grad-in-cpu 1e11 --optim-max-in-cpu 0"
   for mode in nvme plain; do
-    python3 bench/bench_gpu.py step --mode $mode --layers "$big" --dim 4096 --steps 2 --nvme-path "$nvme" \
-      --output "$out/step_big_${mode}.json" 2>&1 | grep -v '^step ' | tail -8
+    python3 bench/bench_gpu.py step --mode $mode --layers "$big" --dim 4096 --steps 2 --nvme-path "$nvme" $extra \
+      --output "$out/step_big_${mode}_${fmt}.json" 2>&1 | grep -v '^step ' | tail -8
   done
 fi
 # The whole suite on the CUDA device (its parity tests compare with plain PyTorch on the CPU).

@@ -360,3 +360,178 @@ def test_cpu_lamb_is_fused_lamb_and_runs_as_the_engine_s_lamb(tmp_path):
     _close(_engine_losses(engine, STEPS), ref_losses)
     _params_close(engine, ref, atol=1e-6)
     engine.close()
+
+
+# ---- Adagrad, Lion and bf16 moments through a DeepSpeed config ---------------------------------------
+
+
+class _LionReference(torch.optim.Optimizer):
+    """Lion with torch ops: c = b1 m + (1 - b1) g; p = p (1 - lr wd) - lr sign(c); m = b2 m + (1 - b2) g."""
+
+    def __init__(self, params, lr, betas, weight_decay):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
+                c = m.lerp(p.grad, 1 - b1)
+                p.mul_(1 - group["lr"] * group["weight_decay"]).add_(c.sign(), alpha=-group["lr"])
+                m.lerp_(p.grad, 1 - b2)
+
+
+def _run_reference(make_opt, steps: int, rounded: str | None = None, world: int = 1):
+    """Plain PyTorch on the three-unit MLP with clipping 1.0; `rounded`: the moments are stored in
+    that format after each step; `world`: each batch's gradient is the mean of `world` slices'."""
+    model, data = _mlp(), _mlp_data(steps)
+    opt = make_opt(model.parameters())
+    losses = []
+    for x in data:
+        total = 0.0
+        for part in x.chunk(world):
+            loss = model(part).pow(2).mean() / world
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        if rounded is not None:
+            store = FORMATS[rounded]
+            for state in opt.state.values():
+                for kind in ("exp_avg", "exp_avg_sq", "sum"):
+                    if kind in state:
+                        flat = state[kind].view(-1)
+                        name = "exp_avg_sq" if kind == "sum" else kind
+                        flat.copy_(store.decode(store.encode(flat, name), flat.numel(), name))
+        losses.append(total)
+    return losses, model
+
+
+_OPTIMIZERS = {  # DeepSpeed config section -> its reference in plain PyTorch
+    "Adagrad": ({"lr": 1e-2, "weight_decay": 0.01},
+                lambda ps: torch.optim.Adagrad(ps, lr=1e-2, weight_decay=0.01, fused=True)),
+    "Lion": ({"lr": 1e-3, "betas": [0.9, 0.99], "weight_decay": 0.1},
+             lambda ps: _LionReference(ps, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)),
+    "AdamW": ({"lr": 1e-2, "weight_decay": 0.01},
+              lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01, fused=True)),
+}
+
+
+def _optimizer_config(name: str, fmt: str, optim: str, tmp_path, **zero) -> dict:
+    cfg = _format_config(fmt, optim, tmp_path)
+    cfg["optimizer"] = {"type": name, "params": {**_OPTIMIZERS[name][0], "moment_format": fmt}}
+    cfg["zero_optimization"].update(zero)
+    return cfg
+
+
+@pytest.mark.parametrize("optim", ["none", "cpu", "nvme"])
+@pytest.mark.parametrize("name,fmt", [("Adagrad", "fp32"), ("Lion", "fp32"), ("AdamW", "bf16"), ("Adagrad", "bf16"),
+                                      ("Lion", "bf16"), ("Adagrad", "8bit"), ("Lion", "8bit")])
+def test_each_optimizer_and_format_equals_its_reference(name, fmt, optim, tmp_path):
+    """Adagrad is torch's (fused, whose bits the kernel gives), Lion the formula; bf16 and 8-bit
+    moments equal the reference whose moments are stored in that format after every step."""
+    ref_losses, ref = _run_reference(_OPTIMIZERS[name][1], STEPS, rounded=None if fmt == "fp32" else fmt)
+    engine, opt, *_ = infinity.initialize(model=_mlp(), config=_optimizer_config(name, fmt, optim, tmp_path))
+    assert opt.rule.format.name == fmt and opt.rule.name == ("Adam" if name == "AdamW" else name)
+    _close(_engine_losses(engine, STEPS), ref_losses)
+    _params_close(engine, ref, atol=1e-6)
+    engine.close()
+
+
+@pytest.mark.parametrize("name,fmt", [("Adagrad", "fp32"), ("Lion", "bf16"), ("AdamW", "bf16")])
+def test_resume_is_exact_in_each_format(name, fmt, tmp_path):
+    def engine():
+        return infinity.initialize(model=_mlp(), config=_optimizer_config(name, fmt, "nvme", tmp_path / "nvme"))[0]
+
+    (tmp_path / "nvme").mkdir()
+    whole = engine()
+    expected = _engine_losses(whole, STEPS)
+    expected_state = whole.consolidated_state_dict()
+    whole.close()
+    data = _mlp_data(STEPS)
+    first = engine()
+    for x in data[:3]:
+        first.backward(first(x).pow(2).mean())
+        first.step()
+    first.save_checkpoint(str(tmp_path / "ckpt"))
+    first.close()
+    second = engine()
+    second.load_checkpoint(str(tmp_path / "ckpt"))
+    losses = []
+    for x in data[3:]:
+        loss = second(x).pow(2).mean()
+        second.backward(loss)
+        second.step()
+        losses.append(loss.item())
+    assert losses == expected[3:]
+    assert all(torch.equal(v, expected_state[k]) for k, v in second.consolidated_state_dict().items())
+    second.close()
+
+
+# ---- two ranks ---------------------------------------------------------------------------------------
+
+_TWO_RANK_CASES = {  # name -> (config optimizer type, moment format, offload_optimizer, zero extras)
+    "adagrad-cpu": ("Adagrad", "fp32", "cpu", {}),
+    "lion-nvme-bf16": ("Lion", "bf16", "nvme", {}),
+    "adamw-nvme-8bit": ("AdamW", "8bit", "nvme", {}),
+    "lamb-nvme-tiled": ("Lamb", "fp32", "nvme", {"tile_size": 2048}),
+}
+
+
+def _two_rank_worker(rank: int, port: int, results, nvme_path: str) -> None:
+    import os
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        for key, (name, fmt, optim, zero) in _TWO_RANK_CASES.items():
+            path = f"{nvme_path}/{key}"
+            os.makedirs(path, exist_ok=True)
+            if name == "Lamb":
+                cfg = _lamb_config(optim, path, **zero)
+            else:
+                cfg = _optimizer_config(name, fmt, optim, path, **zero)
+            cfg["train_micro_batch_size_per_gpu"] = 4
+            engine, *_ = infinity.initialize(model=_mlp(), config=cfg)
+            losses = []
+            for x in _mlp_data(STEPS):
+                loss = engine(x.chunk(2)[rank]).pow(2).mean()
+                engine.backward(loss)
+                engine.step()
+                total = loss.detach().clone()
+                torch.distributed.all_reduce(total)
+                losses.append(total.item() / 2)
+            state = engine.consolidated_state_dict()
+            engine.close()
+            if rank == 0:
+                results[key] = (losses, state)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_two_ranks_equal_one_process_references(tmp_path):
+    """Each shard holds half of every tensor: Adagrad, Lion (bf16 moments), 8-bit Adam and LAMB (its
+    norms summed over ranks and tiles) on two gloo ranks equal plain PyTorch on the whole batch."""
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_two_rank_worker, args=(port, results, str(tmp_path)), nprocs=2)
+        results = dict(results)
+    for key, (name, fmt, _, _) in _TWO_RANK_CASES.items():
+        if name == "Lamb":
+            ref_losses, ref = _lamb_reference(STEPS)
+        else:
+            ref_losses, ref = _run_reference(_OPTIMIZERS[name][1], STEPS, rounded=None if fmt == "fp32" else fmt,
+                                             world=2)
+        losses, state = results[key]
+        _close(losses, ref_losses)
+        for n, value in ref.state_dict().items():
+            torch.testing.assert_close(state[n], value, atol=1e-5, rtol=1e-5, msg=lambda m, where=f"{key}: {n}": f"{where}\n{m}")

@@ -1,5 +1,5 @@
-"""`deepspeed.ops`: the Adam optimizers and the aio handle (infinity.optim, infinity.io)."""
+"""`deepspeed.ops`: the CPU optimizers and the aio handle (infinity.optim, infinity.io)."""
 
-from infinity.deepspeed.ops import adam, aio, op_builder
+from infinity.deepspeed.ops import adagrad, adam, aio, lamb, lion, op_builder
 
-__all__ = ["adam", "aio", "op_builder"]
+__all__ = ["adagrad", "adam", "aio", "lamb", "lion", "op_builder"]
