@@ -3,6 +3,8 @@ its floors, with the budgets users give (issue [3/7]), interleaved in one proces
 
     python bench/bench_streaming.py --rounds 5 --nvme-path /work --output streaming_134m.json
     python bench/bench_streaming.py --clip 0 --rounds 5 --nvme-path /work --output streaming_134m_noclip.json
+    python bench/bench_streaming.py --cases stream-96m --moment-formats fp32 bf16 8bit --micro 1 --seq 64 \
+        --rounds 5 --nvme-path /work --output formats_134m.json   # [4/7]: a disk-bound step, each moment format
 
 The model is bench_user_configs.py's 134m GPT (12 x 768, vocab 64000, 134.4M parameters: 1.61 GB of
 fp32 master and moments), bf16, batch 2 x 256, params and optimizer state on NVMe
@@ -101,12 +103,20 @@ def main() -> int:
     p.add_argument("--disk-bytes", type=int, default=1 << 30)
     p.add_argument("--nvme-path", default="/work")
     p.add_argument("--trace-dir", default=None)
+    p.add_argument("--moment-formats", nargs="+", choices=["fp32", "bf16", "8bit"], default=["fp32"],
+                   help="run each streaming case with its moments in each format (case@format)")
+    p.add_argument("--micro", type=int, help="micro-batch (default the model's, 2)")
+    p.add_argument("--seq", type=int, help="sequence length (default the model's, 256); a short one makes the "
+                   "step disk-bound")
     p.add_argument("--output")
     args = p.parse_args()
     if "cpu" not in args.cases:
         args.cases.append("cpu")
+    args.cases = [c if c == "cpu" or f == "fp32" else f"{c}@{f}" for c in args.cases for f in args.moment_formats
+                  if c != "cpu" or f == args.moment_formats[0]]
     gpt = load_gpt()
-    model_cfg = user.MODELS["134m"]
+    model_cfg = dict(user.MODELS["134m"])
+    model_cfg.update({k: v for k, v in (("micro", args.micro), ("seq", args.seq)) if v})
     num_params = user.gpt_config(gpt, model_cfg).num_params()
     if args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)

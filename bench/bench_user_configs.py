@@ -118,11 +118,15 @@ CASES = {"ds-style": _ds_style, "ds-style-no-aio": _without_aio(_ds_style), "ds-
 
 
 def engine_config(case: str, work: str, micro: int, clip: float) -> dict:
-    zero, aio = CASES[case](work)
+    """The config of `case`; "name@fmt" is case `name` with its moments in `fmt` (moment_format)."""
+    base, _, fmt = case.partition("@")
+    zero, aio = CASES[base](work)
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": clip,
               "bf16": {"enabled": True}, "steps_per_print": 10 ** 9,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
               "zero_optimization": {"stage": 3, **zero}}
+    if fmt:
+        config["optimizer"]["params"]["moment_format"] = fmt
     if aio is not None:
         config["aio"] = aio
     return config

@@ -140,6 +140,9 @@ def run(args) -> int:
     if config is None:
         config, chose = _default_config(args.nvme_path, args.offload or "nvme", args.batch or DEFAULT_BATCH, lr,
                                         model)
+        if args.moment_format:
+            config["optimizer"]["params"]["moment_format"] = args.moment_format
+            chose += f"; {args.moment_format} moments"
         print(chose)
     if args.trace or args.save_total_limit:
         if not isinstance(config, dict):
@@ -187,6 +190,11 @@ def run(args) -> int:
         print(_table(engine, steps_s, moved))
         if args.plot and losses:
             _plot(args.plot, list(range(start, start + len(losses))), losses, moved)
+        if args.metrics:
+            with open(args.metrics, "w", encoding="utf-8") as f:
+                json.dump({"steps": list(range(start, start + len(losses))), "loss": losses, "step_s": steps_s,
+                           "nvme_bytes": moved, "optimizer": engine.optimizer.rule.describe(),
+                           "peak_rss_bytes": _peak_rss()}, f)
         if args.export:
             export_model(engine, args.export, lora, tokenizer)
             print(f"exported to {args.export}")
@@ -195,6 +203,12 @@ def run(args) -> int:
             signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)  # None: not set from Python
         engine.close()
     return 0
+
+
+def _peak_rss() -> int:
+    """This process's peak resident set so far (bytes)."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _plot(path: str, steps: list[int], losses: list[float], moved: list[int]) -> None:

@@ -30,10 +30,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", help="a checkpoint directory to continue from (its `latest` tag)")
     p.add_argument("--export", help="write the fine-tuned model here (Hugging Face layout)")
     p.add_argument("--plot", help="draw the loss and per-step I/O into this image (needs matplotlib)")
+    p.add_argument("--metrics", help="write each step's loss, seconds and NVMe bytes here (JSON)")
     p.add_argument("--nvme-path", default=tempfile.gettempdir(), action=_Given,
                    help="directory for the offload files of the built-in config (with --config, "
                         "set nvme_path in its JSON)")
     p.add_argument("--offload", choices=["cpu", "nvme"], help="tier for the built-in config (default nvme)")
+    p.add_argument("--moment-format", choices=["fp32", "bf16", "8bit"],
+                   help="the optimizer's moments in the built-in config (optimizer.params.moment_format; "
+                        "default fp32): bf16 and 8bit move fewer bytes and round the moments")
     p.add_argument("--trace", help="write a timeline of steps 2-4 here (Chrome trace JSON; the config's `trace` section)")
     p.add_argument("--sample-tokens", type=_non_negative, default=48)
     p.add_argument("--seed", type=_seed, default=0)
@@ -86,11 +90,15 @@ def check_arguments(args) -> None:
     reads, where the results go, what to resume from. Raises ValueError or OSError naming the flag."""
     from infinity.checkpoint.layout import LATEST
 
+    if args.config and getattr(args, "moment_format", None):
+        raise ValueError("--moment-format: only sets the built-in config; with --config, set "
+                         "optimizer.params.moment_format in its JSON")
     if args.config and args.nvme_path_given:
         raise ValueError("--nvme-path: only sets the built-in config; with --config, set "
                          "zero_optimization.offload_param.nvme_path and offload_optimizer.nvme_path in its JSON")
     for flag, path, directory in (("--save", args.save, True), ("--export", args.export, True),
-                                  ("--trace", args.trace, False), ("--plot", args.plot, False)):
+                                  ("--trace", args.trace, False), ("--plot", args.plot, False),
+                                  ("--metrics", getattr(args, "metrics", None), False)):
         if path is not None:
             _check_destination(flag, path, directory)
     if args.resume is not None:
