@@ -40,6 +40,8 @@ def main() -> int:
     p.add_argument("--nvme-path", default="/work")
     p.add_argument("--output")
     args = p.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=HERE).stdout.strip()  # the tree the runs start from
     with tempfile.TemporaryDirectory() as work:
         runs = {fmt: run(fmt, args, work) for fmt in args.formats}
     base = statistics.mean(runs[args.formats[0]]["loss"][-args.tail:])
@@ -54,8 +56,6 @@ def main() -> int:
               f"{args.formats[0]}), step {summary[fmt]['step_s_median']:.3f} s, NVMe "
               f"{summary[fmt]['nvme_bytes_median'] / 1e6:.1f} MB a step, peak RSS {summary[fmt]['peak_rss_gb']:.2f} GB")
     if args.output:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=HERE).stdout.strip()
         with open(args.output, "w") as f:
             json.dump({"command": " ".join(["python", *sys.argv]), "commit": commit,
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "args": vars(args),
