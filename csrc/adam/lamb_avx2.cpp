@@ -87,7 +87,8 @@ Direction direction(const LambConstants& c, const Buffers& b, size_t i, __m256 p
       _mm256_add_ps(_mm256_mul_ps(load_floats<M>(b.exp_avg_sq, i), _mm256_set1_ps(c.beta2)),
                     _mm256_mul_ps(_mm256_mul_ps(g, g), _mm256_set1_ps(c.one_minus_beta2)));
   const __m256 d = _mm256_add_ps(_mm256_sqrt_ps(v), _mm256_set1_ps(c.eps));
-  const __m256 u = _mm256_add_ps(_mm256_div_ps(m, d), _mm256_mul_ps(p, _mm256_set1_ps(c.weight_decay)));
+  const __m256 u =
+      _mm256_add_ps(_mm256_div_ps(m, d), _mm256_mul_ps(p, _mm256_set1_ps(c.weight_decay)));
   return {m, v, u};
 }
 
@@ -136,7 +137,9 @@ struct Avx2Loop {
       copy_elements(m, static_cast<const MomentT*>(b.exp_avg) + i, n);
       copy_elements(v, static_cast<const MomentT*>(b.exp_avg_sq) + i, n);
     }
-    Buffers buffers(const Buffers& b) { return Buffers{p, g, m, v, h, b.grad_dtype, b.half_dtype, b.moment_dtype}; }
+    Buffers buffers(const Buffers& b) {
+      return Buffers{p, g, m, v, h, b.grad_dtype, b.half_dtype, b.moment_dtype};
+    }
     void copy_back(const Buffers& b, size_t i, size_t n) const {
       copy_elements(b.param + i, p, n);
       copy_elements(static_cast<MomentT*>(b.exp_avg) + i, m, n);

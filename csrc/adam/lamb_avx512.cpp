@@ -1,6 +1,7 @@
 // AVX-512 (F, BW, VL, DQ) path of LAMB's two passes: 16 floats per vector, tails through masked
 // loads and stores ([Note: LAMB arithmetic] and [Note: LAMB's sums] in lamb.h). The 16-bit
-// conversions are kernels_avx512.cpp's (integer rounding to bfloat16, for torch's bits).
+// conversions are the same as kernels_avx512.cpp's (integer rounding to bfloat16, for torch's
+// bits).
 #include <immintrin.h>
 
 #include "lamb.h"
@@ -29,7 +30,8 @@ __m256i float_to_bf16(__m512 x) {
   const __m512i rounded =
       _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
   const __mmask16 is_number = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
-  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_number, _mm512_set1_epi32(0xFFFF), rounded));
+  const __m512i h = _mm512_mask_blend_epi32(is_number, _mm512_set1_epi32(0xFFFF), rounded);
+  return _mm512_cvtepi32_epi16(h);
 }
 
 __m256i to_half(__m512 x, DType t) {
@@ -74,7 +76,8 @@ Direction direction(const LambConstants& c, const Buffers& b, size_t i, __mmask1
       _mm512_mul_ps(load_floats<M>(b.exp_avg_sq, i, mask), _mm512_set1_ps(c.beta2)),
       _mm512_mul_ps(_mm512_mul_ps(g, g), _mm512_set1_ps(c.one_minus_beta2)));
   const __m512 d = _mm512_add_ps(_mm512_sqrt_ps(v), _mm512_set1_ps(c.eps));
-  const __m512 u = _mm512_add_ps(_mm512_div_ps(m, d), _mm512_mul_ps(p, _mm512_set1_ps(c.weight_decay)));
+  const __m512 u =
+      _mm512_add_ps(_mm512_div_ps(m, d), _mm512_mul_ps(p, _mm512_set1_ps(c.weight_decay)));
   return {m, v, u};
 }
 

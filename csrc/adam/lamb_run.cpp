@@ -38,7 +38,9 @@ LambApplyFn apply_for(Simd simd) {
 template <typename Fn>
 void for_each_task(Updater& updater, size_t count, int num_threads, const Fn& fn) {
   const size_t num_tasks = (count + kTaskElements - 1) / kTaskElements;
-  auto run_task = [&](size_t k) { fn(k * kTaskElements, std::min(count, (k + 1) * kTaskElements)); };
+  auto run_task = [&](size_t k) {
+    fn(k * kTaskElements, std::min(count, (k + 1) * kTaskElements));
+  };
   const size_t threads = std::min<size_t>(std::max(num_threads, 1), num_tasks);
   if (threads <= 1) {
     for (size_t k = 0; k < num_tasks; ++k) run_task(k);
