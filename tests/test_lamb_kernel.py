@@ -252,6 +252,26 @@ def test_lamb_rule_torch_path_is_the_kernel_order(monkeypatch):
         assert torch.equal(bits(kernel_state[k]), bits(torch_state[k])), k
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_lamb_rule_on_cuda_gives_the_kernel_bits(grad_dtype):
+    """CUDA's division and square root are correctly rounded, so LambRule's torch ops there are
+    the kernels' order exactly (checked on an H100, torch 2.11: 4M elements, every dtype)."""
+    n = 70001
+    rule = LambRule(fmt="bf16")
+    p, g, m, v = random_case(n, 37, grad_dtype, torch.bfloat16)
+    state = {"exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+    cuda_p, cuda_state = p.cuda(), {k: t.cuda() for k, t in state.items()}
+    sums = rule.norm_terms(p, g, state, HYPER, step=2, grad_scale=0.5)
+    assert sums == pytest.approx(rule.norm_terms(cuda_p, g.cuda(), cuda_state, HYPER, step=2, grad_scale=0.5),
+                                 rel=1e-12)  # torch's reduction order is its own
+    rule.kernel(p, g, state, HYPER, step=2, grad_scale=0.5, half_out=None)
+    rule.reference(cuda_p, g.cuda(), cuda_state, HYPER, step=2, grad_scale=0.5)
+    assert torch.equal(bits(p), bits(cuda_p.cpu()))
+    for k in state:
+        assert torch.equal(bits(state[k]), bits(cuda_state[k].cpu())), k
+
+
 def test_cpu_lamb_step_is_the_two_kernel_passes():
     p = torch.nn.Parameter(torch.randn(5000))
     p.grad = torch.randn(5000)
