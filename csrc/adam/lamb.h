@@ -30,12 +30,13 @@
 //   scale     = float(step_size * ratio)
 //
 // with step_size and its product with the trust ratio in double (C pow, as Python's `**`),
-// rounded to float only as the product. No fused multiply-add: torch has no op that is one on
-// every device (its CPU `add(alpha=)` is fused in the vector loop, CUDA's is not), and its
-// separate ops are correctly rounded everywhere but in one place: torch's CPU sqrt comes from
-// MKL and is off by one ulp on some elements ([Note: exact parity with torch] in adam.h). So
-// the torch path gives these bits on an accelerator (IEEE division and square root) and on the
-// CPU with a correctly rounded sqrt in place of torch's (tests/test_lamb_kernel.py).
+// rounded to float only as the product. No fused multiply-add: torch has no op that is sure to
+// be one on every device (its CPU `add(alpha=)` is an fma in the vector loop; elsewhere it is
+// whatever the compiler makes of a + alpha * b), while its separate ops are correctly rounded
+// everywhere but in one place: torch's CPU sqrt comes from MKL and is off by one ulp on some
+// elements ([Note: exact parity with torch] in adam.h). So the torch path gives these bits on
+// CUDA (IEEE division and square root; checked on an H100) and on the CPU with a correctly
+// rounded sqrt in place of torch's (tests/test_lamb_kernel.py).
 // The half copy (half_out) is the new p rounded to nearest even, the bits of torch's
 // `.to(dtype)` (as for Adam), and bf16 moments are stored as in [Note: bf16 moments].
 //
