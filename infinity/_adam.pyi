@@ -116,3 +116,54 @@ def available_simd() -> list[str]:
 
 def resolve_simd(name: str = "") -> str:
     """The path a call with simd=name runs: '' reads INFINITY_SIMD, then picks the best."""
+
+def lamb_norms(
+    updater: Updater,
+    param: int,
+    grad: int,
+    exp_avg: int,
+    exp_avg_sq: int,
+    count: int,
+    grad_dtype: DType,
+    moment_dtype: DType = DType.float32,
+    *,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_scale: float = 1.0,
+    num_threads: int = 1,
+    simd: str = "",
+) -> tuple[float, float]:
+    """LAMB's first pass over `count` elements (csrc/adam/lamb.h): (sum p^2, sum u^2) in
+    float64, nothing written, the same sums on every SIMD path and thread count. exp_avg and
+    exp_avg_sq hold moment_dtype elements (float32 or bfloat16). The GIL is released. Raises
+    ValueError for a null buffer, a dtype a slot does not take, or an unknown `simd`."""
+
+def lamb_apply(
+    updater: Updater,
+    param: int,
+    grad: int,
+    exp_avg: int,
+    exp_avg_sq: int,
+    count: int,
+    grad_dtype: DType,
+    moment_dtype: DType = DType.float32,
+    half_out: int = 0,
+    half_dtype: DType = DType.none,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_scale: float = 1.0,
+    step: int = 1,
+    bias_correction: bool = True,
+    ratio: float = 1.0,
+    num_threads: int = 1,
+    simd: str = "",
+) -> None:
+    """LAMB's second pass over `count` elements: param -= float(step_size * ratio) * u, the
+    moments written (rounded to nearest even in bfloat16), the new param rounded into half_out
+    when half_dtype is not none. The GIL is released; raises as lamb_norms."""

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "adam.h"
+#include "lamb.h"
 #include "simd.h"
 #include "updater.h"
 
@@ -165,4 +166,76 @@ PYBIND11_MODULE(_adam, m) {
       "resolve_simd", [](const std::string& name) { return simd_name(resolve_or_throw(name)); },
       py::arg("name") = "",
       "The path a call with `simd=name` runs: '' reads INFINITY_SIMD, then picks the best.");
+
+  // --- LAMB's two passes (lamb.h) ----------------------------------------------------------
+  // The buffers of a LAMB call, refused where the kernels could not run on them (the facade,
+  // infinity/optim/lamb_kernel.py, checks the tensors before).
+  auto lamb_buffers = [](uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq,
+                         size_t count, DType grad_dtype, DType moment_dtype, uintptr_t half_out,
+                         DType half_dtype) {
+    auto fail = [](const std::string& what) { throw py::value_error("lamb: " + what); };
+    if (count > 0 && (param == 0 || grad == 0 || exp_avg == 0 || exp_avg_sq == 0)) {
+      fail("param, grad, exp_avg and exp_avg_sq are required");
+    }
+    if (grad_dtype == DType::kNone) fail("grad_dtype must be float32, bfloat16 or float16");
+    if (moment_dtype != DType::kF32 && moment_dtype != DType::kBF16) {
+      fail("moment_dtype must be float32 or bfloat16");
+    }
+    if (half_dtype == DType::kF32) fail("half_dtype must be none, bfloat16 or float16");
+    if (count > 0 && half_dtype != DType::kNone && half_out == 0) {
+      fail("half_out is required with a half_dtype");
+    }
+    return make_buffers(param, grad, grad_dtype, exp_avg, exp_avg_sq, half_out, half_dtype,
+                        moment_dtype);
+  };
+  m.def(
+      "lamb_norms",
+      [lamb_buffers](Updater& u, uintptr_t param, uintptr_t grad, uintptr_t exp_avg,
+                     uintptr_t exp_avg_sq, size_t count, DType grad_dtype, DType moment_dtype,
+                     double beta1, double beta2, double eps, double weight_decay,
+                     double grad_scale, int num_threads, const std::string& simd) {
+        const Simd path = resolve_or_throw(simd);
+        const Buffers b = lamb_buffers(param, grad, exp_avg, exp_avg_sq, count, grad_dtype,
+                                       moment_dtype, 0, DType::kNone);
+        LambParams lp;
+        lp.beta1 = beta1, lp.beta2 = beta2, lp.eps = eps, lp.weight_decay = weight_decay;
+        lp.grad_scale = grad_scale;
+        LambSums sums;
+        {
+          py::gil_scoped_release release;
+          sums = lamb_norms(u, lp, b, count, num_threads, path);
+        }
+        return py::make_tuple(sums.w_sq, sums.u_sq);
+      },
+      py::arg("updater"), py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
+      py::arg("exp_avg_sq"), py::arg("count"), py::arg("grad_dtype"),
+      py::arg("moment_dtype") = DType::kF32, py::kw_only(), py::arg("beta1"), py::arg("beta2"),
+      py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale") = 1.0,
+      py::arg("num_threads") = 1, py::arg("simd") = "",
+      "LAMB's first pass over `count` elements: (sum p^2, sum u^2) in float64, nothing written; "
+      "the same sums on every path and thread count. The GIL is released.");
+  m.def(
+      "lamb_apply",
+      [lamb_buffers](Updater& u, uintptr_t param, uintptr_t grad, uintptr_t exp_avg,
+                     uintptr_t exp_avg_sq, size_t count, DType grad_dtype, DType moment_dtype,
+                     uintptr_t half_out, DType half_dtype, double lr, double beta1, double beta2,
+                     double eps, double weight_decay, double grad_scale, int64_t step,
+                     bool bias_correction, double ratio, int num_threads, const std::string& simd) {
+        const Simd path = resolve_or_throw(simd);
+        const Buffers b = lamb_buffers(param, grad, exp_avg, exp_avg_sq, count, grad_dtype,
+                                       moment_dtype, half_out, half_dtype);
+        const LambParams lp{lr, beta1, beta2, eps, weight_decay, grad_scale, step,
+                            bias_correction, ratio};
+        py::gil_scoped_release release;
+        lamb_apply(u, lp, b, count, num_threads, path);
+      },
+      py::arg("updater"), py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
+      py::arg("exp_avg_sq"), py::arg("count"), py::arg("grad_dtype"),
+      py::arg("moment_dtype") = DType::kF32, py::arg("half_out") = 0,
+      py::arg("half_dtype") = DType::kNone, py::kw_only(), py::arg("lr"), py::arg("beta1"),
+      py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale") = 1.0,
+      py::arg("step") = 1, py::arg("bias_correction") = true, py::arg("ratio") = 1.0,
+      py::arg("num_threads") = 1, py::arg("simd") = "",
+      "LAMB's second pass over `count` elements: p -= float(step_size * ratio) * u, the moments "
+      "and the half copy written. The GIL is released.");
 }

@@ -61,13 +61,17 @@ void Updater::split(const std::vector<size_t>& counts, int num_threads, const Fn
       run_range(k * chunk, (k + 1) * chunk);
     }
   };
+  run_parallel(static_cast<int>(threads), take_chunks);
+}
+
+void Updater::run_parallel(int num_threads, const std::function<void()>& task) {
   const OpenMpTeam* team = borrow_openmp_team_ ? OpenMpTeam::for_this_thread() : nullptr;
   if (team != nullptr) {
-    using TakeChunks = decltype(take_chunks);
-    team->run(static_cast<int>(threads), [](void* f) { (*static_cast<TakeChunks*>(f))(); },
-              &take_chunks);
+    using Task = std::function<void()>;
+    team->run(num_threads, [](void* f) { (*static_cast<const Task*>(f))(); },
+              const_cast<Task*>(&task));
   } else {
-    pool_.run(static_cast<int>(threads), [&](int) { take_chunks(); });
+    pool_.run(num_threads, [&](int) { task(); });
   }
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <vector>
 
 #include "adam.h"
@@ -48,6 +49,11 @@ class Updater {
 
   // The roofline kernel (adam.h) over [0, count), split the same way as update().
   void stream(const Buffers& buffers, size_t count, int num_threads, Simd simd);
+
+  // Calls task() on num_threads threads (the calling one among them) of the OpenMP team or
+  // this Updater's pool, as the updates run, and returns once all have returned; the team may
+  // give fewer. For kernels that cut their work themselves (lamb.h).
+  void run_parallel(int num_threads, const std::function<void()>& task);
 
  private:
   // Calls fn(job, begin, end) over disjoint ranges covering [0, counts[job]) of every job.

@@ -3,7 +3,8 @@
 The per-element arithmetic is the engine's (`LambRule`, [Note: LAMB's two passes] in
 infinity/optim/rules.py): new moments, the direction u = m / (sqrt(v) + eps) + wd p, the trust
 ratio ||p|| / ||u|| of the whole tensor clamped to [min_coeff, max_coeff] (1 where either norm
-is 0), and the step lr sqrt(1 - b2^t) / (1 - b1^t). Passed to `infinity.initialize` (or as
+is 0), and the step lr sqrt(1 - b2^t) / (1 - b1^t); both passes run the SIMD kernels of
+infinity/optim/lamb_kernel.py on each parameter. Passed to `infinity.initialize` (or as
 DeepSpeed's `FusedLamb` under the alias) it becomes the engine's LAMB over the shards, in memory
 or on NVMe. Its state is torch's layout: `step`, `exp_avg`, `exp_avg_sq` per parameter.
 """
@@ -69,12 +70,12 @@ class CPULamb(torch.optim.Optimizer):
         return loss
 
     def _update(self, p: torch.Tensor, state: dict, hyper: LambHyper, step: int) -> None:
-        flat, g = p.view(-1), p.grad.reshape(-1).float()
+        flat, g = p.view(-1), p.grad.reshape(-1)
         moments = {k: state[k].view(-1) for k in ("exp_avg", "exp_avg_sq")}
         w_sq, u_sq = self._rule.norm_terms(flat, g, moments, hyper, step=step, grad_scale=1.0)
         w, u = w_sq ** 0.5, u_sq ** 0.5
         ratio = min(max(w / u, hyper.min_coeff), hyper.max_coeff) if w and u else 1.0
-        self._rule.reference(flat, g, moments, hyper._replace(ratio=ratio), step=step, grad_scale=1.0)
+        self._rule.kernel(flat, g, moments, hyper._replace(ratio=ratio), step=step, grad_scale=1.0, half_out=None)
 
 
 FusedLamb = CPULamb  # DeepSpeed's name (deepspeed.ops.lamb.FusedLamb) for the same optimizer on the CPU

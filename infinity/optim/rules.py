@@ -206,6 +206,10 @@ class Span(NamedTuple):
 # applies them. A failure in the first pass leaves the state as it was; the second is an update
 # like any other. The first pass reads the optimizer state once more a step: on NVMe, LAMB moves
 # half as much again as Adam.
+# On CPU tensors both passes are SIMD kernels (infinity/optim/lamb_kernel.py); elsewhere they are
+# torch ops in the kernels' order, op for op ([Note: LAMB arithmetic] in csrc/adam/lamb.h), so the
+# direction u has the same bits in both passes and on every device whose division and square
+# root are correctly rounded (not torch's CPU sqrt, which the CPU never runs here).
 
 
 class LambRule(Rule):
@@ -263,28 +267,40 @@ class LambRule(Rule):
 
     @staticmethod
     def _direction(p, g, m, v, h: LambHyper):
-        """m', v' and u, fp32, with one sequence of operations for both passes."""
-        m2 = m.mul(h.beta1).add_(g, alpha=1 - h.beta1)
-        v2 = v.mul(h.beta2).addcmul_(g, g, value=1 - h.beta2)
-        u = m2.div(v2.sqrt().add_(h.eps)).add_(p, alpha=h.weight_decay)
+        """m', v' and u in fp32, for both passes: [Note: LAMB arithmetic] in csrc/adam/lamb.h, one
+        correctly rounded torch op per kernel operation (no `alpha=`, which fuses on the CPU)."""
+        m2 = m.mul(h.beta1).add_(g.mul(1 - h.beta1))
+        v2 = v.mul(h.beta2).add_(g.mul(g).mul_(1 - h.beta2))
+        u = m2.div(v2.sqrt().add_(h.eps)).add_(p.mul(h.weight_decay))
         return m2, v2, u
+
+    @staticmethod
+    def step_size(h: LambHyper, step: int) -> float:
+        """lr sqrt(1 - b2^t) / (1 - b1^t) in double (lr without bias correction); the kernel
+        computes it the same way and rounds step_size * ratio to float once."""
+        return h.lr * (1 - h.beta2 ** step) ** 0.5 / (1 - h.beta1 ** step) if h.bias_correction else h.lr
 
     def norm_terms(self, master, grad, state, hyper: LambHyper, *, step: int, grad_scale: float) -> tuple[float, float]:
         """The first pass over one span: (sum p^2, sum u^2) in float64; nothing changes."""
+        if master.device.type == "cpu":
+            from infinity.optim.lamb_kernel import lamb_norms
+            return lamb_norms(master, grad, state["exp_avg"], state["exp_avg_sq"], hyper, grad_scale=grad_scale)
         g = grad.float() * grad_scale
         _, _, u = self._direction(master, g, state["exp_avg"].float(), state["exp_avg_sq"].float(), hyper)
         return (float(torch.linalg.vector_norm(master, dtype=torch.float64)) ** 2,
                 float(torch.linalg.vector_norm(u, dtype=torch.float64)) ** 2)
 
     def kernel(self, master, grad, state, hyper, *, step, grad_scale, half_out) -> None:
-        self.reference(master, grad, state, hyper, step=step, grad_scale=grad_scale)
-        if half_out is not None:
-            half_out.copy_(master)
+        from infinity.optim.lamb_kernel import lamb_apply
+        lamb_apply(master, grad, state["exp_avg"], state["exp_avg_sq"], hyper, step=step, grad_scale=grad_scale,
+                   half_out=half_out)
+
+    def reference(self, master, grad, state, hyper, *, step, grad_scale) -> None:
+        super().reference(master, grad.float(), state, hyper, step=step, grad_scale=grad_scale)  # scaled in fp32
 
     def _torch_math(self, p, g, s, h: LambHyper, step) -> None:
         m2, v2, u = self._direction(p, g, s["exp_avg"], s["exp_avg_sq"], h)
-        size = h.lr * (1 - h.beta2 ** step) ** 0.5 / (1 - h.beta1 ** step) if h.bias_correction else h.lr
-        p.add_(u, alpha=-size * h.ratio)
+        p.sub_(u.mul_(self.step_size(h, step) * h.ratio))
         s["exp_avg"].copy_(m2)
         s["exp_avg_sq"].copy_(v2)
 
