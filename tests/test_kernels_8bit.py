@@ -336,3 +336,50 @@ def test_bad_8bit_arguments_are_refused():
         adam_update(p, g, m, v, step=1, **hyper, moment_format="int8")
     adam_update(p, g, m, v, step=1, **hyper, moment_format="8bit", offset=3 * BLOCK, count=n - 3 * BLOCK)
 
+
+# --- a tier's piece: runs of param groups over blocks ([Note: 8-bit updates of a piece]) -----------
+
+GROUPS = {"adam": [dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01),
+                   dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0, adamw_mode=False)],
+          "adagrad": [dict(lr=0.1, eps=1e-10, weight_decay=0.1, lr_decay=0.01),
+                      dict(lr=0.2, eps=1e-8, weight_decay=0.0)],
+          "lion": [dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1),
+                   dict(lr=1e-3, betas=(0.5, 0.9), weight_decay=0.0)]}
+N = 5 * BLOCK + 40
+LAYOUTS = {"one run": [(0, N)], "the padding after it": [(0, N - 300)], "two runs share a block": [(0, 700), (700, N)],
+           "runs on blocks": [(0, 512), (512, 1024), (1024, N)], "inside one block": [(10, 100)],
+           "a gap": [(0, 300), (600, N - 1)]}
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_piece_updates_as_decode_kernel_encode_over_all_of_it(rule, layout):
+    """Rule.update_stored (what both tiers call) with the fused kernel on the runs' whole blocks
+    against the long way over the piece: the same bits, but that blocks no run touches keep their
+    bytes (the long way encodes their decoded values again: the same values)."""
+    from infinity.optim.rules import AdagradRule, AdamRule, LionRule
+    make = {"adam": AdamRule, "adagrad": AdagradRule, "lion": LionRule}[rule]
+    fused_rule, long_rule = make(fmt="8bit"), make(fmt="8bit")
+    long_rule.packed_kernel = False
+    hypers = fused_rule.hypers(GROUPS[rule] * 2)
+    runs = [(lo, hi, hypers[i]) for i, (lo, hi) in enumerate(LAYOUTS[layout])]
+    gen = torch.Generator().manual_seed(11)
+    p, stored, g = torch.randn(N, generator=gen), state(rule, N, gen), wide(N, gen).to(torch.bfloat16)
+    results = []
+    for r in (fused_rule, long_rule):
+        p2, h2 = p.clone(), torch.zeros(N, dtype=torch.bfloat16)
+        s2 = {k: s.clone() for k, s in zip(KINDS[rule], stored)}
+        r.update_stored(p2, g, s2, runs, step=3, grad_scale=0.5, half_out=h2)
+        results.append((p2, s2, h2))
+    (p_f, s_f, h_f), (p_l, s_l, h_l) = results
+    assert same([p_f, h_f], [p_l, h_l])
+    touched = torch.zeros(N, dtype=torch.bool)
+    for lo, hi, _ in runs:
+        touched[lo // BLOCK * BLOCK:-(-hi // BLOCK) * BLOCK] = True
+    for (kind, old), fused, long in zip(zip(KINDS[rule], stored), s_f.values(), s_l.values()):
+        assert same([F.decode(fused, N, kind)], [F.decode(long, N, kind)]), kind
+        assert torch.equal(fused[:N][touched], long[:N][touched]), kind
+        assert torch.equal(fused[:N][~touched], old[:N][~touched]), kind
+        blocks = touched[::BLOCK]
+        scales = [s[F.scales_offset(N):].view(torch.float32) for s in (fused, long, old)]
+        assert torch.equal(scales[0][blocks], scales[1][blocks]) and torch.equal(scales[0][~blocks], scales[2][~blocks])

@@ -18,13 +18,17 @@ alike (`optimizer.params.moment_format`; DeepSpeed's `fp32_optimizer_states: fal
          root, whose range is half the exponent's, and never rounds to zero where it is positive:
          a zero in Adam's denominator would turn a small first moment into a step of lr / eps.
 
-The update decodes a piece's 8-bit moments into fp32 scratch, runs the fp32 kernel and encodes
-the result: the same arithmetic as fp32 moments whose values are rounded to the format after
-every step. Decoding is exact (an e4m3 value times a power of two; a square moment is then
-squared, rounded once), and what was decoded encodes to the same values (a block whose top
-rounded down an octave gets half the scale and doubled codes), so a checkpoint, which keeps fp32
-values, resumes exactly. Blocks are counted from the shard's first element, and the NVMe tier's
-pieces start at multiples of 1024 elements, so every tier rounds the same values the same way.
+An update is the fp32 kernel between a decode and an encode: the same arithmetic as fp32
+moments whose values are rounded to the format after every step. The CPU kernels of Adam,
+Adagrad and Lion do all three a block at a time in one pass over the stored bytes, with the bits
+of the decode and encode below ([Note: 8-bit moments in the kernels] in csrc/adam/adam.h; how a
+tier's piece is cut for them: [Note: 8-bit updates of a piece] in rules.py); LAMB and the torch
+ops on an accelerator run between this module's decode and encode. Decoding is exact (an e4m3
+value times a power of two; a square moment is then squared, rounded once), and what was decoded
+encodes to the same values (a block whose top rounded down an octave gets half the scale and
+doubled codes), so a checkpoint, which keeps fp32 values, resumes exactly. Blocks are counted
+from the shard's first element, and the NVMe tier's pieces start at multiples of 1024 elements,
+so every tier rounds the same values the same way.
 
 Every step of the encode is exactly defined, so that other code (a fused kernel) can give its
 bits: the root is the correctly rounded one, taken in double (exact: a double's 53 bits are more
@@ -154,7 +158,8 @@ class _Block8(MomentFormat):
 
     def encode(self, values, kind, out=None):
         n = values.numel()
-        out = torch.empty(self.nbytes(n), dtype=torch.uint8, device=values.device) if out is None else out[:self.nbytes(n)]
+        size = self.nbytes(n)
+        out = torch.empty(size, dtype=torch.uint8, device=values.device) if out is None else out[:size]
         self.encode_blocks(values, kind, out, n, 0)
         return out
 
@@ -164,7 +169,7 @@ class _Block8(MomentFormat):
         m = values.numel()
         x = values.float()
         if _square_kind(kind):
-            x = x.double().sqrt().float()  # the correctly rounded root (torch's float sqrt is not), as the kernels take it
+            x = x.double().sqrt().float()  # the correctly rounded root, as the kernels take it
         blocks = math.ceil(m / BLOCK)
         padded = torch.zeros(blocks * BLOCK, dtype=torch.float32, device=x.device)
         padded[:m] = x
