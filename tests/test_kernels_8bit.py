@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from infinity.optim import adagrad_update, adam_update, available_simd_paths, lion_update
+from infinity.optim import adagrad_update, adam_update, available_simd_paths, formats, lion_update
 from infinity.optim.formats import BLOCK, FORMATS
 
 F = FORMATS["8bit"]
@@ -247,6 +247,16 @@ def e4m3_codes(y: torch.Tensor, ties: str) -> torch.Tensor:
     return (code | sign).to(torch.uint8)
 
 
+def spec_scales(top: torch.Tensor, nan: torch.Tensor, strict: bool = False) -> torch.Tensor:
+    """The scales of blocks whose largest magnitude, NaN aside, has the bits `top` (int64)."""
+    # smallest e with top <= 448 * 2^e (448 = 1.75 * 2^8), at least -126 (strict: top < 448 * 2^e)
+    above = (top & 0x7FFFFF) >= 0x600000 if strict else (top & 0x7FFFFF) > 0x600000
+    e = ((top >> 23) - 135 + above.long()).clamp(min=-126)
+    scale_bits = torch.where(nan | (top <= 224), 127 << 23, (e + 127) << 23)  # 224 * 2^-149: formats.py's 1
+    scale_bits = torch.where(~nan & (top == 0x7F800000), 0x7F800000, scale_bits)
+    return scale_bits.int().view(torch.float32)
+
+
 def spec_encode(values: torch.Tensor, kind: str, *, ties: str = "even", strict: bool = False,
                 float_sqrt: bool = False, clamp: bool = True) -> torch.Tensor:
     n, square = values.numel(), kind == "exp_avg_sq"
@@ -255,14 +265,8 @@ def spec_encode(values: torch.Tensor, kind: str, *, ties: str = "even", strict: 
         x = x.sqrt() if float_sqrt else x.double().sqrt().float()
     blocks = math.ceil(n / BLOCK)
     padded = torch.nn.functional.pad(x, (0, blocks * BLOCK - n)).view(blocks, BLOCK)
-    nan = padded.isnan().any(1)
     top = torch.where(padded.isnan(), 0.0, padded.abs()).amax(1).view(torch.int32).long()
-    # smallest e with top <= 448 * 2^e (448 = 1.75 * 2^8), at least -126 (strict: top < 448 * 2^e)
-    above = (top & 0x7FFFFF) >= 0x600000 if strict else (top & 0x7FFFFF) > 0x600000
-    e = ((top >> 23) - 135 + above.long()).clamp(min=-126)
-    scale_bits = torch.where(nan | (top <= 224), 127 << 23, (e + 127) << 23)  # 224 * 2^-149: formats.py's 1
-    scale_bits = torch.where(~nan & (top == 0x7F800000), 0x7F800000, scale_bits)
-    scales = scale_bits.int().view(torch.float32)
+    scales = spec_scales(top, padded.isnan().any(1), strict)
     y = padded * (1 / scales)[:, None]
     if square and clamp:
         y = torch.where(y > 0, y.clamp(min=2.0 ** -9), y)
@@ -270,6 +274,44 @@ def spec_encode(values: torch.Tensor, kind: str, *, ties: str = "even", strict: 
     out[:n] = e4m3_codes(y.reshape(-1)[:n], ties)
     out[F.scales_offset(n):] = scales.view(torch.uint8)
     return out
+
+
+def float_patterns(chunk: int) -> torch.Tensor:
+    """The floats whose bits are [chunk * 2^24, (chunk + 1) * 2^24), chunk < 256."""
+    u = torch.arange(chunk << 24, (chunk + 1) << 24, dtype=torch.int64)
+    return torch.where(u >= 1 << 31, u - (1 << 32), u).int().view(torch.float32)
+
+
+@pytest.mark.slow
+def test_formats_chooses_the_spec_s_scale_for_every_float_top(monkeypatch):
+    """formats.py's log2 and correction loop pick, for every non-negative float and NaN top, the
+    scale read off its bits (each value its own block, BLOCK set to 1)."""
+    monkeypatch.setattr(formats, "BLOCK", 1)
+    for chunk in range(128):
+        for top in float_patterns(chunk).split(1 << 21):  # pieces small enough for malloc to reuse
+            got = F.encode(top, "exp_avg")[F.scales_offset(top.numel()):].view(torch.float32)
+            assert torch.equal(bits(got), bits(spec_scales(top.view(torch.int32).long(), top.isnan()))), chunk
+
+
+@pytest.mark.slow
+def test_the_kernel_s_codes_are_torch_s_for_every_float():
+    """Every float pattern, 255 to a block beside a NaN (so the scale is 1), copied into exp_avg by
+    Lion's COPY step on each SIMD path: the codes are torch's `.to(torch.float8_e4m3fn)` of the
+    moment (in which an infinite gradient is NaN: lerp's 0 * inf)."""
+    rows = (1 << 24) // (BLOCK - 1) + 1
+    g = torch.full((rows, BLOCK), math.nan)
+    n = g.numel()
+    p, moment, zeros = torch.zeros(n), torch.zeros(n), F.empty(n, 0.0, "exp_avg")
+    stored = zeros.clone()
+    patterns = torch.zeros(rows * (BLOCK - 1))  # the last block's tail: zeros
+    for chunk in range(256):
+        patterns[:1 << 24] = float_patterns(chunk)
+        g[:, 1:] = patterns.view(rows, BLOCK - 1)
+        update("lion", p, g.view(-1), [moment.zero_()], hyper=COPY["lion"])
+        want = moment.to(torch.float8_e4m3fn).view(torch.uint8)
+        for path in available_simd_paths():
+            update("lion", p, g.view(-1), [stored.copy_(zeros)], hyper=COPY["lion"], moment_format="8bit", simd=path)
+            assert torch.equal(stored[:n], want), (chunk, path)
 
 
 def test_the_spec_is_formats_encode_on_the_edges():
