@@ -13,6 +13,9 @@ class DType(enum.Enum):
     float32 = ...
     bfloat16 = ...
     float16 = ...
+    e4m3_block = ...
+    """A moment in the "8bit" format of infinity/optim/formats.py: e4m3 codes at the moment's
+    address, a float scale a block of 256 at its scales' address (Job's exp_avg_scales...)."""
 
 class Rule(enum.Enum):
     """The update rule of a job (csrc/adam/adam.h)."""
@@ -55,8 +58,10 @@ class HyperParams:
 class Job:
     """One tensor of Updater.update_many: the arguments of Updater.update. exp_avg and
     exp_avg_sq are 0 where hyper.rule has no such moment (Adagrad's sum is exp_avg_sq, Lion's
-    momentum exp_avg); both hold moment_dtype elements (float32 or bfloat16). Raises
-    ValueError for a missing buffer the rule needs or a dtype a slot does not take."""
+    momentum exp_avg); both hold moment_dtype elements (float32, bfloat16, or e4m3_block codes
+    with their scales at exp_avg_scales / exp_avg_sq_scales, the first that of the block of
+    element 0; count then ends on a block of 256 or at the buffer's end). Raises ValueError for a
+    missing buffer the rule needs or a dtype a slot does not take."""
 
     count: int
     def __init__(
@@ -71,6 +76,8 @@ class Job:
         half_out: int = 0,
         half_dtype: DType = DType.none,
         moment_dtype: DType = DType.float32,
+        exp_avg_scales: int = 0,
+        exp_avg_sq_scales: int = 0,
     ) -> None: ...
 
 class Updater:

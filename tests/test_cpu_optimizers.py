@@ -591,6 +591,9 @@ def test_a_job_without_the_moment_its_rule_needs_raises():
     lion = _adam.HyperParams(lr=1e-3, rule=_adam.Rule.lion)
     with pytest.raises(ValueError, match="this rule needs exp_avg"):
         _adam.Job(lion, p.data_ptr(), p.data_ptr(), 0, p.data_ptr(), 8, _adam.DType.float32)
-    with pytest.raises(ValueError, match="moment_dtype must be float32 or bfloat16"):
+    with pytest.raises(ValueError, match="moment_dtype must be float32, bfloat16 or e4m3_block"):
         _adam.Job(lion, p.data_ptr(), p.data_ptr(), p.data_ptr(), 0, 8, _adam.DType.float32,
                   moment_dtype=_adam.DType.float16)
+    with pytest.raises(ValueError, match="e4m3_block moments need their scales"):
+        _adam.Job(lion, p.data_ptr(), p.data_ptr(), p.data_ptr(), 0, 8, _adam.DType.float32,
+                  moment_dtype=_adam.DType.e4m3_block)

@@ -290,6 +290,33 @@ def test_8bit_moments_resume_exactly(optim, tmp_path):
                      tmp_path)
 
 
+@pytest.mark.parametrize("optim", ["cpu", "nvme"])
+def test_8bit_moments_go_through_the_fused_kernel_with_the_bits_of_decode_kernel_encode(optim, tmp_path, monkeypatch):
+    """The tiers hand 8-bit moments to the fused kernel ([Note: 8-bit updates of a piece] in
+    infinity/optim/rules.py); the run (losses, master and moments) is, bit for bit, the one that
+    decodes, runs the fp32 kernel and encodes, as the tiers did before. Layers of 6500 values: the
+    block with a shard's last value is shared with its padding and goes the long way."""
+    from infinity.optim.rules import AdamRule
+    calls = []
+    fused_call = AdamRule.kernel_packed
+    monkeypatch.setattr(AdamRule, "kernel_packed",
+                        lambda self, *a, **k: calls.append(k["count"]) or fused_call(self, *a, **k))
+    runs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(AdamRule, "packed_kernel", fused)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 100), nn.Tanh(), nn.Linear(100, 64), nn.Tanh(), nn.Linear(64, 32))
+        (tmp_path / str(fused)).mkdir()
+        engine, *_ = infinity.initialize(model=model, config=_format_config("8bit", optim, tmp_path / str(fused)))
+        losses = _engine_losses(engine, STEPS)
+        runs[fused] = losses, [engine.read_optimizer_shard(u, kind) for u in engine.units if u.trainable
+                               for kind in ("master", "exp_avg", "exp_avg_sq")]
+        engine.close()
+    assert calls and min(calls) > 0
+    assert runs[True][0] == runs[False][0]
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(runs[True][1], runs[False][1]))
+
+
 # ---- LAMB ([Note: LAMB's two passes] in infinity/optim/rules.py) -----------------------------------
 
 

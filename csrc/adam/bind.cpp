@@ -24,12 +24,20 @@ Simd resolve_or_throw(const std::string& name) {
   return simd;
 }
 
+// The scales matter only to kE4M3Block moments ([Note: 8-bit moments in the kernels] in adam.h).
+struct Scales {
+  uintptr_t exp_avg = 0;
+  uintptr_t exp_avg_sq = 0;
+};
+
 Buffers make_buffers(uintptr_t param, uintptr_t grad, DType grad_dtype, uintptr_t exp_avg,
                      uintptr_t exp_avg_sq, uintptr_t half_out, DType half_dtype,
-                     DType moment_dtype) {
-  return Buffers{reinterpret_cast<float*>(param), reinterpret_cast<const void*>(grad),
-                 reinterpret_cast<void*>(exp_avg), reinterpret_cast<void*>(exp_avg_sq),
-                 reinterpret_cast<void*>(half_out), grad_dtype, half_dtype, moment_dtype};
+                     DType moment_dtype, Scales scales = {}) {
+  return Buffers{reinterpret_cast<float*>(param),      reinterpret_cast<const void*>(grad),
+                 reinterpret_cast<void*>(exp_avg),     reinterpret_cast<void*>(exp_avg_sq),
+                 reinterpret_cast<void*>(half_out),    grad_dtype,
+                 half_dtype,                           moment_dtype,
+                 reinterpret_cast<float*>(scales.exp_avg), reinterpret_cast<float*>(scales.exp_avg_sq)};
 }
 
 // The few things the kernels cannot survive, for callers that bypass the facade: a missing
@@ -41,10 +49,17 @@ Job checked_job(const HyperParams& hp, const Buffers& b, size_t count) {
   if (count > 0 && exp_avg && b.exp_avg == nullptr) fail("this rule needs exp_avg");
   if (count > 0 && exp_avg_sq && b.exp_avg_sq == nullptr) fail("this rule needs exp_avg_sq");
   if (b.grad_dtype == DType::kNone) fail("grad_dtype must be float32, bfloat16 or float16");
-  if (b.moment_dtype != DType::kF32 && b.moment_dtype != DType::kBF16) {
-    fail("moment_dtype must be float32 or bfloat16");
+  if (b.moment_dtype == DType::kNone || b.moment_dtype == DType::kF16) {
+    fail("moment_dtype must be float32, bfloat16 or e4m3_block");
   }
-  if (b.half_dtype == DType::kF32) fail("half_dtype must be none, bfloat16 or float16");
+  if (b.grad_dtype == DType::kE4M3Block) fail("grad_dtype must be float32, bfloat16 or float16");
+  if (count > 0 && b.moment_dtype == DType::kE4M3Block &&
+      ((exp_avg && b.exp_avg_scales == nullptr) || (exp_avg_sq && b.exp_avg_sq_scales == nullptr))) {
+    fail("e4m3_block moments need their scales");
+  }
+  if (b.half_dtype == DType::kF32 || b.half_dtype == DType::kE4M3Block) {
+    fail("half_dtype must be none, bfloat16 or float16");
+  }
   if (count > 0 && b.half_dtype != DType::kNone && b.half_out == nullptr) {
     fail("half_out is required with a half_dtype");
   }
@@ -60,7 +75,8 @@ PYBIND11_MODULE(_adam, m) {
       .value("none", DType::kNone)
       .value("float32", DType::kF32)
       .value("bfloat16", DType::kBF16)
-      .value("float16", DType::kF16);
+      .value("float16", DType::kF16)
+      .value("e4m3_block", DType::kE4M3Block);
 
   py::enum_<Rule>(m, "Rule")
       .value("adam", Rule::kAdam)
@@ -93,17 +109,21 @@ PYBIND11_MODULE(_adam, m) {
   py::class_<Job>(m, "Job")
       .def(py::init([](const HyperParams& hp, uintptr_t param, uintptr_t grad, uintptr_t exp_avg,
                        uintptr_t exp_avg_sq, size_t count, DType grad_dtype, uintptr_t half_out,
-                       DType half_dtype, DType moment_dtype) {
+                       DType half_dtype, DType moment_dtype, uintptr_t exp_avg_scales,
+                       uintptr_t exp_avg_sq_scales) {
              return checked_job(hp,
                                 make_buffers(param, grad, grad_dtype, exp_avg, exp_avg_sq,
-                                             half_out, half_dtype, moment_dtype),
+                                             half_out, half_dtype, moment_dtype,
+                                             Scales{exp_avg_scales, exp_avg_sq_scales}),
                                 count);
            }),
            py::arg("hyper"), py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
            py::arg("exp_avg_sq"), py::arg("count"), py::arg("grad_dtype"),
            py::arg("half_out") = 0, py::arg("half_dtype") = DType::kNone,
-           py::arg("moment_dtype") = DType::kF32,
-           "One tensor of Updater.update_many: the arguments of Updater.update.")
+           py::arg("moment_dtype") = DType::kF32, py::arg("exp_avg_scales") = 0,
+           py::arg("exp_avg_sq_scales") = 0,
+           "One tensor of Updater.update_many: the arguments of Updater.update, and for "
+           "e4m3_block moments the address of each one's first scale.")
       .def_readonly("count", &Job::count);
 
   py::class_<Updater>(m, "Updater")

@@ -3,6 +3,7 @@
 // gives the same bits as the body without a second (scalar) implementation in this file.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "adam.h"
@@ -170,7 +171,7 @@ struct Avx2Loop {
     if constexpr (kHasExpAvgSq<R>) {
       copy_elements(v, static_cast<const MomentT*>(b.exp_avg_sq) + i, n);
     }
-    const Buffers local{p, g, m, v, h, b.grad_dtype, b.half_dtype, b.moment_dtype};
+    const Buffers local{p, g, m, v, h, b.grad_dtype, b.half_dtype, b.moment_dtype, nullptr, nullptr};
     body(c, local, 0, false);
     copy_elements(b.param + i, p, n);
     if constexpr (kHasExpAvg<R>) copy_elements(static_cast<MomentT*>(b.exp_avg) + i, m, n);
@@ -178,7 +179,9 @@ struct Avx2Loop {
     if constexpr (H != DType::kNone) copy_elements(static_cast<uint16_t*>(b.half_out) + i, h, n);
   }
 
-  static void run(const StepConstants& c, const Buffers& b, size_t begin, size_t end) {
+  // The update of [begin, end); returns whether it used streaming stores, which the caller
+  // fences once it is done with them.
+  static bool sweep(const StepConstants& c, const Buffers& b, size_t begin, size_t end) {
     size_t i = begin;
     bool stream = false;
     if constexpr (H != DType::kNone) {
@@ -201,7 +204,146 @@ struct Avx2Loop {
     }
     for (; i + kWidth <= end; i += kWidth) body(c, b, i, stream);
     if (i < end) tail(c, b, i, end - i);
-    if (stream) _mm_sfence();  // order the streaming stores before the caller's "done"
+    return stream;
+  }
+
+  static void run(const StepConstants& c, const Buffers& b, size_t begin, size_t end) {
+    if (sweep(c, b, begin, end)) _mm_sfence();  // order the streaming stores before the caller's "done"
+  }
+};
+
+// 8-bit moments ([Note: 8-bit moments in the kernels] in adam.h): codes <-> floats, 8 at a time.
+
+// Eight codes at `codes` as floats, exactly (torch's `.float()`, NaN as 0x7FF00000 | sign).
+__m256 e4m3_to_floats(const uint8_t* codes) {
+  const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+  const __m256i magnitude = _mm256_and_si256(c, _mm256_set1_epi32(0x7F));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
+  const __m256i normal =
+      _mm256_add_epi32(_mm256_slli_epi32(magnitude, 20), _mm256_set1_epi32(120 << 23));
+  const __m256i subnormal = _mm256_castps_si256(
+      _mm256_mul_ps(_mm256_cvtepi32_ps(magnitude), _mm256_set1_ps(0x1p-9f)));
+  __m256i bits = _mm256_blendv_epi8(normal, subnormal,
+                                    _mm256_cmpgt_epi32(_mm256_set1_epi32(8), magnitude));
+  bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7FF00000),
+                            _mm256_cmpeq_epi32(magnitude, _mm256_set1_epi32(0x7F)));
+  return _mm256_castsi256_ps(_mm256_or_si256(bits, sign));
+}
+
+// Eight floats as codes in the low 8 bytes: torch's `.to(torch.float8_e4m3fn)` (nearest even,
+// saturating at 448, a NaN to 0x7F | sign). All compares are of magnitudes below 2^31.
+__m128i floats_to_e4m3(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i sign = _mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256i a = _mm256_xor_si256(u, sign);
+  // Below 2^-6: units of 2^-9, rounded by adding 2^14 (whose ulp is 2^-9).
+  const __m256i subnormal = _mm256_sub_epi32(
+      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(0x1p14f))),
+      _mm256_set1_epi32(141 << 23));
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), _mm256_set1_epi32(1));
+  __m256i code = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(a, _mm256_set1_epi32(0x7FFFF - (120 << 23))), odd), 20);
+  code = _mm256_blendv_epi8(code, subnormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(121 << 23), a));
+  code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7E),
+                            _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x43E80000)));
+  code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7F),
+                            _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000)));
+  code = _mm256_or_si256(code, _mm256_srli_epi32(sign, 24));
+  const __m128i words =
+      _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+  return _mm_packus_epi16(words, words);
+}
+
+// The fp32 values of the n moments of the block at element i (formats.py's decode), into `out`
+// rounded up to whole vectors (the lanes past n read zero codes).
+void decode_block(const void* codes, const float* scales, size_t i, size_t n, bool square,
+                  float* out) {
+  const uint8_t* c = static_cast<const uint8_t*>(codes) + i;
+  alignas(16) uint8_t padded[kBlock];
+  if (n < kBlock) {  // the buffer's last block: do not read past its codes
+    for (size_t k = 0; k < kBlock; ++k) padded[k] = k < n ? c[k] : 0;
+    c = padded;
+  }
+  const __m256 scale = _mm256_set1_ps(scales[i / kBlock]);
+  for (size_t k = 0; k < n; k += kWidth) {
+    __m256 x = _mm256_mul_ps(e4m3_to_floats(c + k), scale);
+    if (square) x = _mm256_mul_ps(x, x);
+    _mm256_store_ps(out + k, x);
+  }
+}
+
+// The block's new values (n of them in `values`, 32-byte aligned, roots taken in place) as
+// codes and a scale.
+void encode_block(float* values, size_t n, bool root, void* codes, float* scales, size_t i) {
+  const size_t whole = (n + kWidth - 1) / kWidth * kWidth;
+  for (size_t k = n; k < whole; ++k) values[k] = 0.0f;  // lanes past n: no effect on the top
+  const __m256 magnitude_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 top = _mm256_setzero_ps();
+  __m256 nan = _mm256_setzero_ps();
+  for (size_t k = 0; k < whole; k += kWidth) {
+    __m256 x = _mm256_load_ps(values + k);
+    if (root) {
+      x = _mm256_sqrt_ps(x);
+      _mm256_store_ps(values + k, x);
+    }
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    top = _mm256_max_ps(_mm256_and_ps(x, magnitude_mask), top);  // a NaN lane keeps top
+  }
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  half = _mm_max_ss(half, _mm_movehdup_ps(half));
+  const float scale = e4m3_block_scale(_mm_cvtss_f32(half), _mm256_movemask_ps(nan) != 0);
+  const __m256 inverse = _mm256_set1_ps(1.0f / scale);  // a power of two (or 0): exact
+  uint8_t* c = static_cast<uint8_t*>(codes) + i;
+  for (size_t k = 0; k < whole; k += kWidth) {
+    __m256 y = _mm256_mul_ps(_mm256_load_ps(values + k), inverse);
+    if (root) {  // a positive root never rounds to zero
+      const __m256 positive = _mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ);
+      y = _mm256_blendv_ps(y, _mm256_max_ps(y, _mm256_set1_ps(kLeastE4M3)), positive);
+    }
+    const __m128i code = floats_to_e4m3(y);
+    if (k + kWidth <= n) {
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(c + k), code);
+    } else {
+      alignas(16) uint8_t last[16];
+      _mm_store_si128(reinterpret_cast<__m128i*>(last), code);
+      copy_elements(c + k, last, n - k);
+    }
+  }
+  scales[i / kBlock] = scale;
+}
+
+// Asks for the codes of the block kPrefetchBytes / 4 elements past element i (the fp32
+// streams' distance, in elements): 1 byte a value, a line for 64 of them.
+template <Rule R>
+void prefetch_codes(const Buffers& b, size_t i) {
+  constexpr size_t ahead = kPrefetchBytes / sizeof(float);
+  for (size_t line = 0; line < kBlock; line += 64) {
+    if constexpr (kHasExpAvg<R>) {
+      _mm_prefetch(static_cast<const char*>(b.exp_avg) + i + ahead + line, _MM_HINT_T0);
+    }
+    if constexpr (kHasExpAvgSq<R>) {
+      _mm_prefetch(static_cast<const char*>(b.exp_avg_sq) + i + ahead + line, _MM_HINT_T0);
+    }
+  }
+}
+
+// 8-bit moments, a block at a time: decode into the stack, the fp32 loop, encode.
+template <Rule R, DType G, DType H, bool L2>
+struct Avx2Loop<R, G, H, DType::kE4M3Block, L2> {
+  static void run(const StepConstants& c, const Buffers& b, size_t begin, size_t end) {
+    bool stream = false;
+    for (size_t i = begin; i < end; i += kBlock) {
+      const size_t n = std::min(kBlock, end - i);
+      alignas(32) float m[kBlock], v[kBlock];
+      prefetch_codes<R>(b, i);
+      if constexpr (kHasExpAvg<R>) decode_block(b.exp_avg, b.exp_avg_scales, i, n, false, m);
+      if constexpr (kHasExpAvgSq<R>) decode_block(b.exp_avg_sq, b.exp_avg_sq_scales, i, n, true, v);
+      stream |= Avx2Loop<R, G, H, DType::kF32, L2>::sweep(c, block_buffers(b, i, m, v), 0, n);
+      if constexpr (kHasExpAvg<R>) encode_block(m, n, false, b.exp_avg, b.exp_avg_scales, i);
+      if constexpr (kHasExpAvgSq<R>) encode_block(v, n, true, b.exp_avg_sq, b.exp_avg_sq_scales, i);
+    }
+    if (stream) _mm_sfence();
   }
 };
 

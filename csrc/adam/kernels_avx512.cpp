@@ -155,7 +155,9 @@ struct Avx512Loop {
     store_half<H>(b.half_out, i, p, mask, stream);
   }
 
-  static void run(const StepConstants& c, const Buffers& b, size_t begin, size_t end) {
+  // The update of [begin, end); returns whether it used streaming stores, which the caller
+  // fences once it is done with them.
+  static bool sweep(const StepConstants& c, const Buffers& b, size_t begin, size_t end) {
     size_t i = begin;
     bool stream = false;
     if constexpr (H != DType::kNone) {
@@ -175,7 +177,131 @@ struct Avx512Loop {
       body(c, b, i, 0xFFFF, stream);
     }
     if (i < end) body(c, b, i, static_cast<__mmask16>((1u << (end - i)) - 1u), false);
-    if (stream) _mm_sfence();  // order the streaming stores before the caller's "done"
+    return stream;
+  }
+
+  static void run(const StepConstants& c, const Buffers& b, size_t begin, size_t end) {
+    if (sweep(c, b, begin, end)) _mm_sfence();  // order the streaming stores before the caller's "done"
+  }
+};
+
+// 8-bit moments ([Note: 8-bit moments in the kernels] in adam.h): codes <-> floats, 16 at a time.
+
+__mmask16 first_lanes(size_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
+// The codes at `codes` that `mask` selects as floats, exactly (torch's `.float()`, NaN as
+// 0x7FF00000 | sign); the others read as zero codes.
+__m512 e4m3_to_floats(const uint8_t* codes, __mmask16 mask) {
+  const __m512i c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, codes));
+  const __m512i magnitude = _mm512_and_si512(c, _mm512_set1_epi32(0x7F));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24);
+  __m512i bits = _mm512_add_epi32(_mm512_slli_epi32(magnitude, 20), _mm512_set1_epi32(120 << 23));
+  const __m512i subnormal = _mm512_castps_si512(
+      _mm512_mul_ps(_mm512_cvtepi32_ps(magnitude), _mm512_set1_ps(0x1p-9f)));
+  bits = _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(magnitude, _mm512_set1_epi32(8)), bits,
+                                 subnormal);
+  bits = _mm512_mask_blend_epi32(_mm512_cmpeq_epu32_mask(magnitude, _mm512_set1_epi32(0x7F)), bits,
+                                 _mm512_set1_epi32(0x7FF00000));
+  return _mm512_castsi512_ps(_mm512_or_si512(bits, sign));
+}
+
+// Sixteen floats as codes: torch's `.to(torch.float8_e4m3fn)` (nearest even, saturating at 448,
+// a NaN to 0x7F | sign).
+__m128i floats_to_e4m3(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i sign = _mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m512i a = _mm512_xor_si512(u, sign);
+  // Below 2^-6: units of 2^-9, rounded by adding 2^14 (whose ulp is 2^-9).
+  const __m512i subnormal = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(0x1p14f))),
+      _mm512_set1_epi32(141 << 23));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
+  __m512i code = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(0x7FFFF - (120 << 23))), odd), 20);
+  code = _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(121 << 23)), code,
+                                 subnormal);
+  code = _mm512_mask_blend_epi32(_mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x43E80000)), code,
+                                 _mm512_set1_epi32(0x7E));
+  code = _mm512_mask_blend_epi32(_mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000)), code,
+                                 _mm512_set1_epi32(0x7F));
+  return _mm512_cvtepi32_epi8(_mm512_or_si512(code, _mm512_srli_epi32(sign, 24)));
+}
+
+// The fp32 values of the n moments of the block at element i (formats.py's decode), into `out`
+// rounded up to whole vectors (the lanes past n are zeros).
+void decode_block(const void* codes, const float* scales, size_t i, size_t n, bool square,
+                  float* out) {
+  const uint8_t* c = static_cast<const uint8_t*>(codes) + i;
+  const __m512 scale = _mm512_set1_ps(scales[i / kBlock]);
+  for (size_t k = 0; k < n; k += 16) {
+    __m512 x = _mm512_mul_ps(e4m3_to_floats(c + k, first_lanes(n - k)), scale);
+    if (square) x = _mm512_mul_ps(x, x);
+    _mm512_store_ps(out + k, x);
+  }
+}
+
+// The block's new values (n of them in `values`, 64-byte aligned, roots taken in place) as
+// codes and a scale.
+void encode_block(float* values, size_t n, bool root, void* codes, float* scales, size_t i) {
+  __m512 top = _mm512_setzero_ps();
+  __mmask16 nan = 0;
+  for (size_t k = 0; k < n; k += 16) {
+    __m512 x = _mm512_maskz_load_ps(first_lanes(n - k), values + k);
+    if (root) {
+      x = _mm512_sqrt_ps(x);
+      _mm512_store_ps(values + k, x);
+    }
+    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    top = _mm512_max_ps(_mm512_abs_ps(x), top);  // a NaN lane keeps top
+  }
+  const float scale = e4m3_block_scale(_mm512_reduce_max_ps(top), nan != 0);
+  const __m512 inverse = _mm512_set1_ps(1.0f / scale);  // a power of two (or 0): exact
+  uint8_t* c = static_cast<uint8_t*>(codes) + i;
+  for (size_t k = 0; k < n; k += 16) {
+    const __mmask16 mask = first_lanes(n - k);
+    __m512 y = _mm512_mul_ps(_mm512_maskz_load_ps(mask, values + k), inverse);
+    if (root) {  // a positive root never rounds to zero
+      const __mmask16 positive = _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_GT_OQ);
+      y = _mm512_mask_max_ps(y, positive, y, _mm512_set1_ps(kLeastE4M3));
+    }
+    _mm_mask_storeu_epi8(c + k, mask, floats_to_e4m3(y));
+  }
+  scales[i / kBlock] = scale;
+}
+
+// Asks for the codes of the block kPrefetchBytes / 4 elements past element i (the fp32
+// streams' distance, in elements): 1 byte a value, a line for 64 of them.
+template <Rule R>
+void prefetch_codes(const Buffers& b, size_t i) {
+  constexpr size_t ahead = kPrefetchBytes / sizeof(float);
+  for (size_t line = 0; line < kBlock; line += 64) {
+    if constexpr (kHasExpAvg<R>) {
+      _mm_prefetch(static_cast<const char*>(b.exp_avg) + i + ahead + line, _MM_HINT_T0);
+    }
+    if constexpr (kHasExpAvgSq<R>) {
+      _mm_prefetch(static_cast<const char*>(b.exp_avg_sq) + i + ahead + line, _MM_HINT_T0);
+    }
+  }
+}
+
+// 8-bit moments, a block at a time: decode into the stack, the fp32 loop, encode.
+template <Rule R, DType G, DType H, bool L2>
+struct Avx512Loop<R, G, H, DType::kE4M3Block, L2> {
+  static void run(const StepConstants& c, const Buffers& b, size_t begin, size_t end) {
+    bool stream = false;
+    for (size_t i = begin; i < end; i += kBlock) {
+      const size_t n = end - i < kBlock ? end - i : kBlock;
+      alignas(64) float m[kBlock], v[kBlock];
+      prefetch_codes<R>(b, i);
+      if constexpr (kHasExpAvg<R>) decode_block(b.exp_avg, b.exp_avg_scales, i, n, false, m);
+      if constexpr (kHasExpAvgSq<R>) decode_block(b.exp_avg_sq, b.exp_avg_sq_scales, i, n, true, v);
+      stream |= Avx512Loop<R, G, H, DType::kF32, L2>::sweep(c, block_buffers(b, i, m, v), 0, n);
+      if constexpr (kHasExpAvg<R>) encode_block(m, n, false, b.exp_avg, b.exp_avg_scales, i);
+      if constexpr (kHasExpAvgSq<R>) encode_block(v, n, true, b.exp_avg_sq, b.exp_avg_sq_scales, i);
+    }
+    if (stream) _mm_sfence();
   }
 };
 

@@ -21,8 +21,11 @@ KernelFn select_l2(bool use_l2) {
 
 template <template <Rule, DType, DType, DType, bool> class Loop, Rule R, DType G, DType H>
 KernelFn select_moment(DType moment, bool use_l2) {
-  return moment == DType::kBF16 ? select_l2<Loop, R, G, H, DType::kBF16>(use_l2)
-                                : select_l2<Loop, R, G, H, DType::kF32>(use_l2);
+  switch (moment) {
+    case DType::kBF16: return select_l2<Loop, R, G, H, DType::kBF16>(use_l2);
+    case DType::kE4M3Block: return select_l2<Loop, R, G, H, DType::kE4M3Block>(use_l2);
+    default: return select_l2<Loop, R, G, H, DType::kF32>(use_l2);
+  }
 }
 
 template <template <Rule, DType, DType, DType, bool> class Loop, Rule R, DType G>

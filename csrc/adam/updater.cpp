@@ -14,10 +14,10 @@ constexpr size_t kMinPerThread = size_t{1} << 16;
 // About this many chunks per thread: enough to even out a late start, few enough that each is
 // a long stream for the prefetchers (2 MB of each array for a 16M-element tensor on 2 threads).
 constexpr size_t kChunksPerThread = 16;
-// Chunks start on multiples of 64 elements of their tensor: a whole 256-byte span of every
-// fp32 array and a whole 128-byte span of the half-precision ones, so no two threads write
-// the same cache line.
-constexpr size_t kSliceAlign = 64;
+// Chunks start on multiples of 256 elements of their tensor: a whole block of 8-bit moments,
+// whose scale one thread must compute from all of it ([Note: 8-bit moments in the kernels] in
+// adam.h), and whole cache lines of every array, so no two threads write the same line.
+constexpr size_t kSliceAlign = kBlock;
 
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 

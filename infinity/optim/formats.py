@@ -18,13 +18,27 @@ alike (`optimizer.params.moment_format`; DeepSpeed's `fp32_optimizer_states: fal
          root, whose range is half the exponent's, and never rounds to zero where it is positive:
          a zero in Adam's denominator would turn a small first moment into a step of lr / eps.
 
-The update decodes a piece's 8-bit moments into fp32 scratch, runs the fp32 kernel and encodes
-the result: the same arithmetic as fp32 moments whose values are rounded to the format after
-every step. Decoding is exact (an e4m3 value times a power of two), and what was decoded encodes
-to the same values (a block whose top rounded down an octave gets half the scale and doubled
-codes), so a checkpoint, which keeps fp32 values, resumes exactly. Blocks are counted from the
-shard's first element, and the NVMe tier's pieces start at multiples of 1024 elements, so every
-tier rounds the same values the same way.
+An update is the fp32 kernel between a decode and an encode: the same arithmetic as fp32
+moments whose values are rounded to the format after every step. The CPU kernels of Adam,
+Adagrad and Lion do all three a block at a time in one pass over the stored bytes, with the bits
+of the decode and encode below ([Note: 8-bit moments in the kernels] in csrc/adam/adam.h; how a
+tier's piece is cut for them: [Note: 8-bit updates of a piece] in rules.py); LAMB and the torch
+ops on an accelerator run between this module's decode and encode. Decoding is exact (an e4m3
+value times a power of two; a square moment is then squared, rounded once), and what was decoded
+encodes to the same values (a block whose top rounded down an octave gets half the scale and
+doubled codes), so a checkpoint, which keeps fp32 values, resumes exactly. Blocks are counted
+from the shard's first element, and the NVMe tier's pieces start at multiples of 1024 elements,
+so every tier rounds the same values the same way.
+
+Every step of the encode is exactly defined, so that other code (a fused kernel) can give its
+bits: the root is the correctly rounded one, taken in double (exact: a double's 53 bits are more
+than twice a float's 24, so rounding the double root to float rounds the true root once; torch's
+float sqrt on the CPU is not correctly rounded); the scale is the smallest power of two 2^e with
+top <= 448 * 2^e and e >= -126 (the log2 below only guesses it, and the loop corrects the guess
+upwards), except that a block with a NaN, or whose top / 448 rounds to 0, keeps scale 1, and an
+infinite top gets an infinite scale; dividing by it is exact but where it underflows; the codes
+are torch's conversion (round to nearest even; torch 2.13 saturates at 448 and writes a NaN as
+0x7F with its sign).
 """
 
 from __future__ import annotations
@@ -111,6 +125,10 @@ class _Block8(MomentFormat):
     def nbytes(self, n: int) -> int:
         return self._codes_len(n) + 4 * math.ceil(n / BLOCK)
 
+    def scales_offset(self, n: int) -> int:
+        """Where, in the stored bytes of n values, the first block's scale is (fp32, one a block)."""
+        return self._codes_len(n)
+
     def view(self, raw: torch.Tensor, n: int) -> torch.Tensor:
         return raw.view(torch.uint8)[:self.nbytes(n)]
 
@@ -119,12 +137,20 @@ class _Block8(MomentFormat):
         return stored[:n].view(_E4M3), stored[c:c + 4 * math.ceil(n / BLOCK)].view(torch.float32)
 
     def decode(self, stored, n, kind, out=None):
+        return self.decode_blocks(stored, n, kind, 0, math.ceil(n / BLOCK), out)
+
+    def decode_blocks(self, stored: torch.Tensor, n: int, kind: str, first: int, last: int,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        """The values of blocks [first, last) of the stored form of n values (blocks are
+        independent: each is its codes times its own scale)."""
         codes, scales = self._parts(stored, n)
-        out = torch.empty(n, dtype=torch.float32, device=stored.device) if out is None else out[:n]
-        full = n // BLOCK * BLOCK
+        lo, hi = first * BLOCK, min(last * BLOCK, n)
+        codes, scales, m = codes[lo:hi], scales[first:last], hi - lo
+        out = torch.empty(m, dtype=torch.float32, device=stored.device) if out is None else out[:m]
+        full = m // BLOCK * BLOCK
         if full:
             torch.mul(codes[:full].float().view(-1, BLOCK), scales[:full // BLOCK, None], out=out[:full].view(-1, BLOCK))
-        if full < n:
+        if full < m:
             torch.mul(codes[full:].float(), scales[-1], out=out[full:])
         if _square_kind(kind):
             out.mul_(out)
@@ -132,12 +158,21 @@ class _Block8(MomentFormat):
 
     def encode(self, values, kind, out=None):
         n = values.numel()
+        size = self.nbytes(n)
+        out = torch.empty(size, dtype=torch.uint8, device=values.device) if out is None else out[:size]
+        self.encode_blocks(values, kind, out, n, 0)
+        return out
+
+    def encode_blocks(self, values: torch.Tensor, kind: str, stored: torch.Tensor, n: int, first: int) -> None:
+        """`values` (fp32) into the stored form of n values as its blocks from `first` on: they
+        start a block and end one or at the n-th value."""
+        m = values.numel()
         x = values.float()
         if _square_kind(kind):
-            x = x.sqrt()
-        blocks = math.ceil(n / BLOCK)
+            x = x.double().sqrt().float()  # the correctly rounded root, as the kernels take it
+        blocks = math.ceil(m / BLOCK)
         padded = torch.zeros(blocks * BLOCK, dtype=torch.float32, device=x.device)
-        padded[:n] = x
+        padded[:m] = x
         padded = padded.view(blocks, BLOCK)
         top = padded.abs().amax(dim=1)
         # The scale: the power of two that puts the block's largest magnitude in (224, 448].
@@ -152,12 +187,9 @@ class _Block8(MomentFormat):
             scaled = padded / scales[:, None]
         if _square_kind(kind):
             scaled = torch.where(scaled > 0, scaled.clamp(min=_TINY), scaled)
-        codes = scaled.view(-1)[:n].to(_E4M3)
-        out = torch.empty(self.nbytes(n), dtype=torch.uint8, device=x.device) if out is None else out[:self.nbytes(n)]
-        c_out, s_out = self._parts(out, n)
-        c_out.copy_(codes)
-        s_out.copy_(scales)
-        return out
+        c_out, s_out = self._parts(stored, n)
+        c_out[first * BLOCK:first * BLOCK + m].copy_(scaled.view(-1)[:m].to(_E4M3))
+        s_out[first:first + blocks].copy_(scales)
 
 
 FORMATS = {"fp32": _Plain("fp32", torch.float32), "bf16": _Plain("bf16", torch.bfloat16), "8bit": _Block8()}

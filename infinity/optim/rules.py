@@ -10,9 +10,22 @@ in the kernel's order). A tier never names an optimizer; the hyper-parameters co
 param groups each step (`hypers`), so LR schedulers and users who set `group["lr"]` are heard.
 
 `format` is how the moments are stored ([Note: moment formats] in infinity/optim/formats.py):
-fp32, bf16 (DeepSpeed's `fp32_optimizer_states: false`) or 8 bits with a scale per block; the
-kernels see fp32 or bf16 values, the tiers decode and encode 8-bit ones around them. The master
-is always fp32.
+fp32, bf16 (DeepSpeed's `fp32_optimizer_states: false`) or 8 bits with a scale per block, which
+the kernels of Adam, Adagrad and Lion update in place ([Note: 8-bit updates of a piece]). The
+master is always fp32. A tier hands a piece (a shard, or a piece of one on NVMe) to
+`update_stored`, which calls the kernel (or the torch ops) on it in whichever way its format
+needs.
+
+[Note: 8-bit updates of a piece]
+The fused kernel (`kernel_packed`) updates whole blocks of 8-bit moments, counted from the
+piece's first value, and one call has one set of hyper-parameters, so it takes the blocks that
+lie inside one run (a param group's segment) of the piece. A block that two runs
+share, or a run and what no run covers (the padding after the last parameter of a shard), goes
+the long way: decoded to fp32, each run's part updated by `kernel`, encoded. Blocks are
+independent, so this is, bit for bit, the long way over the whole piece (formats.py's decode,
+the kernel per run, its encode), but that it leaves the blocks no run touches as they are
+stored instead of encoding their decoded values again (which gives the same values). In the
+usual layout (one group) only the block with the shard's last parameter goes the long way.
 
 A client optimizer infinity has no kernel for (torch.optim.SGD, a Lightning module's
 `configure_optimizers`, accelerate's loop) is a `ClientRule`: its own `step()` runs over views
@@ -26,7 +39,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from infinity.optim.formats import MomentFormat, moment_format
+from infinity.optim.formats import BLOCK, MomentFormat, moment_format
 from infinity.optim.functional import AdamHyper, adam_step
 
 __all__ = ["AdagradRule", "AdamRule", "ClientRule", "LambHyper", "LambRule", "LionRule", "Rule", "STREAMED",
@@ -70,6 +83,73 @@ class Rule:
                half_out: torch.Tensor | None) -> None:
         raise NotImplementedError
 
+    packed_kernel: ClassVar[bool] = False  # whether `kernel_packed` updates 8-bit moments in place
+
+    def kernel_packed(self, master, grad, stored: dict[str, torch.Tensor], hyper, *, step: int, grad_scale: float,
+                      half_out: torch.Tensor | None, offset: int, count: int) -> None:
+        """`kernel` over elements [offset, offset + count) of a piece of master.numel() values whose
+        moments are `stored` as 8-bit bytes ([Note: 8-bit moments] in infinity/optim/functional.py);
+        the range starts on a block and ends on one or at the piece's end."""
+        raise NotImplementedError
+
+    def update_stored(self, master, grad, stored: dict[str, torch.Tensor], runs: list[tuple[int, int, Any]], *,
+                      step: int, grad_scale: float, half_out: torch.Tensor | None, on_cpu: bool = True,
+                      scratch=None) -> None:
+        """One update of a piece: `master`, `grad` (and `half_out`, if any) its values, `stored` its
+        moments in the rule's format, `runs` the (start, end, hyper) ranges of it to update. On the
+        CPU by `kernel`, else by `reference` (torch ops; no half copy). `scratch(kind, n)`, if
+        given, lends the fp32 room to decode a packed moment into."""
+        fmt, n = self.format, master.numel()
+        if fmt.packed and on_cpu and self.packed_kernel:
+            self._update_blocks(master, grad, stored, runs, step=step, grad_scale=grad_scale, half_out=half_out)
+            return
+        values = {k: fmt.decode(stored[k], n, k, out=scratch(k, n) if scratch and fmt.packed else None)
+                  for k in self.moments}
+        self._update_values(master, grad, values, runs, 0, step=step, grad_scale=grad_scale, half_out=half_out,
+                            on_cpu=on_cpu)
+        if fmt.packed:
+            for k, v in values.items():
+                fmt.encode(v, k, out=stored[k])
+
+    def _update_values(self, master, grad, values: dict[str, torch.Tensor], runs, first: int, *, step: int,
+                       grad_scale: float, half_out: torch.Tensor | None, on_cpu: bool) -> None:
+        """Each run's part of the fp32 (or bf16) `values`, which hold the piece's values from `first` on."""
+        end = first + next(iter(values.values())).numel() if values else master.numel()
+        for lo, hi, hyper in runs:
+            lo, hi = max(lo, first), min(hi, end)
+            if lo >= hi:
+                continue
+            sl = slice(lo, hi)
+            part = {k: v[lo - first:hi - first] for k, v in values.items()}
+            if on_cpu:
+                self.kernel(master[sl], grad[sl], part, hyper, step=step, grad_scale=grad_scale,
+                            half_out=None if half_out is None else half_out[sl])
+            else:
+                self.reference(master[sl], grad[sl], part, hyper, step=step, grad_scale=grad_scale)
+
+    def _update_blocks(self, master, grad, stored, runs, *, step: int, grad_scale: float,
+                       half_out: torch.Tensor | None) -> None:
+        """[Note: 8-bit updates of a piece]: the fused kernel on each run's whole blocks, the
+        blocks runs share decoded, updated and encoded."""
+        n, fmt = master.numel(), self.format
+        shared = set()
+        for lo, hi, hyper in runs:
+            start = -(-lo // BLOCK) * BLOCK  # the run's first whole block
+            end = hi if hi == n else hi // BLOCK * BLOCK
+            if start < end:
+                self.kernel_packed(master, grad, stored, hyper, step=step, grad_scale=grad_scale, half_out=half_out,
+                                   offset=start, count=end - start)
+            if lo % BLOCK:
+                shared.add(lo // BLOCK)
+            if hi % BLOCK and hi != n:
+                shared.add(hi // BLOCK)
+        for block in sorted(shared):
+            values = {k: fmt.decode_blocks(stored[k], n, k, block, block + 1) for k in self.moments}
+            self._update_values(master, grad, values, runs, block * BLOCK, step=step, grad_scale=grad_scale,
+                                half_out=half_out, on_cpu=True)
+            for k, v in values.items():
+                fmt.encode_blocks(v, k, stored[k], n, block)
+
     def reference(self, master, grad, state: dict[str, torch.Tensor], hyper, *, step: int, grad_scale: float) -> None:
         """The rule with torch ops, for state on an accelerator: bf16 moments are updated in fp32
         and rounded back, as the kernel does."""
@@ -103,6 +183,12 @@ class AdamRule(Rule):
     def kernel(self, master, grad, state, hyper, *, step, grad_scale, half_out) -> None:
         adam_step(master, grad, state["exp_avg"], state["exp_avg_sq"], hyper, step=step, grad_scale=grad_scale,
                   half_out=half_out)
+
+    packed_kernel = True
+
+    def kernel_packed(self, master, grad, stored, hyper, *, step, grad_scale, half_out, offset, count) -> None:
+        adam_step(master, grad, stored["exp_avg"], stored["exp_avg_sq"], hyper, step=step, grad_scale=grad_scale,
+                  half_out=half_out, offset=offset, count=count, moment_format="8bit")
 
     def _torch_math(self, p, g, s, h: AdamHyper, step) -> None:
         m, v = s["exp_avg"], s["exp_avg_sq"]
@@ -140,6 +226,13 @@ class AdagradRule(Rule):
         from infinity.optim.functional import adagrad_step
         adagrad_step(master, grad, state["exp_avg_sq"], hyper, step=step, grad_scale=grad_scale, half_out=half_out)
 
+    packed_kernel = True
+
+    def kernel_packed(self, master, grad, stored, hyper, *, step, grad_scale, half_out, offset, count) -> None:
+        from infinity.optim.functional import adagrad_step
+        adagrad_step(master, grad, stored["exp_avg_sq"], hyper, step=step, grad_scale=grad_scale, half_out=half_out,
+                     offset=offset, count=count, moment_format="8bit")
+
     def _torch_math(self, p, g, s, h, step) -> None:
         total = s["exp_avg_sq"]
         if h.weight_decay:
@@ -163,6 +256,13 @@ class LionRule(Rule):
     def kernel(self, master, grad, state, hyper, *, step, grad_scale, half_out) -> None:
         from infinity.optim.functional import lion_step
         lion_step(master, grad, state["exp_avg"], hyper, step=step, grad_scale=grad_scale, half_out=half_out)
+
+    packed_kernel = True
+
+    def kernel_packed(self, master, grad, stored, hyper, *, step, grad_scale, half_out, offset, count) -> None:
+        from infinity.optim.functional import lion_step
+        lion_step(master, grad, stored["exp_avg"], hyper, step=step, grad_scale=grad_scale, half_out=half_out,
+                  offset=offset, count=count, moment_format="8bit")
 
     def _torch_math(self, p, g, s, h, step) -> None:
         m = s["exp_avg"]

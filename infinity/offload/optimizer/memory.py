@@ -7,6 +7,8 @@ rules] in infinity/optim/rules.py) and the fp32 gradient accumulator, kept in ho
 The update of a shard is one call to the rule's CPU kernel per param-group segment: it reads
 the gradient accumulator, applies the unscale/clip multiplier, updates master and moments and
 writes the new compute-dtype parameter into the parameter tier's target buffer in the same pass.
+8-bit moments are updated as stored, in the same pass ([Note: 8-bit updates of a piece] in
+infinity/optim/rules.py).
 """
 
 from __future__ import annotations
@@ -80,21 +82,11 @@ class ResidentOptimizerState:
         with TIMELINE.span("update", unit=unit.index):
             if self.rule.client:
                 self.rule.update(unit, g, grad_scale)
-            fmt, n = self.rule.format, s["master"].numel()
-            # [Note: moment formats] in infinity/optim/formats.py: 8-bit moments are decoded for the update
-            values = {k: fmt.decode(s[k], n, k) for k in self.rule.moments}
-            for seg in () if self.rule.client else self.rule.spans(unit):
-                sl = slice(seg.start, seg.start + seg.count)
-                moments = {k: v[sl] for k, v in values.items()}
-                if kernel:
-                    self.rule.kernel(s["master"][sl], g[sl], moments, self.rule.hyper(hypers, seg), step=step,
-                                     grad_scale=grad_scale, half_out=None if half is None else half[sl])
-                else:
-                    self.rule.reference(s["master"][sl], g[sl], moments, self.rule.hyper(hypers, seg), step=step,
-                                        grad_scale=grad_scale)
-            if fmt.packed:
-                for k, v in values.items():
-                    fmt.encode(v, k, out=s[k])
+            else:  # [Note: update rules] in infinity/optim/rules.py: the moments as stored, 8-bit ones too
+                runs = [(seg.start, seg.start + seg.count, self.rule.hyper(hypers, seg))
+                        for seg in self.rule.spans(unit)]
+                self.rule.update_stored(s["master"], g, {k: s[k] for k in self.rule.moments}, runs, step=step,
+                                        grad_scale=grad_scale, half_out=half if kernel else None, on_cpu=kernel)
             if half is None or not kernel:
                 out.copy_(s["master"])  # same memory side (update_target's contract): an ordinary copy
 

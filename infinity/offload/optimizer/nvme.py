@@ -1,5 +1,5 @@
-"""`offload_optimizer.device: nvme`: the fp32 master and the rule's moments (fp32 or bf16: [Note:
-update rules] in infinity/optim/rules.py) of every shard live in the NVMe store, cut into pieces (sizing.py: [Note: cutting pieces], [Note: the pool is a budget]),
+"""`offload_optimizer.device: nvme`: the fp32 master and the rule's moments (fp32, bf16 or 8-bit:
+[Note: update rules] in infinity/optim/rules.py) of every shard live in the NVMe store, cut into pieces (sizing.py: [Note: cutting pieces], [Note: the pool is a budget]),
 each a record that says where its bytes are (pieces.py: [Note: a piece's place]); gradients wait
 for the update in accumulators (accumulators.py: [Note: gradient spill]). This module is the
 update pipeline over them: what is read ahead, in which order, and how a failed update resumes.
@@ -174,7 +174,7 @@ class NvmeOptimizerState:
         return self.rule.format.view(raw, n) if kind in self.rule.moments else raw.view(torch.float32)[:n]
 
     def _scratch(self, kind: str, n: int) -> torch.Tensor:
-        """fp32 room for an 8-bit moment's piece while it updates, one per kind, reused."""
+        """fp32 room for an 8-bit moment's piece while it updates by torch ops (LAMB), one per kind, reused."""
         room = self._scratch_room.get(kind)
         if room is None or room.numel() < n:
             room = self._scratch_room[kind] = torch.empty(n, dtype=torch.float32)
@@ -346,21 +346,14 @@ class NvmeOptimizerState:
                 start, n = piece.start, piece.numel
                 master = got["master"]
                 g = got[GRAD] if GRAD in got else grad[start:start + n]
-                fmt = self.rule.format
+                runs = [(max(seg.start, start) - start, min(seg.start + seg.count, start + n) - start,
+                         self.rule.hyper(hypers, seg)) for seg in self.rule.spans(unit)]
                 with TIMELINE.span("update", unit=index, piece=k):
-                    values = {kind: fmt.decode(got[kind], n, kind, out=self._scratch(kind, n) if fmt.packed else None)
-                              for kind in self.rule.moments}
-                    for seg in self.rule.spans(unit):
-                        lo, hi = max(seg.start, start), min(seg.start + seg.count, start + n)
-                        if lo >= hi:
-                            continue
-                        sl = slice(lo - start, hi - start)
-                        self.rule.kernel(master[sl], g[sl], {kind: v[sl] for kind, v in values.items()},
-                                         self.rule.hyper(hypers, seg), step=step, grad_scale=grad_scale,
-                                         half_out=None if half is None else half[lo:hi])
-                    if fmt.packed:
-                        for kind, v in values.items():
-                            fmt.encode(v, kind, out=got[kind])
+                    # [Note: update rules] in infinity/optim/rules.py: the moments as stored, 8-bit ones too
+                    self.rule.update_stored(master, g, {kind: got[kind] for kind in self.rule.moments},
+                                            [r for r in runs if r[0] < r[1]], step=step, grad_scale=grad_scale,
+                                            half_out=None if half is None else half[start:start + n],
+                                            scratch=self._scratch)
                     if half is None:
                         out[start:start + n].copy_(master)
                 current = None
