@@ -192,6 +192,72 @@ def test_a_signal_during_close_waits_for_the_cleanup(tmp_path, how):
         assert out.returncode == 3 and out.stdout.splitlines() == ["interrupted after close"], out.stderr[-3000:]
 
 
+CTRL_C_AS_THE_SWAPPER_LOCKS = """
+import os, signal, sys, threading
+sys.path.insert(0, sys.argv[1])
+import torch, infinity
+from gpt import TinyGPT, batches, config
+torch.manual_seed(0)
+cfg = config(3, "nvme", "nvme")
+for section in ("offload_param", "offload_optimizer"):
+    cfg["zero_optimization"][section]["nvme_path"] = sys.argv[2]
+engine, *_ = infinity.initialize(TinyGPT(), config=cfg)
+idx, tgt = batches(1, 4)[0]
+engine.backward(engine(idx, tgt))
+engine.step()
+
+
+class Tripwire:
+    # the swapper's own lock, which sends this process SIGINT the first time it is taken: the
+    # KeyboardInterrupt comes in Condition.__enter__, after the lock was taken, before any `with` owns it
+    def __init__(self, lock):
+        self.lock, self.armed = lock, True
+
+    def acquire(self, *args, **kwargs):
+        got = self.lock.acquire(*args, **kwargs)
+        if self.armed:
+            self.armed = False
+            os.kill(os.getpid(), signal.SIGINT)
+        return got
+
+    __enter__ = acquire
+
+    def release(self):
+        self.lock.release()
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+    def __getattr__(self, name):  # _is_owned, _release_save, _acquire_restore where the lock has them
+        return getattr(self.lock, name)
+
+
+swapper = engine.optim_state.swapper
+swapper._cond = threading.Condition(Tripwire(swapper._cond._lock))
+try:
+    swapper.flush()
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+engine.close()
+print("closed", flush=True)
+"""
+
+
+def test_ctrl_c_as_the_swapper_takes_its_lock_does_not_hang_close(tmp_path):
+    """A finetune interrupted by SIGINT hung for good in Swapper.let_go during close(): the
+    KeyboardInterrupt came in Condition.__enter__ after the swapper's (plain) lock was taken, so
+    no `with` released it, and close() waited for it. The lock is reentrant now."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    try:
+        out = subprocess.run([sys.executable, "-c", CTRL_C_AS_THE_SWAPPER_LOCKS, HERE, str(nvme)], capture_output=True,
+                             text=True, timeout=90, cwd=tempfile.gettempdir(), env={**os.environ, "OMP_NUM_THREADS": "1"})
+    except subprocess.TimeoutExpired:
+        pytest.fail("engine.close() hung on the swapper's lock after a KeyboardInterrupt")
+    assert out.stdout.splitlines() == ["interrupted", "closed"], out.stderr[-3000:]
+    assert os.listdir(nvme) == []
+
+
 SIGNAL_WHILE_MAIN_BLOCKS = """
 import glob, json, os, signal, sys, time
 import torch

@@ -76,7 +76,12 @@ class ShardTransfers:
         self.on_lost: Callable[[str, OSError], None] | None = None  # told of every write that loses a shard's bytes
         self._parked: dict[ShardKey, tuple[torch.Tensor, int]] = {}  # failed write's buffer -> loans out
         self._counters = SwapCounters()
-        self._cond = threading.Condition(threading.Lock())  # guards every Shard and the fields above
+        # Guards every Shard and the fields above. Reentrant: Condition.__enter__ is Python code, and
+        # a KeyboardInterrupt raised in it right after the lock was taken (Ctrl-C, at the eval
+        # breaker of its return) leaves the lock held with no `with` to release it; the close()
+        # that the interrupt leads to would then wait for the lock forever (seen: a finetune
+        # killed by SIGINT at a step, hung in Swapper.let_go). Only this thread takes it.
+        self._cond = threading.Condition(threading.RLock())
 
     def check_invariants(self, outside: int = 0) -> None:
         """Asserts that memory and states agree (for tests and debugging); `outside` is the
