@@ -1,8 +1,8 @@
 // Exact conversions between float and the 16-bit formats, in integer arithmetic, for files of
 // the baseline instruction set only ([Note: one definition per instruction set] in adam.h: an
 // inline function here is emitted by each file that uses it, with that file's flags). They give
-// torch's bits on any machine, including the NaN encodings of its vectorized converters. The
-// same functions as kernels_scalar.cpp's, which can include this header instead of its copy.
+// torch's bits on any machine, including the NaN encodings of its vectorized converters. Used by
+// kernels_scalar.cpp and lamb_scalar.cpp.
 #pragma once
 
 #include <cmath>
