@@ -40,7 +40,8 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from infinity.optim.formats import BLOCK, MomentFormat, moment_format
-from infinity.optim.functional import AdamHyper, adam_step
+from infinity.optim.functional import AdagradHyper, AdamHyper, LionHyper, adagrad_step, adam_step, lion_step
+from infinity.optim.lamb_kernel import lamb_apply, lamb_norms
 
 __all__ = ["AdagradRule", "AdamRule", "ClientRule", "LambHyper", "LambRule", "LionRule", "Rule", "STREAMED",
            "rule_for_optimizer"]
@@ -218,18 +219,15 @@ class AdagradRule(Rule):
         return self.initial_accumulator_value
 
     def hypers(self, groups: list[dict]) -> list:
-        from infinity.optim.functional import AdagradHyper
         return [AdagradHyper(float(g["lr"]), float(g["eps"]), float(g["weight_decay"]), float(g.get("lr_decay", 0.0)))
                 for g in groups]
 
     def kernel(self, master, grad, state, hyper, *, step, grad_scale, half_out) -> None:
-        from infinity.optim.functional import adagrad_step
         adagrad_step(master, grad, state["exp_avg_sq"], hyper, step=step, grad_scale=grad_scale, half_out=half_out)
 
     packed_kernel = True
 
     def kernel_packed(self, master, grad, stored, hyper, *, step, grad_scale, half_out, offset, count) -> None:
-        from infinity.optim.functional import adagrad_step
         adagrad_step(master, grad, stored["exp_avg_sq"], hyper, step=step, grad_scale=grad_scale, half_out=half_out,
                      offset=offset, count=count, moment_format="8bit")
 
@@ -249,18 +247,15 @@ class LionRule(Rule):
     moments = ("exp_avg",)
 
     def hypers(self, groups: list[dict]) -> list:
-        from infinity.optim.functional import LionHyper
         return [LionHyper(float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["weight_decay"]))
                 for g in groups]
 
     def kernel(self, master, grad, state, hyper, *, step, grad_scale, half_out) -> None:
-        from infinity.optim.functional import lion_step
         lion_step(master, grad, state["exp_avg"], hyper, step=step, grad_scale=grad_scale, half_out=half_out)
 
     packed_kernel = True
 
     def kernel_packed(self, master, grad, stored, hyper, *, step, grad_scale, half_out, offset, count) -> None:
-        from infinity.optim.functional import lion_step
         lion_step(master, grad, stored["exp_avg"], hyper, step=step, grad_scale=grad_scale, half_out=half_out,
                   offset=offset, count=count, moment_format="8bit")
 
@@ -383,7 +378,6 @@ class LambRule(Rule):
     def norm_terms(self, master, grad, state, hyper: LambHyper, *, step: int, grad_scale: float) -> tuple[float, float]:
         """The first pass over one span: (sum p^2, sum u^2) in float64; nothing changes."""
         if master.device.type == "cpu":
-            from infinity.optim.lamb_kernel import lamb_norms
             return lamb_norms(master, grad, state["exp_avg"], state["exp_avg_sq"], hyper, grad_scale=grad_scale)
         g = grad.float() * grad_scale
         _, _, u = self._direction(master, g, state["exp_avg"].float(), state["exp_avg_sq"].float(), hyper)
@@ -391,7 +385,6 @@ class LambRule(Rule):
                 float(torch.linalg.vector_norm(u, dtype=torch.float64)) ** 2)
 
     def kernel(self, master, grad, state, hyper, *, step, grad_scale, half_out) -> None:
-        from infinity.optim.lamb_kernel import lamb_apply
         lamb_apply(master, grad, state["exp_avg"], state["exp_avg_sq"], hyper, step=step, grad_scale=grad_scale,
                    half_out=half_out)
 
