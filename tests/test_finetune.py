@@ -431,8 +431,10 @@ def test_deepspeed_helpers_give_pytorch_values(tmp_path):
     for ids in token_batches(2):
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         plain(input_ids=ids, labels=ids).loss.backward()
-        for n in names:  # between backward and step: the reduced gradient, before clipping
-            torch.testing.assert_close(safe_get_full_grad(ours[n]), theirs[n].grad, rtol=1e-5, atol=1e-7)
+        for n in names:  # between backward and step: the reduced gradient, before clipping (the chunked
+            # loss sums in another order: fp32 rounding, at 1e-5 of the gradient's scale)
+            want = theirs[n].grad
+            torch.testing.assert_close(safe_get_full_grad(ours[n]), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
         engine.step()
         norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
         opt.step()
@@ -442,8 +444,9 @@ def test_deepspeed_helpers_give_pytorch_values(tmp_path):
     for n in names:
         torch.testing.assert_close(safe_get_full_fp32_param(ours[n]), theirs[n].detach(), rtol=1e-5, atol=1e-6)
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(safe_get_full_optimizer_state(ours[n], key), opt.state[theirs[n]][key],
-                                       rtol=1e-5, atol=1e-8)
+            want = opt.state[theirs[n]][key]  # (the gradients' fp32 rounding, as above)
+            torch.testing.assert_close(safe_get_full_optimizer_state(ours[n], key), want,
+                                       rtol=1e-5, atol=1e-5 * want.abs().max().item())
     with pytest.raises(ValueError, match="optim_state_key"):
         safe_get_full_optimizer_state(ours[names[0]], "momentum")
     # Setting a value changes what the model computes, as in PyTorch.

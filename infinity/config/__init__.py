@@ -24,6 +24,7 @@ from infinity.config.sections import (
     BF16Config,
     BatchConfig,
     CheckpointConfig,
+    ChunkedLossConfig,
     FP16Config,
     InfinityConfig,
     OffloadOptimizerConfig,
@@ -40,7 +41,7 @@ from infinity.config.sections import (
 # The constants above are importable by name (lr_schedules uses WARMUP_TYPES) but, as before
 # the split into a package, are not part of __all__.
 __all__ = [
-    "AIOConfig", "AdamParams", "BF16Config", "BatchConfig", "CheckpointConfig", "FP16Config", "InfinityConfig",
+    "AIOConfig", "AdamParams", "BF16Config", "BatchConfig", "CheckpointConfig", "ChunkedLossConfig", "FP16Config", "InfinityConfig",
     "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig",
     "TraceConfig", "WarmupCosineLRParams", "WarmupDecayLRParams", "WarmupLRParams", "ZeroConfig", "load_config",
 ]

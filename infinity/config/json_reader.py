@@ -44,6 +44,7 @@ from infinity.config.sections import (
     BF16Config,
     BatchConfig,
     CheckpointConfig,
+    ChunkedLossConfig,
     DataTypesConfig,
     FP16Config,
     InfinityConfig,
@@ -68,7 +69,7 @@ def _fraction(value: Any, path: str) -> float:
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _ROOT_SCALARS = ("gradient_clipping", "steps_per_print", "wall_clock_breakdown")
 _ROOT_SECTIONS = ("fp16", "bf16", "bfloat16", "optimizer", "scheduler", "zero_optimization", "aio", "trace",
-                  "checkpoint", "data_types", "activation_checkpointing")
+                  "checkpoint", "data_types", "activation_checkpointing", "chunked_loss")
 
 _NO_EFFECT_ROOT: dict[str, _Check] = {
     "zero_allow_untested_optimizer": _bool,
@@ -344,6 +345,7 @@ def _parse_root(raw: Any, world_size: int) -> InfinityConfig:
         checkpoint=_parse_section(keys.get("checkpoint", {}), "checkpoint", CheckpointConfig,
                                   no_effect=_NO_EFFECT_CHECKPOINT, default_only=_DEFAULT_ONLY_CHECKPOINT),
         data_types=_parse_section(keys.get("data_types", {}), "data_types", DataTypesConfig),
+        chunked_loss=_parse_section(keys.get("chunked_loss", {}), "chunked_loss", ChunkedLossConfig),
         activation_checkpointing=(parse_activation_checkpointing(keys["activation_checkpointing"])
                                   if "activation_checkpointing" in keys else None),
         **{name: keys[name] for name in _ROOT_SCALARS if name in keys},

@@ -305,6 +305,25 @@ class ActivationCheckpointingConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ChunkedLossConfig:
+    """(infinity) A Hugging Face causal LM trained with `labels` computes its LM head and loss
+    block by block, never the whole logits ([Note: the chunked LM loss] in zero/head_loss.py);
+    section `chunked_loss`."""
+
+    _PATH: ClassVar[str] = "chunked_loss"
+
+    enabled: bool = _spec(_bool, default=True)
+    """On for the causal LMs it knows (`infinity.engine.hf_models.CHUNKED_FAMILIES`); off computes
+    the logits whole, as the model does without infinity (and returns them)."""
+    chunk_bytes: int = _spec(_size, minimum=1, default=1 << 26)
+    """fp32 logits a chunk of tokens may take against one block of the head's rows; the peak is
+    about three times this, whatever the sequence's length; a chunk has one token at least."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class InfinityConfig:
     """A whole job's configuration: one sub-config per DeepSpeed section, plus top-level keys."""
 
@@ -335,6 +354,8 @@ class InfinityConfig:
     section) leaves it as it is."""
     data_types: DataTypesConfig = _spec(_instance, DataTypesConfig, factory=DataTypesConfig)
     """Data types of the training state; gradients accumulate in fp32 whatever it says."""
+    chunked_loss: ChunkedLossConfig = _spec(_instance, ChunkedLossConfig, factory=ChunkedLossConfig)
+    """How a causal LM's head and loss run (infinity's own section)."""
     gradient_clipping: float = _spec(_float, minimum=0.0, default=1.0)
     """Clip the global gradient norm to this value; 0 disables clipping."""
     steps_per_print: int | None = _spec(_steps_per_print, default=None)

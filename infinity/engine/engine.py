@@ -42,9 +42,11 @@ from infinity.offload.params.memory import ResidentParams
 from infinity.zero.partitioner import UnitPolicy, plan_units
 from infinity.zero.registry import register_units
 from infinity.engine.report import StepReport
+from infinity.engine.hf_models import ChunkedLoss, chunked_heads, route_gradient_checkpointing
 from infinity.engine.step_policy import (PendingUpdates, StepPolicy, UpdateMode, choose_update_mode,
                                        expected_update_order, gradients_used_at_once)
-from infinity.zero.tiling import tile_model
+from infinity.zero.head_loss import HeadLinear
+from infinity.zero.tiling import TiledLinear, tile_model
 from infinity.zero.unit import Unit
 from infinity.zero.zero_optimizer import ZeroOptimizer
 
@@ -99,6 +101,8 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         tiles = {}
         if config.zero.stage == 3:  # before the groups are read: the tiles train in the weight's place
             tiles = tile_model(model, config.zero.tile_size, groups)
+        self._chunked_losses = self._chunk_losses(model)
+        route_gradient_checkpointing(model)  # [Note: Hugging Face's gradient checkpointing]
         self.optimizer = ZeroOptimizer(groups, config.optimizer, optimizer)
         if self.optimizer.rule.client and config.zero.offload_optimizer.device == "nvme" and not self.inference:
             raise TypeError(f"optimizer: {self.optimizer.rule.name} runs with its own step() over the shards only with "
@@ -159,6 +163,27 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
                  self.trainable_numel, self.frozen_numel)
 
     # ---- construction ---------------------------------------------------------------------
+
+    def _chunk_losses(self, model: nn.Module) -> list[ChunkedLoss]:
+        """[Note: chunked loss for Hugging Face causal LMs] on each causal LM of `model` whose head
+        is tiled or an nn.Linear without bias (given the class `HeadLinear`, so that its loss runs
+        inside its own call)."""
+        if not self.config.chunked_loss.enabled or self.inference:
+            return []
+        installed = []
+        for lm, head in chunked_heads(model):
+            chunk = self.config.chunked_loss.chunk_bytes
+            if type(head) is nn.Linear and head.bias is None:
+                head.__class__ = HeadLinear
+            elif not isinstance(head, (TiledLinear, HeadLinear)):
+                log.info("infinity: %s computes its logits whole: its head is a %s", type(lm).__name__,
+                         type(head).__name__)
+                chunk = 0
+            if hasattr(lm, "chunked_loss_head"):
+                lm.chunk_bytes = chunk
+            elif chunk:
+                installed.append(ChunkedLoss(lm, chunk))
+        return installed
 
     def _build_units(self, model: nn.Module, groups: list[dict], policy: UnitPolicy):
         zero = self.config.zero
@@ -459,6 +484,8 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
             log.warning("infinity: trace.path %s: nothing recorded, the engine closed at step %d, before "
                         "trace.start_step %d", self.config.trace.path, self.global_steps, self.config.trace.start_step)
         self.hooks.remove()
+        for chunked in self._chunked_losses:
+            chunked.remove()
         for h in self._state_dict_hooks:
             h.remove()
         try:

@@ -50,13 +50,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infinity.zero.head_loss import HeadLinear, ScoredTokens, TiedLoss, TileLoss
 from infinity.zero.registry import GatheredParameters
 
 log = logging.getLogger("infinity")
 
 
-class LinearTile(nn.Linear):
-    """Rows `row_start:row_start + out_features` of a tiled Linear's weight (no bias)."""
+class LinearTile(HeadLinear):
+    """Rows `row_start:row_start + out_features` of a tiled Linear's weight (no bias);
+    `forward(x, "loss", tokens)` is its part of a chunked loss ([Note: the chunked LM loss])."""
 
     row_start: int
 
@@ -69,9 +71,14 @@ class EmbeddingTile(nn.Embedding):
     stash: "_Stash | None"  # set when the weight is tied to a head ([Note: tied tiles])
     index: int  # this tile's position in its tiled module
 
-    def forward(self, inp: torch.Tensor, op: str = "embedding") -> torch.Tensor:
+    def forward(self, inp: torch.Tensor, op: str = "embedding", tokens: "ScoredTokens | None" = None) -> torch.Tensor:
         if op == "linear":
             return F.linear(inp, self.weight)
+        if op == "loss":  # [Note: the chunked LM loss]
+            return TileLoss.apply(inp, self.weight, tokens, self, self.row_start)
+        if op == "score":  # the same inside a tied head's TiedLoss, without autograd
+            tokens.score(self.weight, self.row_start)
+            return inp.new_zeros(())
         out = F.embedding(inp, self.weight, self.padding_idx)
         if self.stash is not None and torch.is_grad_enabled() and self.weight.requires_grad:
             out = _HeadGradSink.apply(self.weight, out, self.stash, self.index)
@@ -206,6 +213,9 @@ class TiledLinear(_Tiled):
         self._install_name_hooks()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:  # no tokens (a chunked loss took the hidden states): no tile is needed
+            y = x.new_zeros(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         if self._stash is not None and torch.is_grad_enabled() and len(self._stash.passes):
             y = _TiedHead.apply(x, list(self.tiles), self._stash)  # [Note: tied tiles]
         elif self._stash is not None:
@@ -213,6 +223,19 @@ class TiledLinear(_Tiled):
         else:
             y = torch.cat([t(x.view_as(x)) for t in self.tiles], -1)
         return y if self.bias is None else y + self.bias
+
+    def loss(self, x: torch.Tensor, tokens: "ScoredTokens") -> torch.Tensor:
+        """Each tile's part of a chunked loss of `x` ([Note: the chunked LM loss]): zeros that
+        carry the graph."""
+        if self.bias is not None:
+            raise ValueError("a chunked loss needs a head without bias")
+        if self._stash is not None and torch.is_grad_enabled() and len(self._stash.passes):
+            return TiedLoss.apply(x, list(self.tiles), tokens, self._stash)  # [Note: tied tiles]
+        zero = None
+        for t in self.tiles:
+            part = t(x.view_as(x), "loss", tokens)
+            zero = part if zero is None else zero + part
+        return zero
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, tiles={len(self.tiles)}"
@@ -230,13 +253,16 @@ class TiledLinear(_Tiled):
 class TiledEmbedding(_Tiled):
     """An nn.Embedding whose weight is row tiles; a lookup calls only the tiles it needs."""
 
-    def __init__(self, tiles: nn.ModuleList, padding_idx: int | None, stash: _Stash | None):
+    def __init__(self, tiles: nn.ModuleList, padding_idx: int | None, stash: _Stash | None,
+                 embed_scale: torch.Tensor | None = None):
         super().__init__()
         self.tiles = tiles
         self.num_embeddings = sum(t.weight.shape[0] for t in tiles)
         self.embedding_dim = tiles[0].weight.shape[1]
         self.padding_idx = padding_idx
         self._stash = stash
+        # Gemma's scaled word embedding: the lookup times this (a buffer, as there)
+        self.embed_scale = nn.Buffer(embed_scale, persistent=False) if embed_scale is not None else None
         self._install_name_hooks()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -255,7 +281,8 @@ class TiledEmbedding(_Tiled):
             raise IndexError(f"index out of range in self: ids must be in [0, {self.num_embeddings})")
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        return torch.cat(parts)[inverse].view(*ids.shape, self.embedding_dim)
+        out = torch.cat(parts)[inverse].view(*ids.shape, self.embedding_dim)
+        return out if self.embed_scale is None else out * self.embed_scale.to(out.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, tiles={len(self.tiles)}"
@@ -293,8 +320,15 @@ def _make_tiles(kind: type, weight: nn.Parameter, bounds: list[tuple[int, int]],
     return nn.ModuleList(tiles)
 
 
+def _scaled_word_embedding(module: nn.Module) -> bool:
+    """Gemma's `*ScaledWordEmbedding` (transformers): an nn.Embedding whose forward is the lookup
+    times its `embed_scale` buffer."""
+    return (isinstance(module, nn.Embedding) and type(module).__name__.endswith("ScaledWordEmbedding")
+            and isinstance(getattr(module, "embed_scale", None), torch.Tensor))
+
+
 def _tileable(module: nn.Module) -> bool:
-    if type(module) is nn.Embedding:  # subclasses may have their own forward
+    if type(module) is nn.Embedding or _scaled_word_embedding(module):  # other subclasses: their own forward
         return module.max_norm is None and not module.scale_grad_by_freq and not module.sparse
     return type(module) is nn.Linear
 
@@ -336,7 +370,8 @@ def tile_model(model: nn.Module, tile_size: int, groups: list[dict] | None = Non
         if embeddings:
             e = embeddings[0]
             tiles = _make_tiles(EmbeddingTile, w, bounds, e.padding_idx, stash)
-            _replace(model, e, TiledEmbedding(tiles, e.padding_idx, stash))
+            scale = e.embed_scale if _scaled_word_embedding(e) else None
+            _replace(model, e, TiledEmbedding(tiles, e.padding_idx, stash, scale))
         else:
             tiles = _make_tiles(LinearTile, w, bounds, None, None)
         if linears:

@@ -16,6 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infinity.config.sections import ChunkedLossConfig
+from infinity.zero.head_loss import chunked_lm_loss
+
 DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False, "initializer_range": 0.02,
             "max_position_embeddings": 2048}
 
@@ -114,6 +117,7 @@ class Llama(nn.Module):
         self.cfg = cfg = {**DEFAULTS, **config}
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        self.chunk_bytes = ChunkedLossConfig().chunk_bytes  # the engine sets its config's; 0: logits whole
         if cfg["tie_word_embeddings"]:
             self.lm_head.weight = self.model.embed_tokens.weight
         for m in self.modules():
@@ -141,10 +145,17 @@ class Llama(nn.Module):
         cos, sin = self._rotary(input_ids.size(1), x.device, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin)
-        logits = self.lm_head(self.model.norm(x))
+        h = self.model.norm(x)
+        if labels is not None and self.chunk_bytes:  # [Note: the chunked LM loss]: never the whole logits
+            return chunked_lm_loss(self.lm_head, h, labels, chunk_bytes=self.chunk_bytes)
+        logits = self.lm_head(h)
         if labels is None:
             return logits
         return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1))
+
+    def chunked_loss_head(self) -> nn.Module:
+        """The head whose loss this model chunks (the engine tiles it under ZeRO-3)."""
+        return self.lm_head
 
     def save_config(self, directory: str) -> None:
         """A Hugging Face config.json, so `LlamaForCausalLM.from_pretrained(directory)` loads the weights."""

@@ -36,6 +36,7 @@ def activation_bytes(cfg: dict, tokens: int, lora_rank: int | None = None) -> in
     def saved(layers: int) -> int:
         with torch.device("meta"):
             model = Llama({**cfg, "num_hidden_layers": layers}).to(torch.bfloat16)
+        model.chunk_bytes = 0  # the whole logits, as counted before the chunked loss (meta tensors cannot chunk)
         if lora_rank:
             add_lora(model, lora_rank)
             model.to("meta")
