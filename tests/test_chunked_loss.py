@@ -170,29 +170,9 @@ def test_labels_out_of_range_are_refused_by_name():
 
 # ---- memory ---------------------------------------------------------------------------------
 
-_CHILD = r"""
-import json, sys, torch, transformers, infinity
-tokens, chunked, nvme = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]
-cfg = transformers.LlamaConfig(vocab_size=131072, hidden_size=512, intermediate_size=1376, num_hidden_layers=2,
-                               num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=tokens,
-                               tie_word_embeddings=False)
-with infinity.Init():
-    model = transformers.LlamaForCausalLM(cfg)
-off = {"device": "nvme", "nvme_path": nvme}
-engine, *_ = infinity.initialize(model, config={
-    "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
-    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "chunked_loss": {"enabled": chunked},
-    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 1 << 24,
-                          "offload_param": dict(off, max_in_cpu=0), "offload_optimizer": dict(off, buffer_count=4)}})
-ids = torch.randint(0, 131072, (1, tokens), generator=torch.Generator().manual_seed(0))
-loss = engine(input_ids=ids, labels=ids).loss
-engine.backward(loss)
-engine.step()
-engine.close()
-with open("/proc/self/status") as f:
-    hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
-print(json.dumps({"peak_rss": hwm, "loss": loss.item()}))
-"""
+# The child of bench/bench_long_sequence.py: one step, then its VmHWM.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+from bench_long_sequence import CHILD as _CHILD  # noqa: E402
 
 
 def peak_rss(tmp_path, tokens: int, chunked: bool = True) -> dict:
