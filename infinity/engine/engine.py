@@ -98,11 +98,7 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         # DeepSpeed's: every parameter is frozen and backward is an error.
         self.inference = optimizer is None and config.optimizer is None
         groups = _param_groups(model, model_parameters, optimizer, self.inference)
-        tiles = {}
-        if config.zero.stage == 3:  # before the groups are read: the tiles train in the weight's place
-            tiles = tile_model(model, config.zero.tile_size, groups)
-        self._chunked_losses = self._chunk_losses(model)
-        route_gradient_checkpointing(model)  # [Note: Hugging Face's gradient checkpointing]
+        tiles = self._adapt_model(model, groups)
         self.optimizer = ZeroOptimizer(groups, config.optimizer, optimizer)
         if self.optimizer.rule.client and config.zero.offload_optimizer.device == "nvme" and not self.inference:
             raise TypeError(f"optimizer: {self.optimizer.rule.name} runs with its own step() over the shards only with "
@@ -163,6 +159,16 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
                  self.trainable_numel, self.frozen_numel)
 
     # ---- construction ---------------------------------------------------------------------
+
+    def _adapt_model(self, model: nn.Module, groups: list[dict]) -> dict[int, list[nn.Parameter]]:
+        """What the engine changes in the user's model before its units are planned: its large
+        weights tiled (stage 3, before the groups are read: the tiles train in the weight's place),
+        the chunked loss, and Hugging Face's gradient checkpointing routed through infinity's.
+        Returns the tiles (`tile_model`)."""
+        tiles = tile_model(model, self.config.zero.tile_size, groups) if self.config.zero.stage == 3 else {}
+        self._chunked_losses = self._chunk_losses(model)
+        route_gradient_checkpointing(model)  # [Note: Hugging Face's gradient checkpointing]
+        return tiles
 
     def _chunk_losses(self, model: nn.Module) -> list[ChunkedLoss]:
         """[Note: chunked loss for Hugging Face causal LMs] on each causal LM of `model` whose head

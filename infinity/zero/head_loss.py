@@ -4,8 +4,8 @@
 A causal LM's logits are [tokens, vocabulary]: at 8k tokens and a 128k vocabulary, 4 GiB in fp32,
 their gradient as much again, whatever the model's size. The loss needs only two numbers a token
 from them: the log-sum-exp of its row and its target's logit. So the head runs over blocks of its
-rows (a tile of a tiled head, [Note: memory-centric tiling] in tiling.py, or `BLOCK_ELEMENTS` of a
-whole weight) and chunks of tokens (`chunk_bytes` of fp32 logits): each chunk's logits are
+rows (a tile of a tiled head, [Note: memory-centric tiling] in tiling.py, or the whole weight of
+an untiled one) and chunks of tokens (`chunk_bytes` of fp32 logits): each chunk's logits are
 computed as the model's own forward computes them (its dtype, then Gemma's soft-capping, then
 fp32, as Hugging Face's loss upcasts), each token's running log-sum-exp takes the block's
 (`logaddexp`), and the token whose label falls in the block keeps its target logit. Only tokens
@@ -33,9 +33,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from infinity.zero.registry import GatheredParameters
-
-BLOCK_ELEMENTS = 1 << 25  # a whole weight's rows a block: zero_optimization.tile_size's default
-
 
 class ScoredTokens:
     """The scored tokens of one loss, and what forward learns of them."""
@@ -164,37 +161,6 @@ class TiedLoss(torch.autograd.Function):
         return grad_h.to(tokens.h.dtype), None, None, None
 
 
-def _whole_weight_loss(h: torch.Tensor, weight: torch.Tensor, tokens: ScoredTokens) -> torch.Tensor:
-    """A head whose weight is whole here (ZeRO stages 1 and 2, or no engine): blocks of rows."""
-    rows = max(1, BLOCK_ELEMENTS // weight.shape[1])
-    zero = None
-    for lo in range(0, weight.shape[0], rows):
-        part = _BlockLoss.apply(h, weight, tokens, lo, min(weight.shape[0], lo + rows))
-        zero = part if zero is None else zero + part
-    return zero
-
-
-class _BlockLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, tokens: ScoredTokens, lo: int, hi: int):
-        tokens.score(weight[lo:hi], lo)
-        ctx.tokens, ctx.lo, ctx.hi = tokens, lo, hi
-        ctx.save_for_backward(weight)
-        return x.new_zeros((), dtype=torch.float32)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (weight,) = ctx.saved_tensors
-        tokens = ctx.tokens
-        grad_h = torch.zeros(tokens.h.shape, dtype=torch.float32, device=tokens.h.device)
-        part = tokens.backward(weight[ctx.lo:ctx.hi], ctx.lo, grad, grad_h, ctx.needs_input_grad[1])
-        gw = None
-        if part is not None:
-            gw = torch.zeros_like(weight)
-            gw[ctx.lo:ctx.hi] = part
-        return grad_h.to(tokens.h.dtype), gw, None, None, None
-
-
 def chunked_lm_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor | None, *, chunk_bytes: int,
                     ignore_index: int = -100, num_items_in_batch: torch.Tensor | int | None = None,
                     shift_labels: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
@@ -222,8 +188,8 @@ def chunked_lm_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor 
     tokens = ScoredTokens(h, target, softcap, chunk_bytes, denominator)
     if isinstance(getattr(head, "tiles", None), nn.ModuleList):  # a TiledLinear (tiling.py imports this module)
         zero = head.loss(h, tokens)
-    elif isinstance(head, HeadLinear):
+    elif isinstance(head, HeadLinear):  # inside its own call: its unit's hooks gather it
         zero = head(h, "loss", tokens)
-    else:
-        zero = _whole_weight_loss(h, head.weight, tokens)
+    else:  # a plain nn.Linear, whole here: one block of all its rows
+        zero = TileLoss.apply(h, head.weight, tokens, head, 0)
     return tokens.loss() + zero
