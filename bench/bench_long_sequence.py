@@ -3,6 +3,11 @@ length, for an HF Llama with a 128k vocabulary (dim 512, 2 layers, fp32, paramet
 state on NVMe, batch 1), with and without the chunked LM loss ([Note: the chunked LM loss]).
 
     python bench/bench_long_sequence.py --nvme /tmp --tokens 1024 8192 --whole 1024 4096
+
+With --preset, `infinity finetune`'s step instead (its built-in config, infinity's Llama of the
+preset's shapes, one sequence), its peak RSS beside `infinity estimate`'s prediction:
+
+    python bench/bench_long_sequence.py --preset llama-1b --layers 4 --tokens 1024 4096 16384 --modes ckpt plain
 """
 
 from __future__ import annotations
@@ -45,6 +50,66 @@ print(json.dumps({"tokens": tokens, "chunked": chunked, "peak_rss": hwm, "rss_bu
 """
 
 
+# `infinity finetune`'s step with its built-in config on infinity's Llama of a preset's shapes (a
+# few layers fewer with --layers), one sequence of `tokens`: peak RSS measured here and predicted
+# by `infinity estimate`'s model ([Note: the activations of a finetune step]).
+FINETUNE = r"""
+import json, sys, time, torch, infinity
+from infinity.apps.finetune_config import _default_config
+from infinity.apps.models.llama import Llama
+from infinity.apps.models.presets import preset
+tokens, name, layers, checkpointing, chunked, nvme = (int(sys.argv[1]), sys.argv[2], int(sys.argv[3]),
+                                                     sys.argv[4] == "1", sys.argv[5] == "1", sys.argv[6])
+cfg = {**preset(name), "max_position_embeddings": max(tokens, 2048)}
+if layers:
+    cfg["num_hidden_layers"] = layers
+with infinity.Init():
+    model = Llama(cfg)
+model.gradient_checkpointing = checkpointing
+config, _ = _default_config(nvme, "nvme", 1, 1e-4, model, checkpointing=checkpointing)
+config["chunked_loss"] = {"enabled": chunked}
+engine, *_ = infinity.initialize(model=model, config=config)
+ids = torch.randint(0, cfg["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(0))
+t0 = time.perf_counter()
+loss = engine(ids, ids)
+engine.backward(loss)
+engine.step()
+step = time.perf_counter() - t0
+engine.close()
+with open("/proc/self/status") as f:
+    hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+print(json.dumps({"tokens": tokens, "checkpointing": checkpointing, "chunked": chunked, "peak_rss": hwm,
+                  "step_s": step, "loss": loss.item(), "cfg": cfg}))
+"""
+
+
+def predicted(cfg: dict, tokens: int, checkpointing: bool, chunked: bool) -> int:
+    """`infinity estimate`'s peak for the same run."""
+    import psutil
+
+    from infinity.apps.tools.estimate_finetune import activation_parts, finetune_host_peak
+    from infinity.apps.tools.estimate_model import model_from_config
+
+    parts = finetune_host_peak(model_from_config("bench", cfg), cfg, psutil.virtual_memory().total, tokens,
+                               seq_len=tokens, checkpointing=checkpointing)
+    if not chunked:  # the estimate counts infinity finetune's default, the chunked loss; swap in the whole logits
+        parts = parts[:-1] + activation_parts(cfg, tokens, tokens, checkpointing=checkpointing, chunk_bytes=0)[-1:]
+    return sum(n for _, n in parts)
+
+
+def run_finetune(tokens: int, args: argparse.Namespace, checkpointing: bool, chunked: bool) -> dict:
+    with tempfile.TemporaryDirectory(dir=args.nvme) as d:
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "INFINITY_DEVICE": "cpu"}
+        out = subprocess.run([sys.executable, "-c", FINETUNE, str(tokens), args.preset, str(args.layers or 0),
+                              str(int(checkpointing)), str(int(chunked)), d],
+                             capture_output=True, text=True, env=env, timeout=4 * 3600)
+        if out.returncode:
+            return {"tokens": tokens, "checkpointing": checkpointing, "chunked": chunked, "error": out.stderr[-800:]}
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        r["predicted"] = predicted(r.pop("cfg"), tokens, checkpointing, chunked)
+        return r
+
+
 def run(tokens: int, chunked: bool, nvme: str) -> dict:
     with tempfile.TemporaryDirectory(dir=nvme) as d:
         env = {**os.environ, "PYTHONWARNINGS": "ignore", "INFINITY_DEVICE": "cpu"}
@@ -61,8 +126,28 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     ap.add_argument("--whole", type=int, nargs="*", default=[1024, 4096], help="lengths also run with whole logits")
     ap.add_argument("--output")
+    ap.add_argument("--preset", help="instead: `infinity finetune`'s step on infinity's Llama of this preset's "
+                                     "shapes, its peak RSS beside `infinity estimate`'s")
+    ap.add_argument("--layers", type=int, help="with --preset: this many decoder layers instead of the preset's")
+    ap.add_argument("--modes", nargs="+", default=["ckpt"], choices=["ckpt", "plain", "ckpt-whole", "plain-whole"],
+                    help="with --preset: gradient checkpointing (spilled) or not, chunked loss or whole logits")
     args = ap.parse_args()
     rows = []
+    if args.preset:
+        for tokens in args.tokens:
+            for mode in args.modes:
+                t0 = time.time()
+                r = run_finetune(tokens, args, mode.startswith("ckpt"), not mode.endswith("whole"))
+                rows.append({**r, "preset": args.preset, "layers": args.layers, "mode": mode})
+                gib = r.get("peak_rss", 0) / 2**30
+                print(f"{args.preset}{f' ({args.layers} layers)' if args.layers else ''} {tokens:6d} tokens {mode:11s}: "
+                      f"peak RSS {gib:6.2f} GiB, estimate {r.get('predicted', 0) / 2**30:6.2f} GiB, step "
+                      f"{r.get('step_s', float('nan')):7.1f} s ({time.time() - t0:.0f} s in all) {r.get('error', '')}",
+                      flush=True)
+                if args.output:
+                    with open(args.output, "w") as f:
+                        json.dump(rows, f, indent=1)
+        return
     for tokens in args.tokens:
         for chunked in (True, False) if tokens in args.whole else (True,):
             t0 = time.time()

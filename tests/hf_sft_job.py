@@ -46,6 +46,8 @@ def main() -> None:
     tokens = Tokens(script.num_samples, script.seq_len)
     data = Dataset.from_dict({"input_ids": [tokens[i]["input_ids"].tolist() for i in range(len(tokens))]})
     record = Record()
+    logits = []  # whether each training forward returned logits (none with infinity's chunked loss)
+    model.register_forward_hook(lambda m, i, out: logits.append(getattr(out, "logits", None) is not None) if m.training else None)
     trainer_class = ReferenceSFTTrainer if script.warmup_lr_reference else SFTTrainer
     trainer = trainer_class(model=model, args=args, train_dataset=data, processing_class=tokenizer(),
                             callbacks=[record])
@@ -55,7 +57,8 @@ def main() -> None:
     if trainer.is_world_process_zero():
         with open(script.record, "w") as f:
             json.dump({"steps": record.steps, "deepspeed": args.deepspeed is not None,
-                       "world_size": args.world_size, "engine": type(trainer.model_wrapped).__module__}, f)
+                       "world_size": args.world_size, "engine": type(trainer.model_wrapped).__module__,
+                       "logits_in_training": sorted(set(logits))}, f)
 
 
 if __name__ == "__main__":

@@ -113,6 +113,8 @@ def main() -> None:
     set_seed(args.seed)
     model = build_model(script)
     record = Record()
+    logits = []  # whether each training forward returned logits (none with infinity's chunked loss)
+    model.register_forward_hook(lambda m, i, out: logits.append(getattr(out, "logits", None) is not None) if m.training else None)
     trainer_class = ReferenceTrainer if script.warmup_lr_reference else Trainer
     trainer = trainer_class(model=model, args=args, train_dataset=Tokens(script.num_samples, script.seq_len),
                             callbacks=[record])
@@ -121,7 +123,8 @@ def main() -> None:
         trainer.save_model(script.save_final)
     if trainer.is_world_process_zero():
         out = {"steps": record.steps, "deepspeed": args.deepspeed is not None,
-               "world_size": args.world_size, "engine": type(trainer.model_wrapped).__module__}
+               "world_size": args.world_size, "engine": type(trainer.model_wrapped).__module__,
+               "logits_in_training": sorted(set(logits))}
         with open(script.record, "w") as f:
             json.dump(out, f)
 

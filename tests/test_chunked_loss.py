@@ -160,6 +160,28 @@ def test_the_function_alone_matches_cross_entropy_with_softcapping_and_bf16():
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * want.abs().max().item(), rtol=2e-2)
 
 
+def test_blocks_of_rows_and_chunks_of_tokens_give_the_plain_loss_and_gradients():
+    """A 2500-row head in fp32 with `chunk_bytes` small enough that each pass runs over three
+    blocks of rows (1024, 1024, 452) and token chunks of 8: the plain head's loss and gradients."""
+    torch.manual_seed(0)
+    vocab = 2500
+    head = torch.nn.Linear(DIM, vocab, bias=False)
+    h = torch.randn(3, 17, DIM, requires_grad=True)
+    labels = torch.randint(0, vocab, (3, 17), generator=torch.Generator().manual_seed(1))
+    labels[:, :3] = -100
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    expected = ForCausalLMLoss(head(h), labels, vocab)
+    expected.backward()
+    grads = h.grad.clone(), head.weight.grad.clone()
+    h.grad = head.weight.grad = None
+    loss = chunked_lm_loss(head, h, labels, chunk_bytes=4 * 1024 * 8)
+    loss.backward()
+    assert abs(loss.item() - expected.item()) <= 1e-6 * expected.item()
+    for got, want in zip((h.grad, head.weight.grad), grads):
+        torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
+
+
 def test_labels_out_of_range_are_refused_by_name():
     head = torch.nn.Linear(DIM, VOCAB, bias=False)
     labels = torch.full((1, 5), 7)

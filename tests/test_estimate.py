@@ -274,7 +274,7 @@ def test_the_finetune_peak_is_predicted_within_15_percent(tmp_path, lora):
     import sys
     extra = ["--lora", str(lora)] if lora else []
     est = subprocess.run([sys.executable, "-m", "infinity.apps.cli", "estimate", "--model", "llama-125m", "--gpus", "0",
-                          "--tokens-per-step", "512", "--nvme-path", str(tmp_path), *extra],
+                          "--tokens-per-step", "512", "--seq-len", "128", "--nvme-path", str(tmp_path), *extra],
                          capture_output=True, text=True, check=True)
     predicted = _peak_line(est.stdout)
     run = subprocess.run([sys.executable, "-c", _PEAK, "finetune", "--model", "llama-125m", "--steps", "2",
@@ -283,6 +283,55 @@ def test_the_finetune_peak_is_predicted_within_15_percent(tmp_path, lora):
     assert run.returncode == 0, run.stderr[-2000:]
     measured = int(run.stdout.split("VmHWM")[-1])
     assert abs(predicted - measured) <= 0.15 * measured, (predicted / 2 ** 20, measured / 2 ** 20)
+
+
+def test_the_meta_count_of_saved_tensors_is_what_a_real_cpu_forward_saves():
+    """[Note: the activations of a finetune step]: the bytes autograd saves, counted on the meta
+    device with the flash attention stand-in, equal those a real bf16 forward on the CPU saves
+    (the meta device's own attention saved the [tokens, tokens] scores: 2.2 TiB for llama-7b);
+    and they grow linearly with the sequence, as flash attention's do."""
+    from infinity.apps.models.llama import Llama
+    from infinity.apps.tools.estimate_finetune import saved_bytes
+
+    cfg = {**preset("llama-tiny"), "num_hidden_layers": 2}
+    torch.manual_seed(0)
+    model = Llama(cfg).to(torch.bfloat16)
+    params = {p.untyped_storage()._cdata for p in model.parameters()}  # noqa: SLF001
+    storages = {}
+
+    def pack(t):
+        if t.untyped_storage()._cdata not in params:  # noqa: SLF001
+            storages[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()  # noqa: SLF001
+        return t
+
+    ids = torch.randint(0, cfg["vocab_size"], (1, 256))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids)
+    assert saved_bytes(cfg, 2, 256) == sum(storages.values())
+    assert saved_bytes(cfg, 2, 512) == 2 * saved_bytes(cfg, 2, 256)
+
+
+def test_long_sequences_are_counted_with_the_chunked_loss_and_checkpointing(capsys):
+    """llama-7b at 16,384 tokens in one sequence: was "2.2 TiB activations" (scores counted for every
+    layer); with --gradient-checkpointing it is a layer recomputed, two kept inputs and the chunked
+    loss's blocks, far below what the whole-logits loss alone would take (16,384 x 32,000 x 4 bytes,
+    twice: 3.9 GiB)."""
+    from infinity.apps.tools.estimate_finetune import activation_parts
+
+    cfg = preset("llama-7b")
+    plain = dict(activation_parts(cfg, 16384, 16384))
+    ckpt = dict(activation_parts(cfg, 16384, 16384, checkpointing=True))
+    assert 40 * GiB < sum(plain.values()) < 400 * GiB
+    assert sum(ckpt.values()) < 10 * GiB
+    loss = next(n for what, n in ckpt.items() if what.startswith("the chunked loss"))
+    assert loss < GiB
+    whole = dict(activation_parts(cfg, 16384, 16384, checkpointing=True, chunk_bytes=0))
+    assert next(n for what, n in whole.items() if "whole logits" in what) >= 2 * 16383 * 32000 * 4  # fp32, shifted
+    assert infinity_main(["estimate", "--model", "llama-7b", "--gpus", "0", "--cpu-mem", "24G", "--nvme-free", "1T",
+                          "--tokens-per-step", "16384", "--seq-len", "16384", "--gradient-checkpointing"]) == 0
+    out = capsys.readouterr().out
+    assert "infinity finetune --gradient-checkpointing" in out and "on NVMe: two in memory" in out
+    assert _peak_line(out) < 24 * GiB
 
 
 def test_it_says_which_moment_format_fits_a_7b_full_fine_tune_on_this_machine(tmp_path, capsys):

@@ -112,6 +112,9 @@ def _compare_runs(plain: Path, ours: Path, *, steps: int) -> dict:
     b = json.loads((ours / "record.json").read_text())
     assert a["deepspeed"] is False and b["deepspeed"] is True and b["engine"] == "infinity.engine.engine"
     assert [s["step"] for s in a["steps"]] == [s["step"] for s in b["steps"]] == list(range(1, steps + 1))
+    # the same losses without the logits: the chunked loss ([Note: the chunked LM loss]) ran, where
+    # the plain run had them (TRL's SFTTrainer computes its loss through a fused head of its own)
+    assert b["logits_in_training"] == [False], b
     for x, y in zip(a["steps"], b["steps"]):
         assert abs(x["loss"] - y["loss"]) <= 1e-5, (x, y)
         assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-5 * max(1.0, x["grad_norm"]), (x, y)

@@ -120,6 +120,16 @@ def _train(engine, rows: torch.Tensor, start: int, args) -> tuple[list[float], l
     return losses, steps_s, moved
 
 
+def _gradient_checkpointing(model) -> None:
+    """--gradient-checkpointing: infinity's Llama checkpoints each layer itself; a Hugging Face
+    model takes its own switch, which the engine routes through infinity's checkpoint ([Note:
+    Hugging Face's gradient checkpointing] in infinity/engine/hf_models.py)."""
+    if hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing = True
+
+
 def run(args) -> int:
     import infinity
     from infinity.apps.data import pack, read_texts, stdlib_corpus
@@ -132,6 +142,8 @@ def run(args) -> int:
     rows = pack(texts, tokenizer, args.seq_len)
     _check_token_ids(args, model_config, tokenizer, rows)
     model = build_model(model_config)
+    if args.gradient_checkpointing:
+        _gradient_checkpointing(model)
     lora = add_lora(model, args.lora) if args.lora else []
     lr = args.lr if args.lr is not None else (1e-4 if pretrained else 3e-3)
     # The stores go straight under --nvme-path, where the next run and `infinity clean` look for
@@ -139,7 +151,7 @@ def run(args) -> int:
     config = args.config
     if config is None:
         config, chose = _default_config(args.nvme_path, args.offload or "nvme", args.batch or DEFAULT_BATCH, lr,
-                                        model)
+                                        model, checkpointing=args.gradient_checkpointing)
         if args.moment_format:
             config["optimizer"]["params"]["moment_format"] = args.moment_format
             chose += f"; {args.moment_format} moments"

@@ -21,6 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=_positive, default=200)
     p.add_argument("--batch", type=_positive, help=f"sequences per step for the built-in config (default {DEFAULT_BATCH})")
     p.add_argument("--seq-len", type=_positive, default=128)
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="keep only each layer's input for backward and recompute the rest (long sequences); "
+                        "the built-in config with NVMe offload writes those inputs under --nvme-path too")
     p.add_argument("--lr", type=_positive_float, help="for the built-in config: default 3e-3, or 1e-4 for a "
                    "pretrained model")
     p.add_argument("--save", help="checkpoint directory: every --save-every steps, on SIGTERM, and at the end")

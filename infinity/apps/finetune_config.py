@@ -55,7 +55,7 @@ def builtin_budget(total_memory: int, largest_unit: int, largest_trainable: int)
 
 
 def _default_config(nvme_path: str, offload: str, batch: int, lr: float, model: nn.Module | None = None,
-                    total_memory: int | None = None) -> tuple[dict, str]:
+                    total_memory: int | None = None, checkpointing: bool = False) -> tuple[dict, str]:
     """The built-in config for `model` on this machine, and a line saying what it chose.
 
     [Note: the built-in config's host budget]
@@ -86,6 +86,8 @@ def _default_config(nvme_path: str, offload: str, batch: int, lr: float, model: 
             "offload_optimizer": dict(device),
         },
     }
+    if checkpointing and offload == "nvme":  # --gradient-checkpointing: the layers' inputs on NVMe too
+        config["activation_checkpointing"] = {"nvme_path": nvme_path}
     if offload != "nvme" or model is None:
         return config, f"built-in config: parameters and optimizer state in {offload} memory"
     total = psutil.virtual_memory().total if total_memory is None else total_memory

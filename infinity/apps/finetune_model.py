@@ -139,23 +139,28 @@ def _check_activations(args, shapes: dict) -> None:
     from infinity.device import device_kind, gpu_memory
     from infinity.apps.models.presets import activation_floor_bytes
 
+    chunked = True
     if args.config is None:
         micro, named = args.batch or DEFAULT_BATCH, "--batch"
     else:
         from infinity.config import load_config
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        micro = load_config(args.config, world_size=world).batch.train_micro_batch_size_per_gpu
+        loaded = load_config(args.config, world_size=world)
+        micro, chunked = loaded.batch.train_micro_batch_size_per_gpu, loaded.chunked_loss.enabled
         named = "train_micro_batch_size_per_gpu"
     if device_kind() == "cuda":
         where, have = "this GPU's memory", min(gpu_memory())
     else:
         where, have = "this machine's memory", psutil.virtual_memory().total
-    need = activation_floor_bytes(shapes, micro * args.seq_len)
+    checkpointing = getattr(args, "gradient_checkpointing", False)
+    need = activation_floor_bytes(shapes, micro * args.seq_len, chunked, checkpointing)
     if need > have:
+        formula = "(hidden + intermediate) x 2" if checkpointing else "layers x (hidden + intermediate) x 2"
+        formula += "" if chunked else " + vocab x 6"
         raise ValueError(f"--seq-len {args.seq_len} x {named} {micro}: a step's activations need at least "
-                         f"{need / 2**30:.1f} GiB (tokens x (layers x (hidden + intermediate) x 2 + vocab x 6) "
-                         f"bytes), more than the {have / 2**30:.1f} GiB of {where}; give a shorter --seq-len "
-                         "or a smaller batch")
+                         f"{need / 2**30:.1f} GiB (tokens x ({formula}) bytes), more than the "
+                         f"{have / 2**30:.1f} GiB of {where}; give a shorter --seq-len or a smaller batch"
+                         + ("" if checkpointing else ", or --gradient-checkpointing"))
 
 
 def _check_token_ids(args, config, tokenizer, rows: torch.Tensor) -> None:

@@ -5,17 +5,20 @@ A causal LM's logits are [tokens, vocabulary]: at 8k tokens and a 128k vocabular
 their gradient as much again, whatever the model's size. The loss needs only two numbers a token
 from them: the log-sum-exp of its row and its target's logit. So the head runs over blocks of its
 rows (a tile of a tiled head, [Note: memory-centric tiling] in tiling.py, or the whole weight of
-an untiled one) and chunks of tokens (`chunk_bytes` of fp32 logits): each chunk's logits are
+an untiled one), each cut into blocks of `chunk_bytes` of fp32 logits -- rows first, all tokens at
+once where 1024 rows of them fit, so that a block's weight gradient is one product over all the
+tokens (summing it over many small token chunks rewrote the whole weight gradient each time, and
+made backward 1.4x slower than the plain head's): each block's logits are
 computed as the model's own forward computes them (its dtype, then Gemma's soft-capping, then
 fp32, as Hugging Face's loss upcasts), each token's running log-sum-exp takes the block's
 (`logaddexp`), and the token whose label falls in the block keeps its target logit. Only tokens
 whose shifted label is not `ignore_index` are scored (a prompt's tokens cost nothing). The loss is
 sum(lse - target) / (the scored tokens, or `num_items_in_batch`): Hugging Face's `ForCausalLMLoss`.
 
-Backward recomputes each chunk's logits (one matmul more than a plain head: the price of never
+Backward recomputes each block's logits (one matmul more than a plain head: the price of never
 keeping them), turns them into their gradient (softmax - onehot, times the loss's gradient over
-the denominator) and runs the chunk's own autograd for the input gradient and the block's weight
-gradient, both summed in fp32 over chunks and blocks. The arithmetic is the plain head's in
+the denominator) and runs the block's own autograd for the input gradient and the block's weight
+gradient, both summed in fp32 over blocks. The arithmetic is the plain head's in
 another order, so the loss and gradients equal Hugging Face's to fp32 rounding.
 
 Under ZeRO-3 each block is a tile and so a unit. Forward calls each tile once (op "loss"): its
@@ -34,6 +37,9 @@ from torch import nn
 
 from infinity.zero.registry import GatheredParameters
 
+_MIN_ROWS = 1024  # backward's smallest block of rows: below it, the products lose their speed
+
+
 class ScoredTokens:
     """The scored tokens of one loss, and what forward learns of them."""
 
@@ -47,12 +53,6 @@ class ScoredTokens:
         self.lse = torch.full((hidden.shape[0],), -torch.inf, dtype=torch.float32, device=hidden.device)
         self.target = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
 
-    def chunks(self, rows: int) -> list[slice]:
-        """Token ranges whose fp32 logits against `rows` rows fit `chunk_bytes`."""
-        n = self.h.shape[0]
-        size = max(1, self.chunk_bytes // (4 * rows))
-        return [slice(lo, min(n, lo + size)) for lo in range(0, n, size)]
-
     def _local(self, s: slice, row_start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunk's tokens whose label is one of these rows, and the label's row in them."""
         local = self.labels[s] - row_start
@@ -61,14 +61,24 @@ class ScoredTokens:
 
     def score(self, weight: torch.Tensor, row_start: int) -> None:
         """Adds the rows `row_start:` (`weight`) to each token's log-sum-exp and target."""
-        rows = weight.shape[0]
         with torch.no_grad():
-            for s in self.chunks(rows):
-                z = logits(self.h[s], weight, self.softcap)
-                self.lse[s] = torch.logaddexp(self.lse[s], torch.logsumexp(z, -1))
-                mine, local = self._local(s, row_start, rows)
-                if mine.numel():
-                    self.target[s.start + mine] = z[mine, local]
+            for r, token_chunks in self.blocks(weight.shape[0]):
+                for s in token_chunks:
+                    z = logits(self.h[s], weight[r], self.softcap)
+                    self.lse[s] = torch.logaddexp(self.lse[s], torch.logsumexp(z, -1))
+                    mine, local = self._local(s, row_start + r.start, r.stop - r.start)
+                    if mine.numel():
+                        self.target[s.start + mine] = z[mine, local]
+
+    def blocks(self, rows: int) -> list[tuple[slice, list[slice]]]:
+        """Backward's blocks: row ranges, each with token ranges, whose fp32 logits fit `chunk_bytes`.
+        Rows first, all tokens at once where they fit: the weight gradient of a block of rows is
+        then one product over all tokens, written once, not summed over many token chunks."""
+        n = max(1, self.h.shape[0])
+        block = min(rows, max(_MIN_ROWS, self.chunk_bytes // (4 * n)))
+        size = max(1, self.chunk_bytes // (4 * block))
+        tokens = [slice(lo, min(n, lo + size)) for lo in range(0, n, size)]
+        return [(slice(r, min(rows, r + block)), tokens) for r in range(0, rows, block)]
 
     def backward(self, weight: torch.Tensor, row_start: int, grad: torch.Tensor, grad_h: torch.Tensor,
                  weight_grad: bool) -> torch.Tensor | None:
@@ -76,20 +86,21 @@ class ScoredTokens:
         gradient (fp32; None unless `weight_grad`)."""
         rows = weight.shape[0]
         scale = grad / self.denominator
-        gw = None
-        for s in self.chunks(rows):
-            with torch.enable_grad():
-                h = self.h[s].detach().requires_grad_()
-                w = weight.detach().requires_grad_(weight_grad)
-                z = logits(h, w, self.softcap)
-            dz = torch.exp(z.detach() - self.lse[s, None])
-            mine, local = self._local(s, row_start, rows)
-            dz[mine, local] -= 1
-            dz *= scale
-            parts = torch.autograd.grad(z, (h, w) if weight_grad else (h,), dz)
-            grad_h[s] += parts[0]
-            if weight_grad:
-                gw = parts[1].float() if gw is None else gw.add_(parts[1])
+        gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if weight_grad else None
+        for r, token_chunks in self.blocks(rows):
+            w = weight[r].detach().requires_grad_(weight_grad)
+            for s in token_chunks:
+                with torch.enable_grad():
+                    h = self.h[s].detach().requires_grad_()
+                    z = logits(h, w, self.softcap)
+                dz = torch.exp(z.detach() - self.lse[s, None])
+                mine, local = self._local(s, row_start + r.start, r.stop - r.start)
+                dz[mine, local] -= 1
+                dz *= scale
+                parts = torch.autograd.grad(z, (h, w) if weight_grad else (h,), dz)
+                grad_h[s] += parts[0]
+                if weight_grad:
+                    gw[r] += parts[1]
         return gw
 
     def loss(self) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infinity.config.sections import ChunkedLossConfig
+from infinity.offload.checkpoint import checkpoint
 from infinity.zero.head_loss import chunked_lm_loss
 
 DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False, "initializer_range": 0.02,
@@ -118,6 +119,7 @@ class Llama(nn.Module):
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
         self.chunk_bytes = ChunkedLossConfig().chunk_bytes  # the engine sets its config's; 0: logits whole
+        self.gradient_checkpointing = False  # each layer through infinity's checkpoint in training
         if cfg["tie_word_embeddings"]:
             self.lm_head.weight = self.model.embed_tokens.weight
         for m in self.modules():
@@ -143,8 +145,11 @@ class Llama(nn.Module):
         Face does) are given."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self._rotary(input_ids.size(1), x.device, x.dtype)
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.model.layers:
-            x = layer(x, cos, sin)
+            # [Note: what a checkpoint keeps]: only the layer's input is kept (on NVMe with
+            # activation_checkpointing.nvme_path); its activations come back in backward
+            x = checkpoint(layer, x, cos, sin) if recompute else layer(x, cos, sin)
         h = self.model.norm(x)
         if labels is not None and self.chunk_bytes:  # [Note: the chunked LM loss]: never the whole logits
             return chunked_lm_loss(self.lm_head, h, labels, chunk_bytes=self.chunk_bytes)

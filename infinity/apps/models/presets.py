@@ -111,7 +111,7 @@ def param_count(cfg: dict[str, Any]) -> int:
     return cfg["num_hidden_layers"] * layer_param_count(cfg) + root_param_count(cfg)
 
 
-def activation_floor_bytes(cfg: dict[str, Any], tokens: int) -> int:
+def activation_floor_bytes(cfg: dict[str, Any], tokens: int, chunked: bool = True, checkpointing: bool = False) -> int:
     """Bytes a training step's forward must keep for backward over `tokens` tokens (micro-batch
     x sequence length), at the least: a lower bound, for refusing what cannot fit, never an
     estimate of what will.
@@ -119,11 +119,14 @@ def activation_floor_bytes(cfg: dict[str, Any], tokens: int) -> int:
     [Note: activation floor]
     Per token and decoder layer, backward needs at least the input of the attention projections
     and of down_proj (`hidden_size + intermediate_size` values, 2 bytes each in bf16/fp16: also
-    true under LoRA, whose A matrices read those inputs); when the loss is taken, the logits exist
-    in the compute dtype and in fp32 at once (`vocab_size` x 6 bytes). Attention scores, the MLP's
-    other intermediates, norms and gradients come on top, so a step needs several times this.
-    Keys it lacks (a config without intermediate_size) count as 0.
+    true under LoRA, whose A matrices read those inputs); with gradient checkpointing, only one
+    layer's at a time (the kept inputs may be on NVMe). The head's loss needs the logits in the
+    compute dtype and in fp32 at once (`vocab_size` x 6 bytes) unless the loss is chunked ([Note:
+    the chunked LM loss]: then nothing of the vocabulary's size a token). Attention's saved
+    output, the MLP's other intermediates, norms and gradients come on top, so a step needs
+    several times this. Keys it lacks (a config without intermediate_size) count as 0.
     """
     per_layer = (cfg.get("hidden_size") or 0) + (cfg.get("intermediate_size") or 0)
-    per_token = (cfg.get("num_hidden_layers") or 0) * per_layer * 2 + (cfg.get("vocab_size") or 0) * 6
+    layers = 1 if checkpointing else (cfg.get("num_hidden_layers") or 0)
+    per_token = layers * per_layer * 2 + (0 if chunked else (cfg.get("vocab_size") or 0) * 6)
     return tokens * per_token

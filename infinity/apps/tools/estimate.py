@@ -24,7 +24,7 @@ import math
 import os
 import tempfile
 
-from infinity.apps.tools.estimate_finetune import activation_bytes, finetune_host_peak
+from infinity.apps.tools.estimate_finetune import SEQ_LEN, activation_parts, finetune_host_peak
 from infinity.apps.tools.estimate_machine import DEFAULT_GPU_TFLOPS, Machine, machine_from_args, measure_cpu_tflops
 from infinity.apps.tools.estimate_model import (
     DEFAULT_UNITS,
@@ -52,7 +52,7 @@ from infinity.offload._messages import human_bytes
 
 __all__ = [
     "DEFAULT_GPU_TFLOPS", "DEFAULT_UNITS", "FP32", "HALF", "MAX_PARAMS", "NOTES", "TIERS", "TOKENS_PER_RANK", "Item",
-    "Machine", "ModelSize", "Placement", "UnitSize", "activation_bytes", "add_arguments", "config_block",
+    "Machine", "ModelSize", "Placement", "UnitSize", "activation_parts", "add_arguments", "config_block",
     "finetune_host_peak", "load_architecture", "lora_param_count", "machine_from_args", "measure_cpu_tflops",
     "model_from_args", "model_from_config", "model_from_count", "nvme_gbps_needed", "parse_bytes", "parse_count",
     "parse_params", "placements", "recommend", "report", "run", "shortfalls", "step_flops",
@@ -141,7 +141,7 @@ def _formats(model: ModelSize, machine: Machine, shown: str) -> list[str]:
 
 
 def report(model: ModelSize, machine: Machine, tokens: int, finetune: list[tuple[str, int]] | None = None,
-           fmt: str = "fp32") -> str:
+           fmt: str = "fp32", checkpointing: bool = False) -> str:
     """The whole printout: header, table, recommendation (a JSON block), `infinity finetune`'s
     peak (`finetune_host_peak`, where given), notes."""
     options = placements(model, machine.world, machine.nvme_path, fmt)
@@ -169,8 +169,9 @@ def report(model: ModelSize, machine: Machine, tokens: int, finetune: list[tuple
     if finetune:
         total = sum(n for _, n in finetune)
         fits = "fits" if total <= machine.cpu_bytes else "does not fit"
-        lines += ["", f"infinity finetune with its built-in config (params and optimizer on NVMe), {tokens:,} tokens a "
-                      f"step: peak host memory about {human_bytes(total)} ({fits} in {human_bytes(machine.cpu_bytes)}):"]
+        flag = " --gradient-checkpointing" if checkpointing else ""
+        lines += ["", f"infinity finetune{flag} with its built-in config (params and optimizer on NVMe), {tokens:,} "
+                      f"tokens a step: peak host memory about {human_bytes(total)} ({fits} in {human_bytes(machine.cpu_bytes)}):"]
         lines += [f"  {human_bytes(n):>10}  {what}" for what, n in finetune]
     lines += ["", "notes:", *(f"  {note}" for note in NOTES)]
     return "\n".join(lines)
@@ -259,6 +260,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the offload directory (default: %(default)s)")
     parser.add_argument("--tokens-per-step", metavar="COUNT", type=parse_count,
                         help=f"tokens per optimizer step over all ranks (default {TOKENS_PER_RANK} per rank)")
+    parser.add_argument("--seq-len", metavar="TOKENS", type=_number(1, integer=True, what="a sequence length"),
+                        default=SEQ_LEN, help="with --model on a CPU-only machine: the sequences a step's tokens "
+                                              "come in, for the activations (default %(default)s)")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="with --model on a CPU-only machine: count the activations of `infinity finetune "
+                             "--gradient-checkpointing` (layer inputs on NVMe, one layer recomputed)")
     parser.add_argument("--tflops", metavar="TFLOPS", type=_number(1e-6, what="TFLOP/s"),
                         help=f"achieved TFLOP/s of one device (default {DEFAULT_GPU_TFLOPS:g} for a GPU, measured "
                              "for a CPU)")
@@ -303,6 +310,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     tokens = args.tokens_per_step or TOKENS_PER_RANK * machine.world
     finetune = None
     if args.model is not None and machine.gpus == 0:  # the device is the host: the whole step is host memory
-        finetune = finetune_host_peak(model, load_architecture(args.model)[1], machine.cpu_bytes, tokens, args.lora)
-    print(report(model, machine, tokens, finetune, args.moment_format))
+        finetune = finetune_host_peak(model, load_architecture(args.model)[1], machine.cpu_bytes, tokens, args.lora,
+                                      args.seq_len, args.gradient_checkpointing)
+    print(report(model, machine, tokens, finetune, args.moment_format, args.gradient_checkpointing))
     return 0

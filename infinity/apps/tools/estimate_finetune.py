@@ -8,9 +8,7 @@ the estimate adds up what `infinity finetune`'s built-in config makes the engine
 itself (measured in the estimate's own process, which has imported the same), the parameter
 pool and the optimizer pool as the engine sizes them for this model, the fp32 gradient
 accumulators it keeps in memory, two units gathered, one unit's gradients in backward, and the
-activations twice: autograd's saved tensors (measured by running the model's shapes on the meta
-device, which allocates and computes nothing) and, during backward, their gradients and what
-the allocator keeps of them. Checked against /usr/bin/time's peak RSS of the recorded runs
+activations ([Note: the activations of a finetune step]). Checked against /usr/bin/time's peak RSS of the recorded runs
 (bench/results/finetune_large.md) and the `slow` test. Only the model enters through the
 largest unit and the activations.
 """
@@ -19,47 +17,111 @@ from __future__ import annotations
 
 import psutil
 import torch
+import torch.nn.functional as F
 
 from infinity.apps.tools.estimate_model import ModelSize
+from infinity.apps.finetune_config import TILE_SIZE
 from infinity.apps.tools.estimate_placement import FP32, HALF
+from infinity.config.sections import ChunkedLossConfig
 from infinity.offload.optimizer.sizing import STATE_KINDS, host_elements, pool_size
 
 
-def activation_bytes(cfg: dict, tokens: int, lora_rank: int | None = None) -> int:
-    """What autograd saves for backward in a bf16 step of infinity's Llama with `cfg`'s shapes
-    on `tokens` tokens (one sequence), parameters excluded: the model is run on the meta device
-    (shapes only, no memory, no arithmetic) at one and two layers, and the tensors autograd
-    packs are summed by storage; the second layer's share is multiplied by the depth."""
+CHUNK_BYTES = ChunkedLossConfig().chunk_bytes
+SEQ_LEN = 2048  # `infinity estimate`'s default sequence: its default 16,384 tokens are 8 of them
+
+
+def _flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Scaled dot-product attention on the meta device as CPU and GPU run it: the flash kernel,
+    which saves q, k, v, the output and a log-sum-exp a query, never the [tokens, tokens] scores
+    (the meta device's own dispatch takes the math path, which saves them)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal,
+                                                                      scale=scale)[0]
+
+
+def saved_bytes(cfg: dict, layers: int, seq_len: int, lora_rank: int | None = None, labels: bool = False) -> int:
+    """Bytes autograd saves for backward in a bf16 forward of infinity's Llama with `cfg`'s shapes
+    and `layers` layers over one sequence of `seq_len` tokens, parameters excluded, measured on the
+    meta device (shapes only: no memory, no arithmetic). Without `labels` the forward stops at the
+    logits (the head's input is saved, the logits not); with them it takes the loss over the whole
+    logits, as with chunked_loss off."""
     from infinity.apps.finetune_model import add_lora
     from infinity.apps.models.llama import Llama
 
-    def saved(layers: int) -> int:
-        with torch.device("meta"):
-            model = Llama({**cfg, "num_hidden_layers": layers}).to(torch.bfloat16)
-        model.chunk_bytes = 0  # the whole logits, as counted before the chunked loss (meta tensors cannot chunk)
-        if lora_rank:
-            add_lora(model, lora_rank)
-            model.to("meta")
-        params = {p.untyped_storage()._cdata for p in model.parameters()}  # noqa: SLF001
-        storages: dict[int, int] = {}
+    with torch.device("meta"):
+        model = Llama({**cfg, "num_hidden_layers": layers}).to(torch.bfloat16)
+    model.chunk_bytes = 0  # meta tensors cannot be chunked (the chunked head is counted apart)
+    if lora_rank:
+        add_lora(model, lora_rank)
+        model.to("meta")
+    params = {p.untyped_storage()._cdata for p in model.parameters()}  # noqa: SLF001
+    storages: dict[int, int] = {}
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            key = t.untyped_storage()._cdata  # noqa: SLF001
-            if key not in params:
-                storages[key] = t.untyped_storage().nbytes()
-            return t
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage()._cdata  # noqa: SLF001
+        if key not in params:
+            storages[key] = t.untyped_storage().nbytes()
+        return t
 
-        ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+    ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    sdpa = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _flash_attention
+    try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(ids, ids)
-        return sum(storages.values())
+            model(ids, ids if labels else None)
+    finally:
+        F.scaled_dot_product_attention = sdpa
+    return sum(storages.values())
 
-    one, two = saved(1), saved(2)
-    return one + (two - one) * (cfg["num_hidden_layers"] - 1)
+
+def activation_parts(cfg: dict, tokens: int, seq_len: int = SEQ_LEN, lora_rank: int | None = None,
+                     checkpointing: bool = False, spill: bool = True, chunk_bytes: int = CHUNK_BYTES,
+                     tile_size: int = TILE_SIZE) -> list[tuple[str, int]]:
+    """[Note: the activations of a finetune step] (what, bytes) of the activations `infinity
+    finetune` holds at its peak over a micro-batch of `tokens` tokens in sequences of `seq_len`.
+
+    [Note: the activations of a finetune step]
+    What autograd saves is measured (`saved_bytes`, on the meta device with the flash attention
+    kernel CPUs and GPUs run, so no [tokens, tokens] scores) for one and two layers: the second
+    layer's share is a layer's, the rest the model's outside its layers; both grow with the
+    sequences (attention saves nothing quadratic). At the start of backward all of it is held
+    together with the gradients flowing back, counted as as much again. With gradient
+    checkpointing a layer keeps only its input (on NVMe with activation_checkpointing.nvme_path,
+    two of them in memory: the one written, the one read back ahead), and backward holds one
+    layer's activations, recomputed, and their gradients. The chunked loss ([Note: the chunked LM
+    loss]) holds a token's log-sum-exp and target, the scored hidden states and their fp32
+    gradient, a block of fp32 logits with its exponent and gradient (`chunk_bytes` each, about),
+    and one head tile's fp32 weight gradient; with it off, the whole logits are saved (measured).
+    Checked against peak RSS measured in a child (bench/bench_long_sequence.py --estimate).
+    """
+    seq_len = min(seq_len, tokens)
+    sequences = -(-tokens // seq_len)
+    one, two = saved_bytes(cfg, 1, seq_len, lora_rank), saved_bytes(cfg, 2, seq_len, lora_rank)
+    layer, root = (two - one) * sequences, (2 * one - two) * sequences
+    layers, d, vocab = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
+    shape = f"{tokens:,} tokens" + (f" ({sequences} sequences of {seq_len:,})" if sequences > 1 else "")
+    if checkpointing:
+        kept = tokens * d * HALF
+        held = 2 * kept if spill else layers * kept
+        parts = [(f"checkpointed layer inputs of {shape}" + (", on NVMe: two in memory" if spill else ""), held),
+                 ("one layer recomputed in backward, twice (its activations and their gradients)", 2 * layer),
+                 ("the embedding and the final norm's saved tensors, twice", 2 * root)]
+    else:
+        parts = [(f"activations of {shape}, twice (saved for backward, and their gradients)",
+                  2 * (layer * layers + root))]
+    if chunk_bytes:
+        tile_rows = vocab if vocab * d <= tile_size else max(1, tile_size // d)
+        block = min(chunk_bytes, tokens * tile_rows * FP32)
+        parts.append(("the chunked loss (hidden states and their fp32 gradient, 3 blocks of logits, "
+                      "a head tile's fp32 weight gradient)",
+                      tokens * (d * (HALF + FP32) + 2 * FP32) + 3 * block + tile_rows * d * FP32))
+    else:
+        whole = (saved_bytes(cfg, 1, seq_len, lora_rank, labels=True) - one) * sequences
+        parts.append(("the whole logits and their loss, twice", 2 * whole))
+    return parts
 
 
-def finetune_host_peak(model: ModelSize, cfg: dict, cpu_bytes: int, tokens: int,
-                       lora_rank: int | None = None) -> list[tuple[str, int]]:
+def finetune_host_peak(model: ModelSize, cfg: dict, cpu_bytes: int, tokens: int, lora_rank: int | None = None,
+                       seq_len: int = SEQ_LEN, checkpointing: bool = False) -> list[tuple[str, int]]:
     """[Note: the peak of a finetune step] (what, bytes) of the host memory `infinity finetune`
     takes with its built-in config (params and optimizer state on NVMe) on a CPU-only machine
     of `cpu_bytes`, its peak being their sum."""
@@ -83,6 +145,5 @@ def finetune_host_peak(model: ModelSize, cfg: dict, cpu_bytes: int, tokens: int,
         ("two units gathered (the one computing, the next)", 2 * largest * HALF),
         ("a unit's gradients in backward (bf16, and fp32 on their way to the accumulator)",
          largest_trainable * (HALF + FP32)),
-        (f"activations of {tokens:,} tokens, twice (saved for backward, and their gradients)",
-         2 * activation_bytes(cfg, tokens, lora_rank)),
+        *activation_parts(cfg, tokens, seq_len, lora_rank, checkpointing),
     ]
