@@ -531,8 +531,12 @@ def test_bfloat16_is_deepspeeds_legacy_name_for_bf16() -> None:
     assert config.bf16.enabled and config.compute_dtype == torch.bfloat16
     raises({**MINIMAL, "bfloat16": {"enabled": 1}}, TypeError, "bfloat16.enabled: expected true")
     raises({**MINIMAL, "bfloat16": {"enabeld": True}}, ValueError, "bfloat16.enabeld: unknown")
-    raises({**MINIMAL, "bf16": {"enabled": True}, "bfloat16": {"enabled": True}}, ValueError,
-           "bfloat16: DeepSpeed's legacy name for bf16; give only bf16")
+    # both, as accelerate writes them beside a user's legacy section: accepted when they agree
+    for enabled in (True, False):
+        both = load_config({**MINIMAL, "bf16": {"enabled": enabled}, "bfloat16": {"enabled": enabled}})
+        assert both.bf16.enabled is enabled
+    raises({**MINIMAL, "bf16": {"enabled": True}, "bfloat16": {"enabled": False}}, ValueError,
+           "bfloat16: DeepSpeed's legacy name for bf16, given beside bf16 with other settings")
 
 
 def test_fp16_settings() -> None:

@@ -478,8 +478,12 @@ def test_params_must_be_float_cpu():
     with pytest.raises(TypeError, match=r"param_groups\[0\]\['params'\]\[1\].*dtype"):
         CPUAdam([torch.nn.Parameter(torch.zeros(2)),
                  torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))])
+    built_later = torch.nn.Parameter(torch.zeros(2, device="meta"))  # under infinity.Init: taken, never stepped
+    built_later.grad = torch.zeros(2, device="meta")
     with pytest.raises(TypeError, match="CPU tensor"):
-        CPUAdam([torch.nn.Parameter(torch.zeros(2, device="meta"))])
+        CPUAdam([built_later]).step()
+    with pytest.raises(TypeError, match=r"param_groups\[0\]\['params'\]\[0\].*dtype"):  # not yet built, wrong dtype
+        CPUAdam([torch.nn.Parameter(torch.zeros(2, dtype=torch.float64, device="meta"))])
 
 
 def update_args(n: int = 100) -> dict:

@@ -101,7 +101,7 @@ from deepspeed.utils import logger, safe_get_full_fp32_param
 from deepspeed.utils.logging import log_dist
 import infinity, infinity.deepspeed, infinity.optim.lr_schedules, infinity.optim, infinity.deepspeed.utils.full_values
 try:
-    import deepspeed.launcher  # DeepSpeed has it, infinity does not: missing, not faked
+    import deepspeed.inference  # DeepSpeed has it, infinity does not: missing, not faked
     missing = False
 except ModuleNotFoundError:
     missing = True

@@ -325,11 +325,19 @@ def _parse_root(raw: Any, world_size: int) -> InfinityConfig:
     keys = _take(raw, "", (*_BATCH_KEYS, *_ROOT_SCALARS, *_ROOT_SECTIONS),
                  no_effect=_NO_EFFECT_ROOT, default_only=_DEFAULT_ONLY_ROOT,
                  not_implemented=_NOT_IMPLEMENTED_ROOT)
-    if "bf16" in keys and "bfloat16" in keys:
-        raise ValueError("bfloat16: DeepSpeed's legacy name for bf16; give only bf16")
-    bf16_key = "bfloat16" if "bfloat16" in keys else "bf16"
-    if bf16_key == "bfloat16" and isinstance(keys[bf16_key], Mapping):  # name the key as written
-        _bool(keys[bf16_key].get("enabled", False), "bfloat16.enabled")
+    bf16_key = "bfloat16" if "bfloat16" in keys and "bf16" not in keys else "bf16"
+    if "bfloat16" in keys:  # DeepSpeed's legacy name; name the key as written
+        if isinstance(keys["bfloat16"], Mapping):
+            _bool(keys["bfloat16"].get("enabled", False), "bfloat16.enabled")
+        legacy = _parse_section(keys["bfloat16"], "bfloat16", BF16Config, no_effect=_NO_EFFECT_BF16,
+                                default_only=_DEFAULT_ONLY_BF16)
+        # Both (accelerate adds a "bf16" section beside a user's "bfloat16"): DeepSpeed reads bf16
+        # alone; accepted when they say the same, refused when the legacy one would be ignored.
+        if "bf16" in keys and legacy != _parse_section(keys["bf16"], "bf16", BF16Config, no_effect=_NO_EFFECT_BF16,
+                                                       default_only=_DEFAULT_ONLY_BF16):
+            raise ValueError(f"bfloat16: DeepSpeed's legacy name for bf16, given beside bf16 with other settings "
+                             f"(bfloat16: {keys['bfloat16']}, bf16: {keys['bf16']}); DeepSpeed would read bf16 "
+                             "alone: give one of them")
     return InfinityConfig(
         batch=_parse_batch(keys, world_size),
         fp16=_parse_section(keys.get("fp16", {}), "fp16", FP16Config,

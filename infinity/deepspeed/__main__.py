@@ -14,7 +14,7 @@ import os
 import runpy
 import sys
 
-from infinity.deepspeed._alias import as_deepspeed
+from infinity.deepspeed._alias import ENV, as_deepspeed
 
 USAGE = "usage: python -m infinity.deepspeed [--add-local-rank] [-m] SCRIPT [ARGS...]"
 _OPTIONS = ("--add-local-rank", "-m", "--module")
@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     if not module and not os.path.isfile(target):
         _fail(f"SCRIPT {target}: not a file")
     as_deepspeed()
+    os.environ[ENV] = "1"  # and in the processes the script starts ([Note: the alias from the environment])
     sys.argv = [target, *rest]
     if module:
         runpy.run_module(target, run_name="__main__", alter_sys=True)

@@ -31,17 +31,20 @@ import importlib.abc
 import importlib.machinery
 import importlib.metadata
 import importlib.util
+import os
 import pathlib
 import re
 import sys
 from collections.abc import Iterator
 
-__all__ = ["DEEPSPEED_VERSION", "as_deepspeed", "is_active"]
+__all__ = ["DEEPSPEED_VERSION", "ENV", "as_deepspeed", "from_environment", "is_active"]
 
 DEEPSPEED_VERSION = "0.19.8"  # the release whose behaviour and config defaults infinity follows (README)
 
 _ALIAS = "deepspeed"
 _TARGET = "infinity.deepspeed"
+ENV = "INFINITY_AS_DEEPSPEED"  # [Note: the alias from the environment]
+_NOTED = "INFINITY_AS_DEEPSPEED_NOTED"  # set once the shadowed DeepSpeed was reported, for child processes
 
 
 def _target(fullname: str) -> str | None:
@@ -117,3 +120,30 @@ def as_deepspeed() -> None:
                            f"{getattr(loaded, '__file__', None) or loaded!r}); turn the alias on before anything "
                            "imports deepspeed")
     sys.meta_path.insert(0, _AliasFinder())
+
+
+def from_environment() -> None:
+    """[Note: the alias from the environment]
+    `INFINITY_AS_DEEPSPEED=1` turns the alias on in every Python process that starts with it set:
+    a `.pth` file that `pip install` puts in site-packages (infinity-deepspeed-alias.pth, one line,
+    which imports nothing unless the variable is set) calls this at interpreter start-up, before
+    the process imports anything of its own. So `accelerate launch --use_deepspeed`, torchrun, a
+    plain `python train.py --deepspeed ds.json` and the processes they start (DataLoader workers,
+    accelerate's ranks) all see `deepspeed` as infinity. `infinity run` and `python -m
+    infinity.deepspeed` set it for what they start. 0 (or unset) leaves everything as it is; any
+    other value than 1/0 is reported and leaves it off. Where a real DeepSpeed is installed too, it
+    is not shadowed silently: one line on stderr says which `deepspeed` this process tree uses."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return
+    if value not in ("1", "true", "yes", "on"):
+        print(f"infinity: {ENV}={os.environ[ENV]!r}: expected 1 (deepspeed is infinity) or 0; left off",
+              file=sys.stderr)
+        return
+    real = importlib.machinery.PathFinder.find_spec(_ALIAS)
+    if real is not None and not os.environ.get(_NOTED):
+        where = real.origin or (list(real.submodule_search_locations or []) or ["?"])[0]
+        print(f"infinity: {ENV}=1: `import deepspeed` is infinity in this process and those it starts; the "
+              f"DeepSpeed installed at {where} is not used (unset {ENV} to use it)", file=sys.stderr)
+        os.environ[_NOTED] = "1"
+    as_deepspeed()

@@ -98,7 +98,14 @@ class KernelOptimizer(torch.optim.Optimizer):
         try:
             self._check_group(self.param_groups[index])
             for i, p in enumerate(self.param_groups[index]["params"]):
-                check_tensor(f"{self.name}: param_groups[{index}]['params'][{i}]", p, _PARAM_DTYPES, None)
+                where = f"{self.name}: param_groups[{index}]['params'][{i}]"
+                if isinstance(p, torch.Tensor) and p.is_meta:
+                    # built under infinity.Init and not yet initialised: accelerate hands such
+                    # parameters to a DeepSpeedCPUAdam before `initialize` builds them, and the
+                    # engine takes only the groups; a step on them is refused by the step's checks
+                    check_tensor(where, p.new_empty(0, device="cpu"), _PARAM_DTYPES, None)
+                    continue
+                check_tensor(where, p, _PARAM_DTYPES, None)
         except (TypeError, ValueError):
             self.param_groups.pop()  # leave the optimizer as it was
             raise

@@ -54,6 +54,7 @@ from collections import OrderedDict
 from typing import NamedTuple
 
 from infinity.apps.launcher.hosts import limit, parse_hostfile, select
+from infinity.deepspeed._alias import ENV
 
 __all__ = ["add_arguments", "run"]
 
@@ -205,7 +206,8 @@ def _torchrun(args: argparse.Namespace, num_nodes: int, node_rank: int, num_proc
 
 def _node_env(node_rank: int, num_nodes: int, slots: list[int], visible: list | None) -> dict[str, str]:
     """The variables DeepSpeed's launcher sets per node; CUDA_VISIBLE_DEVICES unless `visible` is None."""
-    env = {"CROSS_RANK": str(node_rank), "CROSS_SIZE": str(num_nodes), "LOCAL_SIZE": str(len(slots))}
+    env = {"CROSS_RANK": str(node_rank), "CROSS_SIZE": str(num_nodes), "LOCAL_SIZE": str(len(slots)),
+           ENV: "1"}  # [Note: the alias from the environment]: in everything the ranks start too
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, visible))
     return env
