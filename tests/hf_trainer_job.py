@@ -40,19 +40,23 @@ class ScriptArguments:
     """(plain runs) DeepSpeed's WarmupLR: log warmup from 0 to learning_rate over warmup_steps"""
     save_final: str | None = None
     """save_model() into this directory once training is done"""
+    evaluate_first: bool = False
+    """evaluate() on held-out sequences before train() (a baseline), and again after it"""
+    evaluate_after: bool = False
+    """held-out sequences as the eval set, and evaluate() after train() (with --eval_on_start: a baseline)"""
 
 
 class Tokens(torch.utils.data.Dataset):
     """Sequences that follow a rule (each token from the one before), so the loss can fall."""
 
-    def __init__(self, num_samples: int, seq_len: int):
-        self.num_samples, self.seq_len = num_samples, seq_len
+    def __init__(self, num_samples: int, seq_len: int, first: int = 0):
+        self.num_samples, self.seq_len, self.first = num_samples, seq_len, first
 
     def __len__(self) -> int:
         return self.num_samples
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(1000 + i)
+        g = torch.Generator().manual_seed(1000 + self.first + i)
         ids = torch.empty(self.seq_len, dtype=torch.long)
         ids[0] = torch.randint(0, VOCAB, (1,), generator=g)
         step = int(torch.randint(1, 5, (1,), generator=g))
@@ -100,7 +104,10 @@ class ReferenceTrainer(Trainer):
 
 class Record(TrainerCallback):
     def __init__(self):
-        self.steps = []
+        self.steps, self.evaluations = [], []
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.evaluations.append(metrics["eval_loss"])
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
@@ -116,15 +123,20 @@ def main() -> None:
     logits = []  # whether each training forward returned logits (none with infinity's chunked loss)
     model.register_forward_hook(lambda m, i, out: logits.append(getattr(out, "logits", None) is not None) if m.training else None)
     trainer_class = ReferenceTrainer if script.warmup_lr_reference else Trainer
+    held_out = Tokens(8, script.seq_len, first=10_000) if script.evaluate_first or script.evaluate_after else None
     trainer = trainer_class(model=model, args=args, train_dataset=Tokens(script.num_samples, script.seq_len),
-                            callbacks=[record])
+                            eval_dataset=held_out, callbacks=[record])
+    if script.evaluate_first:
+        trainer.evaluate()
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    if held_out is not None:
+        trainer.evaluate()
     if script.save_final:
         trainer.save_model(script.save_final)
     if trainer.is_world_process_zero():
         out = {"steps": record.steps, "deepspeed": args.deepspeed is not None,
                "world_size": args.world_size, "engine": type(trainer.model_wrapped).__module__,
-               "logits_in_training": sorted(set(logits))}
+               "logits_in_training": sorted(set(logits)), "eval_loss": record.evaluations}
         with open(script.record, "w") as f:
             json.dump(out, f)
 

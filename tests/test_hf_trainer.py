@@ -159,6 +159,38 @@ def test_trainer_zero3_nvme_accumulating_matches_pytorch_from_pretrained_on(job)
     _compare_runs(plain, ours, steps=6)
 
 
+def test_a_baseline_evaluation_then_training_matches_pytorch(job):
+    """ZeRO-3 on NVMe with an evaluation before the first step (`--eval_on_start`: the Trainer's
+    own baseline evaluation, with the training engine) and one after training: the same
+    evaluation losses and training steps as the plain script."""
+    nvme = job / "nvme"
+    nvme.mkdir()
+    plain, ours = job / "plain", job / "ours"
+    extra = ("--evaluate_after", "True", "--eval_on_start", "True", "--eval_strategy", "steps", "--eval_steps", "100")
+    runs = [(_plain(job, _trainer_args(plain, micro=4, extra=extra)), "plain run"),
+            (_infinity_run(job, _trainer_args(ours, micro=4, extra=extra), zero3_nvme(nvme)), "infinity run")]
+    for proc, what in runs:
+        _finish(proc, what)
+    b = _compare_runs(plain, ours, steps=6)
+    a = json.loads((plain / "record.json").read_text())
+    assert len(a["eval_loss"]) == len(b["eval_loss"]) >= 2 and a["eval_loss"][-1] < a["eval_loss"][0]
+    for x, y in zip(a["eval_loss"], b["eval_loss"]):
+        assert abs(x - y) <= 1e-5, (a["eval_loss"], b["eval_loss"])
+
+
+def test_train_after_a_separate_evaluate_says_what_to_do(job):
+    """`trainer.evaluate()` then `trainer.train()` under ZeRO-3: the Trainer trains through the
+    evaluation's engine, which accelerate destroyed ([Note: evaluate before train in the HF
+    Trainer]); the error says so and names eval_on_start."""
+    nvme = job / "nvme"
+    nvme.mkdir()
+    proc = _infinity_run(job, _trainer_args(job / "ours", micro=4, extra=("--evaluate_first", "True")),
+                         zero3_nvme(nvme))
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode != 0 and "destroyed by accelerate's free_memory()" in out and "eval_on_start" in out, \
+        out[-4000:]
+
+
 @pytest.mark.slow
 def test_resume_from_checkpoint_is_exact(job):
     """Trainer checkpoints every 3 steps (infinity's engine checkpoint inside); a second run

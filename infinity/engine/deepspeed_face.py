@@ -39,7 +39,20 @@ class DeepSpeedFace:
         return self.world_size
 
     def destroy(self) -> None:
-        """DeepSpeed's name for `close()`."""
+        """DeepSpeed's name for `close()`.
+
+        [Note: evaluate before train in the HF Trainer]
+        accelerate's `free_memory()` destroys the engine it prepared last, and the Hugging Face
+        Trainer (5.x) calls it at the start of `train()`. After an `evaluate()` under ZeRO-3 that
+        engine is the evaluation's, which the Trainer then keeps as its model for training, with
+        no engine left in accelerate for `accelerator.backward` (it fails there with DeepSpeed
+        too). The error then says so, with what works: an evaluation inside training."""
+        if self.inference:
+            self.lifecycle.closed_note = (
+                "; it was the engine of an evaluation (no optimizer), destroyed by accelerate's free_memory(): the "
+                "Hugging Face Trainer's train() after evaluate() under ZeRO-3 keeps training through it, and "
+                "accelerate has no engine left for backward (with DeepSpeed too). For a baseline evaluation, give "
+                "TrainingArguments(eval_on_start=True) (--eval_on_start), which evaluates with the training engine")
         self.close()
 
     # DeepSpeed's getters of the config are in infinity/engine/getters.py (ConfigGetters).

@@ -256,8 +256,9 @@ class Lifecycle:
         if self.phase is Phase.CLOSED:
             late = "".join(f"; {signal.Signals(n).name} arrived during engine.close() and its handler ran once the "
                            "close was done, with nothing left to save or train" for n in self.signals_in_close[:1])
-            raise RuntimeError(CLOSED_MESSAGE + late)
+            raise RuntimeError(CLOSED_MESSAGE + late + self.closed_note)
 
+    closed_note = ""  # what closed it, where that needs saying (engine.destroy())
     signals_in_close: list[int] = []  # held signals that arrived during the cleanup ([Note: signals during cleanup])
 
     def close(self) -> bool:
