@@ -8,7 +8,8 @@ the estimate adds up what `infinity finetune`'s built-in config makes the engine
 itself (measured in the estimate's own process, which has imported the same), the parameter
 pool and the optimizer pool as the engine sizes them for this model, the fp32 gradient
 accumulators it keeps in memory, two units gathered, one unit's gradients in backward, and the
-activations ([Note: the activations of a finetune step]). Checked against /usr/bin/time's peak RSS of the recorded runs
+activations ([Note: the activations of a finetune step]), and what the C allocator keeps of
+freed memory (ALLOCATOR_SLACK, fitted). Checked against /usr/bin/time's peak RSS of the recorded runs
 (bench/results/finetune_large.md) and the `slow` test. Only the model enters through the
 largest unit and the activations.
 """
@@ -28,6 +29,11 @@ from infinity.offload.optimizer.sizing import STATE_KINDS, host_elements, pool_s
 
 CHUNK_BYTES = ChunkedLossConfig().chunk_bytes
 SEQ_LEN = 2048  # `infinity estimate`'s default sequence: its default 16,384 tokens are 8 of them
+# [Note: the peak of a finetune step]: glibc keeps freed blocks below its mmap threshold (which
+# grows to 32 MiB) in its heap, 0.3-0.8 GiB of [heap] in /proc/self/smaps of the runs checked:
+# counted as the lesser of 600 MiB and a quarter of the rest, fitted to llama-125m at 512 tokens
+# (full and LoRA) and 4 layers of llama-1b at 1k-16k tokens (bench/results/long_sequence.md).
+ALLOCATOR_SLACK, SLACK_SHARE = 600 << 20, 0.25
 
 
 def _flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -83,11 +89,13 @@ def activation_parts(cfg: dict, tokens: int, seq_len: int = SEQ_LEN, lora_rank: 
     What autograd saves is measured (`saved_bytes`, on the meta device with the flash attention
     kernel CPUs and GPUs run, so no [tokens, tokens] scores) for one and two layers: the second
     layer's share is a layer's, the rest the model's outside its layers; both grow with the
-    sequences (attention saves nothing quadratic). At the start of backward all of it is held
-    together with the gradients flowing back, counted as as much again. With gradient
-    checkpointing a layer keeps only its input (on NVMe with activation_checkpointing.nvme_path,
-    two of them in memory: the one written, the one read back ahead), and backward holds one
-    layer's activations, recomputed, and their gradients. The chunked loss ([Note: the chunked LM
+    sequences (attention saves nothing quadratic). At the start of backward all of it is held,
+    with the gradients of the layer backward is in (as much as the layer saved: each saved tensor
+    is freed once its layer's backward has used it). With gradient checkpointing a layer keeps
+    only its input (on NVMe with activation_checkpointing.nvme_path, two of them in memory: the
+    one written, the one read back ahead), and backward holds one layer's activations,
+    recomputed. A tied head split into tiles keeps its weight gradient (bf16) from the loss's
+    backward to the embedding's ([Note: tied tiles]). The chunked loss ([Note: the chunked LM
     loss]) holds a token's log-sum-exp and target, the scored hidden states and their fp32
     gradient, a block of fp32 logits with its exponent and gradient (`chunk_bytes` each, about),
     and one head tile's fp32 weight gradient; with it off, the whole logits are saved (measured).
@@ -103,20 +111,23 @@ def activation_parts(cfg: dict, tokens: int, seq_len: int = SEQ_LEN, lora_rank: 
         kept = tokens * d * HALF
         held = 2 * kept if spill else layers * kept
         parts = [(f"checkpointed layer inputs of {shape}" + (", on NVMe: two in memory" if spill else ""), held),
-                 ("one layer recomputed in backward, twice (its activations and their gradients)", 2 * layer),
-                 ("the embedding and the final norm's saved tensors, twice", 2 * root)]
+                 ("one layer's activations, recomputed in backward", layer),
+                 ("the embedding's and the final norm's saved tensors", root)]
     else:
-        parts = [(f"activations of {shape}, twice (saved for backward, and their gradients)",
-                  2 * (layer * layers + root))]
+        parts = [(f"activations of {shape} saved for backward", layer * layers + root),
+                 ("a layer's gradients in backward", layer)]
+    tiled = vocab * d > tile_size
+    if cfg.get("tie_word_embeddings") and tiled and chunk_bytes:  # [Note: tied tiles]: the stash
+        parts.append(("the tied head's weight gradient, kept for the embedding's backward", vocab * d * HALF))
     if chunk_bytes:
-        tile_rows = vocab if vocab * d <= tile_size else max(1, tile_size // d)
+        tile_rows = max(1, tile_size // d) if tiled else vocab
         block = min(chunk_bytes, tokens * tile_rows * FP32)
         parts.append(("the chunked loss (hidden states and their fp32 gradient, 3 blocks of logits, "
                       "a head tile's fp32 weight gradient)",
                       tokens * (d * (HALF + FP32) + 2 * FP32) + 3 * block + tile_rows * d * FP32))
     else:
         whole = (saved_bytes(cfg, 1, seq_len, lora_rank, labels=True) - one) * sequences
-        parts.append(("the whole logits and their loss, twice", 2 * whole))
+        parts.append(("the whole logits and their loss, with their gradient", 2 * whole))
     return parts
 
 
@@ -137,7 +148,7 @@ def finetune_host_peak(model: ModelSize, cfg: dict, cpu_bytes: int, tokens: int,
     if shards:
         buffers, elements = pool_size(shards, PIECE, OPTIMIZER_BUFFERS, per_piece, host_elements())  # as the tier does
         optimizer_pool = buffers * elements * FP32
-    return [
+    parts = [
         ("the process (Python, torch, infinity: measured here)", psutil.Process().memory_info().rss),
         (f"parameter pool ({count} buffers of the largest unit)", count * buffer * HALF),
         (f"optimizer-state pool ({buffers} buffers)", optimizer_pool),
@@ -147,3 +158,5 @@ def finetune_host_peak(model: ModelSize, cfg: dict, cpu_bytes: int, tokens: int,
          largest_trainable * (HALF + FP32)),
         *activation_parts(cfg, tokens, seq_len, lora_rank, checkpointing),
     ]
+    slack = min(ALLOCATOR_SLACK, int(SLACK_SHARE * sum(n for _, n in parts)))
+    return parts + [("what the C allocator keeps of freed memory (glibc's heap; fitted to measured runs)", slack)]
