@@ -225,6 +225,19 @@ def test_two_gloo_ranks_match_one_plain_process(job):
     assert _compare_runs(plain, ours, steps=6)["world_size"] == 2
 
 
+def test_two_ranks_without_use_cpu_agree_on_the_world(job):
+    """The seed's command on a CPU-only machine, without --use_cpu: every rank and infinity see a
+    world of 2 (HF saw one process each, and train_batch_size did not match), and the run matches
+    one plain process of twice the batch."""
+    plain, ours = job / "plain", job / "ours"
+    args = [a for a in _trainer_args(ours, micro=2) if a != "--use_cpu"]
+    runs = [(_plain(job, _trainer_args(plain, micro=4)), "plain run"),
+            (_infinity_run(job, args, ZERO2_AUTO, num_gpus=2), "infinity run")]
+    for proc, what in runs:
+        _finish(proc, what)
+    assert _compare_runs(plain, ours, steps=6)["world_size"] == 2
+
+
 def test_trl_sft_trainer_zero3_nvme_matches_pytorch(job):
     """TRL's SFTTrainer (tests/hf_sft_job.py: HfArgumentParser over SFTConfig, a tokenizer, a
     `datasets.Dataset`) with ZeRO-3, parameters and optimizer state on NVMe, gradient

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import sys
 from typing import Any
 
 import torch.distributed as dist
@@ -66,3 +67,21 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     if timeout is not None:
         kwargs["timeout"] = timeout
     dist.init_process_group(backend, **kwargs)
+    _tell_accelerate(backend, sys._getframe(1))  # noqa: SLF001
+
+
+def _tell_accelerate(backend: str, caller) -> None:
+    """[Note: CPU ranks and accelerate]
+    accelerate's `PartialState` (which the HF Trainer builds from TrainingArguments) finds no
+    backend on a host without GPUs unless it was told `cpu` (--use_cpu): it then starts the
+    process group through `deepspeed.comm.init_distributed(dist_backend=None)`, and afterwards
+    takes its missing backend to mean one process, so every rank of `infinity run --num_gpus 2`
+    thinks it is alone (n_gpu 1, its own batch) while torch.distributed and the engine see two.
+    Called from there, this gives the state the backend the group was made with, so accelerate
+    counts the group's ranks, as it does when --use_cpu is given. Nothing else is touched."""
+    if caller.f_code.co_qualname != "PartialState.__init__":
+        return
+    state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(state, "PartialState", None), "_shared_state", None)
+    if isinstance(shared, dict) and shared.get("backend", "") is None:
+        shared["backend"] = backend
