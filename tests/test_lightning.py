@@ -523,6 +523,85 @@ def test_fabric_knows_the_names():
     assert isinstance(fabric.strategy, InfinityFabricStrategy) and fabric.strategy.config["zero_optimization"]["stage"] == 2
 
 
+def _fabric_on_nvme(tmp_path, **extra):
+    from lightning.fabric import Fabric
+
+    os.makedirs(tmp_path / "nvme", exist_ok=True)
+    off = {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}
+    strategy = InfinityFabricStrategy(config={"train_micro_batch_size_per_gpu": 8, **extra, "zero_optimization": {
+        "stage": 3, "offload_param": off, "offload_optimizer": {**off, "buffer_count": 9}}})
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    return fabric
+
+
+def test_fabric_loads_a_raw_state_dict_and_a_plain_checkpoint_into_the_engine(tmp_path):
+    """`fabric.load_raw(path, model)` with a plain `torch.save(model.state_dict())`, and
+    `fabric.load(path, {"model": model, "step": ...})` with a checkpoint plain Fabric saved: the
+    engine's model then computes what the plain model does, and `step` comes back."""
+    from lightning.fabric import Fabric
+
+    torch.manual_seed(1)
+    trained = SeedModel(ours=False)
+    torch.save(trained.state_dict(), tmp_path / "raw.pt")
+    plain = Fabric(accelerator="cpu", devices=1)
+    plain.save(tmp_path / "plain.ckpt", {"model": trained, "optimizer": torch.optim.AdamW(trained.parameters()),
+                                         "step": 7})
+    x = _fabric_batches()[0][0]
+    expected = trained(x)
+    for how in ("raw", "plain"):
+        fabric = _fabric_on_nvme(tmp_path / how)
+        torch.manual_seed(0)
+        model = SeedModel(ours=True)
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+        assert not torch.allclose(model(x), expected)
+        if how == "raw":
+            fabric.load_raw(tmp_path / "raw.pt", model)
+        else:
+            state = {"model": model, "step": None}
+            fabric.load(tmp_path / "plain.ckpt", state)
+            assert state["step"] == 7
+            with pytest.raises(NotImplementedError, match="optimizer's state from a file"):
+                fabric.load(tmp_path / "plain.ckpt", {"model": model, "optimizer": optimizer})
+        torch.testing.assert_close(model(x), expected, atol=1e-6, rtol=0)
+        fabric.strategy.engine.close()
+
+
+def test_fabric_no_backward_sync_warns_and_colliding_keys_are_named(tmp_path):
+    """As with DeepSpeedStrategy: `fabric.no_backward_sync(model)` warns that the strategy cannot
+    skip the synchronisation and does nothing (accumulation is the config's), and saving a state
+    whose keys DeepSpeed uses for its own warns naming them."""
+    from lightning.fabric.utilities.warnings import PossibleUserWarning
+
+    fabric = _fabric_on_nvme(tmp_path)
+    torch.manual_seed(0)
+    model = SeedModel(ours=True)
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    x, y = _fabric_batches()[0]
+    with pytest.warns(PossibleUserWarning, match="does not support skipping the gradient synchronization"):
+        with fabric.no_backward_sync(model):
+            fabric.backward(nn.functional.cross_entropy(model(x), y))
+    optimizer.step()
+    with pytest.warns(UserWarning, match="collide with DeepSpeed's internal engine state: global_steps"):
+        fabric.save(tmp_path / "ck", {"model": model, "optimizer": optimizer, "global_steps": 1})
+    fabric.strategy.engine.close()
+
+
+def test_pl_deepspeed_config_path_is_the_strategys_config(tmp_path, monkeypatch):
+    """PL_DEEPSPEED_CONFIG_PATH names the config when none is given, as DeepSpeedStrategy reads it."""
+    config = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 0.5, "zero_optimization": {"stage": 3}}
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    monkeypatch.setenv("PL_DEEPSPEED_CONFIG_PATH", str(tmp_path / "ds.json"))
+    assert InfinityStrategy().config == config and InfinityFabricStrategy().config == config
+    with pytest.raises(ValueError, match="stage: given with PL_DEEPSPEED_CONFIG_PATH="):
+        InfinityStrategy(stage=2)
+    model, trainer = _fit("infinity", ours=True, gradient_clip_val=None)  # the registered name, through Trainer
+    assert trainer.strategy.config["gradient_clipping"] == 0.5 and trainer.strategy.engine.gradient_clipping() == 0.5
+    monkeypatch.setenv("PL_DEEPSPEED_CONFIG_PATH", str(tmp_path / "missing.json"))
+    with pytest.raises(FileNotFoundError, match="PL_DEEPSPEED_CONFIG_PATH: no DeepSpeed config file"):
+        InfinityStrategy()
+
+
 # ---- two ranks ---------------------------------------------------------------------------------
 
 _DDP_JOB = """

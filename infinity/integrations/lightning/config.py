@@ -23,6 +23,7 @@ OPTIONS: dict[str, Any] = {
     "logging_batch_size_per_gpu": "auto", "partition_activations": False, "cpu_checkpointing": False,
     "contiguous_memory_optimization": False, "synchronize_checkpoint_boundary": False,
 }
+CONFIG_ENV = "PL_DEEPSPEED_CONFIG_PATH"  # DeepSpeedStrategy's: the config file when none is given
 # Arguments read also when a config is given: the fp16 section they write when it has none.
 FP16_OPTIONS: dict[str, Any] = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                                 "hysteresis": 2, "min_loss_scale": 1}
@@ -59,17 +60,21 @@ def deepspeed_config(**options: Any) -> dict:
 
 
 def _user_config(config: Any, options: dict) -> dict:
-    """The config a strategy starts from: the user's (a dict, copied, or a JSON path), else the one
-    its arguments write. With a config, the arguments that would write it are an error rather
-    than ignored."""
+    """The config a strategy starts from: the user's (a dict, copied, or a JSON path; without one,
+    the file PL_DEEPSPEED_CONFIG_PATH names, as DeepSpeedStrategy reads it), else the one its
+    arguments write. With a config, the arguments that would write it are an error rather than
+    ignored."""
+    where = "config=..."
+    if config is None and os.environ.get(CONFIG_ENV):
+        config, where = os.environ[CONFIG_ENV], f"{CONFIG_ENV}={os.environ[CONFIG_ENV]}"
     if config is None:
         return deepspeed_config(**options)
     if options:
-        raise ValueError(f"{sorted(options)[0]}: given with config=...; with a config every setting comes from it "
+        raise ValueError(f"{sorted(options)[0]}: given with {where}; with a config every setting comes from it "
                          "(DeepSpeedStrategy ignores such arguments): set it in the config")
     if isinstance(config, (str, os.PathLike)):
         if not os.path.isfile(config):
-            raise FileNotFoundError(f"config: no DeepSpeed config file at {config}")
+            raise FileNotFoundError(f"{where.split('=')[0]}: no DeepSpeed config file at {config}")
         with open(config, encoding="utf-8") as f:
             config = json.load(f)
     if not isinstance(config, dict):

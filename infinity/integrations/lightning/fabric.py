@@ -14,6 +14,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from lightning.fabric.utilities.load import _move_state_into
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 import infinity
@@ -21,9 +22,15 @@ from infinity.engine import Engine
 from infinity.integrations.lightning.checkpoints import _TAG, _checkpoint_location
 from infinity.integrations.lightning.config import _add_precision, _register, _split_options, _user_config, _zero_stage
 from infinity.integrations.lightning.precision import InfinityFabricPrecision, _precision_name
+from infinity.integrations.lightning.single_file import load_full_weights
 from infinity.integrations.lightning.trainer import _engine_of
 
 log = logging.getLogger("infinity")
+
+# DeepSpeed's engine state keys, which its save merges the client state into (Lightning warns of them)
+DEEPSPEED_STATE_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "lr_scheduler",
+                        "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
+                        "dp_world_size", "mp_world_size", "ds_config", "ds_version"}
 
 
 class InfinityFabricStrategy(FabricDDPStrategy):
@@ -32,8 +39,9 @@ class InfinityFabricStrategy(FabricDDPStrategy):
     `engine.backward(loss)`; `fabric.save` / `fabric.load` go through the engine's checkpoints
     (the other objects of the state are its client state). Gradient accumulation and clipping
     come from the config (`gradient_accumulation_steps`, `gradient_clipping`), as for DeepSpeed;
-    call `optimizer.step()` after every `fabric.backward`. Arguments as InfinityStrategy's (no
-    single-file loading: `load_full_weights` is the Trainer's only)."""
+    call `optimizer.step()` after every `fabric.backward`. Arguments as InfinityStrategy's; a raw
+    state dict or a plain checkpoint file loads into the engine ([Note: plain checkpoints in
+    Fabric])."""
 
     def __init__(self, accelerator: Any = None, config: Any = None, *, remote_device: str | None = None,
                  exclude_frozen_parameters: bool = False, logging_level: int = logging.WARN,
@@ -51,6 +59,9 @@ class InfinityFabricStrategy(FabricDDPStrategy):
         self.exclude_frozen_parameters = exclude_frozen_parameters
         log.setLevel(logging_level)
         self._engine: Engine | None = None
+        # accumulation boundaries come from the config (gradient_accumulation_steps), as for
+        # DeepSpeed: fabric.no_backward_sync(model) warns and does nothing, as with DeepSpeedStrategy
+        self._backward_sync_control = None
 
     @property
     def precision(self) -> InfinityFabricPrecision:
@@ -144,15 +155,23 @@ class InfinityFabricStrategy(FabricDDPStrategy):
         engine = self._engine_in(state)
         path = os.fspath(self.broadcast(path))
         rest = {k: v for k, v in state.items() if v is not engine and v is not engine.optimizer}
+        colliding = sorted(set(rest) & DEEPSPEED_STATE_KEYS)
+        if colliding:
+            rank_zero_warn("Your state has keys that collide with DeepSpeed's internal engine state: "
+                           f"{', '.join(colliding)}. DeepSpeed would overwrite them with its own when saving "
+                           "(infinity keeps the client state apart, but the names mislead): consider renaming them")
         rest = self._convert_stateful_objects_in_state(rest, filter={})
         engine.save_checkpoint(path, tag=_TAG, client_state=rest,
                                exclude_frozen_parameters=self.exclude_frozen_parameters)
 
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        if isinstance(state, (nn.Module, torch.optim.Optimizer)):
-            raise NotImplementedError("InfinityFabricStrategy loads infinity checkpoint directories into the engine: "
-                                      "fabric.load(path, {'model': model, 'optimizer': optimizer, ...})")
+        if isinstance(state, torch.optim.Optimizer):
+            raise NotImplementedError("state: an optimizer's state from a file cannot be loaded into the engine's "
+                                      "offloaded optimizer; load an infinity checkpoint directory with fabric.load(path, "
+                                      "{'model': model, 'optimizer': optimizer})")
+        if isinstance(state, (nn.Module, Engine)) or (state and os.path.isfile(os.fspath(path))):
+            return self._load_file(os.fspath(self.broadcast(path)), state, strict, weights_only)
         if not state:
             raise ValueError("state: expected a dict holding the model fabric.setup returned (and its optimizer "
                              "to load the optimizer state)")
@@ -166,6 +185,44 @@ class InfinityFabricStrategy(FabricDDPStrategy):
         keys = set(client_state) & {k for k, v in state.items() if v is not engine and v is not engine.optimizer}
         _move_state_into(source=client_state, destination=state, keys=keys)
         return client_state
+
+    def _load_file(self, path: str, state: Any, strict: bool, weights_only: bool | None) -> dict[str, Any]:
+        """[Note: plain checkpoints in Fabric] A raw state dict (`fabric.load_raw(path, model)`) or a
+        plain `torch.save`d checkpoint (`fabric.load(path, {"model": model, ...})`, written
+        without infinity) read into the engine, one module's parameters gathered at a time with
+        rank 0's values (`load_full_weights`); other objects of `state` get their entries as
+        Fabric gives them. An optimizer's entry is refused: its state cannot become the
+        engine's offloaded one. Returns what the file holds beyond `state`."""
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True if weights_only is None else weights_only)
+        if isinstance(state, (nn.Module, Engine)):
+            self._load_module(state, checkpoint, strict)
+            return {}
+        engine = self._engine_in(state)
+        for key, obj in state.items():  # everything checked before anything is loaded
+            if key not in checkpoint and strict:
+                raise KeyError(f"{path}: no {key!r} in the checkpoint (it holds {sorted(checkpoint)}); "
+                               "load with strict=False to skip it")
+            if key in checkpoint and obj is engine.optimizer:
+                raise NotImplementedError(f"state[{key!r}]: an optimizer's state from a file cannot be loaded into "
+                                          "the engine's offloaded optimizer; leave it out of the state")
+        for key, obj in state.items():
+            if key not in checkpoint:
+                continue
+            if isinstance(obj, (nn.Module, Engine)):
+                self._load_module(obj, checkpoint[key], strict)
+            elif hasattr(obj, "load_state_dict"):
+                obj.load_state_dict(checkpoint[key])
+            else:
+                state[key] = checkpoint[key]
+        return {k: v for k, v in checkpoint.items() if k not in state}
+
+    def _load_module(self, module: nn.Module | Engine, state_dict: Any, strict: bool) -> None:
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"the checkpoint's entry for the model: expected a state dict, got {type(state_dict).__name__}")
+        target = module.module if isinstance(module, Engine) else module
+        load_full_weights(target, state_dict, strict, self.is_global_zero)
+        if isinstance(module, Engine):
+            module.after_load()
 
     @staticmethod
     def _engine_in(state: dict) -> Engine:
