@@ -36,18 +36,23 @@ engine, *_ = infinity.initialize(model, config={
                           "offload_param": dict(off, max_in_cpu=0), "offload_optimizer": dict(off, buffer_count=4)}})
 with open("/proc/self/status") as f:
     built = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
-ids = torch.randint(0, 131072, (1, tokens), generator=torch.Generator().manual_seed(0))
+vocab, forward = 131072, lambda ids: engine(input_ids=ids, labels=ids).loss
+record = {"tokens": tokens, "chunked": chunked, "rss_built": built}
+"""
+
+# One timed step, then peak RSS: the end of both children (each sets vocab, forward, record).
+_STEP = r"""ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
 t0 = time.perf_counter()
-loss = engine(input_ids=ids, labels=ids).loss
+loss = forward(ids)
 engine.backward(loss)
 engine.step()
 step = time.perf_counter() - t0
 engine.close()
 with open("/proc/self/status") as f:
     hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
-print(json.dumps({"tokens": tokens, "chunked": chunked, "peak_rss": hwm, "rss_built": built, "step_s": step,
-                  "loss": loss.item()}))
+print(json.dumps({**record, "peak_rss": hwm, "step_s": step, "loss": loss.item()}))
 """
+CHILD += _STEP
 
 
 # `infinity finetune`'s step with its built-in config on infinity's Llama of a preset's shapes (a
@@ -69,18 +74,9 @@ model.gradient_checkpointing = checkpointing
 config, _ = _default_config(nvme, "nvme", 1, 1e-4, model, checkpointing=checkpointing)
 config["chunked_loss"] = {"enabled": chunked}
 engine, *_ = infinity.initialize(model=model, config=config)
-ids = torch.randint(0, cfg["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(0))
-t0 = time.perf_counter()
-loss = engine(ids, ids)
-engine.backward(loss)
-engine.step()
-step = time.perf_counter() - t0
-engine.close()
-with open("/proc/self/status") as f:
-    hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
-print(json.dumps({"tokens": tokens, "checkpointing": checkpointing, "chunked": chunked, "peak_rss": hwm,
-                  "step_s": step, "loss": loss.item(), "cfg": cfg}))
-"""
+vocab, forward = cfg["vocab_size"], lambda ids: engine(ids, ids)
+record = {"tokens": tokens, "checkpointing": checkpointing, "chunked": chunked, "cfg": cfg}
+""" + _STEP
 
 
 def predicted(cfg: dict, tokens: int, checkpointing: bool, chunked: bool) -> int:

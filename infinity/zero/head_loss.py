@@ -103,6 +103,10 @@ class ScoredTokens:
                     gw[r] += parts[1]
         return gw
 
+    def input_grad(self) -> torch.Tensor:
+        """A zero fp32 gradient for the scored hidden states, which each block's backward adds to."""
+        return torch.zeros(self.h.shape, dtype=torch.float32, device=self.h.device)
+
     def loss(self) -> torch.Tensor:
         return (self.lse - self.target).sum() / self.denominator
 
@@ -129,7 +133,7 @@ class TileLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         tokens = ctx.tokens
-        grad_h = torch.zeros(tokens.h.shape, dtype=torch.float32, device=tokens.h.device)
+        grad_h = tokens.input_grad()
         weight = ctx.tile.weight  # gathered again by the tile's hooks for this backward
         gw = tokens.backward(weight, ctx.row_start, grad, grad_h, ctx.needs_input_grad[1])
         return (grad_h.to(tokens.h.dtype), None if gw is None else gw.to(weight.dtype), None, None, None)
@@ -163,7 +167,7 @@ class TiedLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         tokens = ctx.tokens
-        grad_h = torch.zeros(tokens.h.shape, dtype=torch.float32, device=tokens.h.device)
+        grad_h = tokens.input_grad()
         for t in ctx.tiles:
             with GatheredParameters([t.weight]):
                 gw = tokens.backward(t.weight, t.row_start, grad, grad_h, t.weight.requires_grad)
