@@ -16,6 +16,9 @@ import tempfile
 import pytest
 import torch
 
+# Other projects' suites, run in their own pytest by test_vendored_suites.py, not collected here.
+collect_ignore = ["vendored"]
+
 os.environ.setdefault("INFINITY_DEVICE", "async-test")
 # An engine without an aio section measures its disk once ([Note: the disk tunes itself] in
 # infinity/io/autotune.py): here on 1 MiB transfers, cached for this run only (children inherit it).

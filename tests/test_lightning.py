@@ -454,7 +454,7 @@ def test_save_full_weights_writes_one_file_and_load_full_weights_reads_it(tmp_pa
 def test_a_single_file_without_load_full_weights_says_how_to_load_it(tmp_path):
     _, trainer = _fit(InfinityStrategy(stage=3, save_full_weights=True), ours=True)
     trainer.save_checkpoint(tmp_path / "full.ckpt")
-    with pytest.raises(ValueError, match="load_full_weights=True"):
+    with pytest.raises(FileNotFoundError, match="load_full_weights=True"):
         trainer.test(ckpt_path=str(tmp_path / "full.ckpt"), dataloaders=_data(), verbose=False)
 
 
@@ -598,7 +598,7 @@ def test_pl_deepspeed_config_path_is_the_strategys_config(tmp_path, monkeypatch)
     model, trainer = _fit("infinity", ours=True, gradient_clip_val=None)  # the registered name, through Trainer
     assert trainer.strategy.config["gradient_clipping"] == 0.5 and trainer.strategy.engine.gradient_clipping() == 0.5
     monkeypatch.setenv("PL_DEEPSPEED_CONFIG_PATH", str(tmp_path / "missing.json"))
-    with pytest.raises(FileNotFoundError, match="PL_DEEPSPEED_CONFIG_PATH: no DeepSpeed config file"):
+    with pytest.raises(FileNotFoundError, match="PL_DEEPSPEED_CONFIG_PATH: You passed in a path to a DeepSpeed config but the path does not exist"):
         InfinityStrategy()
 
 

@@ -10,6 +10,13 @@ import os
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+
+class ConfigFileNotFoundError(FileNotFoundError, MisconfigurationException):
+    """A config path that names no file: a FileNotFoundError, and the MisconfigurationException
+    Lightning's DeepSpeedStrategy raises for it."""
+
 
 # DeepSpeedStrategy's arguments that write its DeepSpeed config, with their defaults (Lightning 2.6).
 OPTIONS: dict[str, Any] = {
@@ -74,12 +81,23 @@ def _user_config(config: Any, options: dict) -> dict:
                          "(DeepSpeedStrategy ignores such arguments): set it in the config")
     if isinstance(config, (str, os.PathLike)):
         if not os.path.isfile(config):
-            raise FileNotFoundError(f"{where.split('=')[0]}: no DeepSpeed config file at {config}")
+            raise ConfigFileNotFoundError(f"{where.split('=')[0]}: You passed in a path to a DeepSpeed config but the "
+                                          f"path does not exist: {config}")
         with open(config, encoding="utf-8") as f:
             config = json.load(f)
     if not isinstance(config, dict):
         raise TypeError(f"config: expected a DeepSpeed config dict or a JSON file's path, got {type(config).__name__}")
     return copy.deepcopy(config)
+
+
+def _check_device_indices(devices: list[torch.device] | None) -> None:
+    """Each process drives the accelerator its local rank names: a selection of CUDA devices
+    other than 0..N-1 would put two ranks' tensors where neither expects them."""
+    indices = [d.index for d in devices or () if d.type == "cuda"]
+    if indices and indices != list(range(len(indices))):
+        raise RuntimeError(f"devices: The selected device indices {indices!r} don't match the local rank values of "
+                           "processes (each process drives the device its local rank names); to run on other "
+                           f"GPUs, set CUDA_VISIBLE_DEVICES={','.join(map(str, indices))} instead")
 
 
 def _split_options(kwargs: dict) -> tuple[dict, dict]:

@@ -19,8 +19,10 @@ from torch import nn
 
 import infinity
 from infinity.engine import Engine
-from infinity.integrations.lightning.checkpoints import _TAG, _checkpoint_location
-from infinity.integrations.lightning.config import _add_precision, _register, _split_options, _user_config, _zero_stage
+from infinity.integrations.lightning.checkpoints import (_TAG, _checkpoint_above, _checkpoint_location, _checkpoint_tag,
+                                                         _is_checkpoint_dir, _not_a_checkpoint)
+from infinity.integrations.lightning.config import (_add_precision, _check_device_indices, _register, _split_options,
+                                                    _user_config, _zero_stage)
 from infinity.integrations.lightning.precision import InfinityFabricPrecision, _precision_name
 from infinity.integrations.lightning.single_file import load_full_weights
 from infinity.integrations.lightning.trainer import _engine_of
@@ -31,6 +33,11 @@ log = logging.getLogger("infinity")
 DEEPSPEED_STATE_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "lr_scheduler",
                         "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
                         "dp_world_size", "mp_world_size", "ds_config", "ds_version"}
+
+
+_CLIPPING = ("gradient clipping: the engine clips by the global norm in its step, as DeepSpeed handles gradient "
+             "clipping automatically within the optimizer. Make sure to set the `gradient_clipping` value in your "
+             "Config.")
 
 
 class InfinityFabricStrategy(FabricDDPStrategy):
@@ -54,7 +61,6 @@ class InfinityFabricStrategy(FabricDDPStrategy):
                          process_group_backend=process_group_backend, timeout=timeout)
         options, self._fp16 = _split_options(options)
         self.config = _user_config(config, options)
-        self.config.setdefault("train_micro_batch_size_per_gpu", 1)
         self.remote_device = remote_device
         self.exclude_frozen_parameters = exclude_frozen_parameters
         log.setLevel(logging_level)
@@ -85,6 +91,7 @@ class InfinityFabricStrategy(FabricDDPStrategy):
 
     def _engine_config(self, training: bool) -> dict:
         config = copy.deepcopy(self.config)
+        config.setdefault("train_micro_batch_size_per_gpu", 1)  # Fabric has no loader to read it from
         _add_precision(config, self.precision.precision, self._fp16)
         if not training:
             config.pop("optimizer", None)
@@ -110,8 +117,13 @@ class InfinityFabricStrategy(FabricDDPStrategy):
         return self._engine
 
     def setup_optimizer(self, optimizer: Any) -> Any:
-        raise NotImplementedError("InfinityFabricStrategy builds the optimizer with the engine: "
+        raise NotImplementedError("InfinityFabricStrategy does not support setting up the module and optimizer(s) "
+                                  "independently: the engine takes the optimizer with the model, "
                                   "fabric.setup(model, optimizer)")
+
+    def _setup_distributed(self) -> None:
+        _check_device_indices(self.parallel_devices)
+        super()._setup_distributed()
 
     def module_to_device(self, module: nn.Module) -> None:
         """The engine places the parameters it partitions."""
@@ -144,16 +156,21 @@ class InfinityFabricStrategy(FabricDDPStrategy):
         return self.engine.step()
 
     def clip_gradients_norm(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise NotImplementedError("the engine clips by the global norm itself: set gradient_clipping in the config")
+        raise NotImplementedError(_CLIPPING)
 
     def clip_gradients_value(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("the engine clips by the global norm only: set gradient_clipping in the config")
+        raise NotImplementedError(_CLIPPING)
 
     def save_checkpoint(self, path: Any, state: dict, storage_options: Any = None, filter: Any = None) -> None:
-        if storage_options is not None or filter is not None:
-            raise TypeError("storage_options / filter: InfinityFabricStrategy saves through the engine")
+        if storage_options is not None:
+            raise TypeError("storage_options: `DeepSpeedStrategy.save_checkpoint(..., storage_options=...)` is not "
+                            "supported, and neither is InfinityFabricStrategy's: the engine writes its checkpoint "
+                            "itself, without a CheckpointIO plugin")
+        if filter is not None:
+            raise TypeError("filter: InfinityFabricStrategy manages the state serialization internally (the engine "
+                            "writes the model and optimizer a unit at a time); save without a filter")
         engine = self._engine_in(state)
-        path = os.fspath(self.broadcast(path))
+        path = self.broadcast(path)
         rest = {k: v for k, v in state.items() if v is not engine and v is not engine.optimizer}
         colliding = sorted(set(rest) & DEEPSPEED_STATE_KEYS)
         if colliding:
@@ -167,21 +184,27 @@ class InfinityFabricStrategy(FabricDDPStrategy):
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
                         weights_only: bool | None = None) -> dict[str, Any]:
         if isinstance(state, torch.optim.Optimizer):
-            raise NotImplementedError("state: an optimizer's state from a file cannot be loaded into the engine's "
-                                      "offloaded optimizer; load an infinity checkpoint directory with fabric.load(path, "
-                                      "{'model': model, 'optimizer': optimizer})")
-        if isinstance(state, (nn.Module, Engine)) or (state and os.path.isfile(os.fspath(path))):
+            if self._engine is not None and state is self._engine.optimizer:
+                raise NotImplementedError("state: an optimizer's state from a file cannot be loaded into the engine's "
+                                          "offloaded optimizer; load an infinity checkpoint directory with "
+                                          "fabric.load(path, {'model': model, 'optimizer': optimizer})")
+            # an optimizer of Fabric's own (not the engine's): its state dict loads as without infinity
+            return super().load_checkpoint(self.broadcast(path), state, strict, weights_only)
+        saved_here = _is_checkpoint_dir(path)
+        plain_file = os.path.isfile(os.fspath(path)) and _checkpoint_above(path) is None
+        if isinstance(state, (nn.Module, Engine)) or (state and plain_file):
             return self._load_file(os.fspath(self.broadcast(path)), state, strict, weights_only)
         if not state:
-            raise ValueError("state: expected a dict holding the model fabric.setup returned (and its optimizer "
-                             "to load the optimizer state)")
+            raise ValueError(f"state: Got DeepSpeedStrategy.load_checkpoint(..., state={state!r}) (here "
+                             "InfinityFabricStrategy's): the engine loads into the model fabric.setup returned, so "
+                             "pass a dict holding it (and its optimizer to load the optimizer state)")
+        load_dir, tag = (path, _checkpoint_tag(path)) if saved_here else _checkpoint_location(path)
         engine = self._engine_in(state)
-        load_dir, tag = _checkpoint_location(path)
         with_optimizer = any(v is engine.optimizer for v in state.values())
         _, client_state = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=with_optimizer,
                                                  load_lr_scheduler_states=False, load_module_strict=strict)
         if client_state is None:
-            raise FileNotFoundError(f"{path}: no checkpoint to load")
+            raise _not_a_checkpoint(path)
         keys = set(client_state) & {k for k, v in state.items() if v is not engine and v is not engine.optimizer}
         _move_state_into(source=client_state, destination=state, keys=keys)
         return client_state
@@ -226,9 +249,15 @@ class InfinityFabricStrategy(FabricDDPStrategy):
 
     @staticmethod
     def _engine_in(state: dict) -> Engine:
+        """The one engine among the state's values (or inside a module among them)."""
         engines = [v for v in state.values() if isinstance(v, Engine)]
-        if len(engines) != 1:
-            raise ValueError(f"state: expected exactly one model set up by fabric.setup, found {len(engines)}")
+        engines += [m for v in state.values() if isinstance(v, nn.Module) for m in v.modules() if isinstance(m, Engine)]
+        if not engines:
+            raise ValueError("state: Could not find a DeepSpeed model in the provided checkpoint state: expected "
+                             "the model fabric.setup returned (an infinity Engine) among its values")
+        if len(engines) > 1:
+            raise ValueError(f"state: Found multiple DeepSpeed engine modules in the given state ({len(engines)}): "
+                             "save or load one model set up by fabric.setup at a time")
         return engines[0]
 
     @classmethod

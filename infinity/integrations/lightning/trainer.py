@@ -65,9 +65,9 @@ from torch import nn
 import infinity
 from infinity.offload import activations
 from infinity.engine import Engine
-from infinity.integrations.lightning.checkpoints import _TAG, _checkpoint_location
-from infinity.integrations.lightning.config import (_add_precision, _config_dtype, _register, _split_options,
-                                                    _user_config, _zero_stage)
+from infinity.integrations.lightning.checkpoints import _TAG, _checkpoint_location, _not_a_checkpoint
+from infinity.integrations.lightning.config import (_add_precision, _check_device_indices, _config_dtype, _register,
+                                                    _split_options, _user_config, _zero_stage)
 from infinity.integrations.lightning.precision import InfinityPrecision, _precision_name
 from infinity.integrations.lightning.single_file import load_full_weights, save_full_weights
 from infinity.zero.registry import owner_of
@@ -170,6 +170,10 @@ class InfinityStrategy(DDPStrategy):
         return False  # the engine restores them
 
     # ---- set-up -------------------------------------------------------------------------------
+
+    def setup_distributed(self) -> None:
+        _check_device_indices(self.parallel_devices)
+        super().setup_distributed()
 
     def setup(self, trainer: Any) -> None:
         self.accelerator.setup(trainer)
@@ -319,7 +323,7 @@ class InfinityStrategy(DDPStrategy):
                                                       load_lr_scheduler_states=False,
                                                       load_module_strict=self.lightning_module.strict_loading)
         if client_state is None:
-            raise FileNotFoundError(f"{checkpoint_path}: no checkpoint to load")
+            raise _not_a_checkpoint(checkpoint_path)
         self._refit_without_state = False
         return client_state
 
