@@ -722,11 +722,11 @@ def test_rollback_subgroup_undoes_the_last_step(adamw_mode):
 def test_rollback_subgroup_refuses_what_it_cannot_undo():
     ours = DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(1))], lr=1e-2)
     flat = torch.randn(16)
-    with pytest.raises(RuntimeError, match="sub_group_id 3 has no optimizer state"):
+    with pytest.raises(RuntimeError, match="Cannot rollback optimizer state for sub_group_id 3"):
         _superoffload_call(ours, "rollback_subgroup", 3, flat, torch.ones(16))
     _superoffload_call(ours, "step_subgroup", 3, flat, torch.ones(16))
     _superoffload_call(ours, "rollback_subgroup", 3, flat, torch.ones(16))
-    with pytest.raises(RuntimeError, match="sub_group_id 3 has step count 0"):
+    with pytest.raises(RuntimeError, match="Cannot rollback sub_group_id 3: step count is 0"):
         _superoffload_call(ours, "rollback_subgroup", 3, flat, torch.ones(16))
     two = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))]
     for p in two:

@@ -12,8 +12,10 @@ Each submodule is a thin adapter over infinity (the engine never imports them): 
 `init_distributed`, `add_config_arguments`, `DeepSpeedEngine` (infinity.Engine), `zero`
 (`Init`, `GatheredParameters`, `ZeroParamStatus`), `comm` (torch.distributed),
 `accelerator.get_accelerator()` (infinity's device choice), `runtime.lr_schedules`,
-`ops.adam` (`DeepSpeedCPUAdam`, `FusedAdam`), `ops.aio`, `utils` (the `safe_get_full_*`
-helpers, `logger`), `checkpoint.utils`, `moe.utils`, `checkpointing` (activation checkpointing).
+`runtime.config` (`DeepSpeedConfig`, read-only, over infinity's parser), `runtime.zero.config`,
+`ops.adam` (`DeepSpeedCPUAdam`, `FusedAdam`), `ops.aio`, `ops.op_builder` (the builders of the
+ops infinity compiles), `git_version_info`, `utils` (the `safe_get_full_*` helpers, `logger`),
+`checkpoint.utils`, `moe.utils`, `checkpointing` (activation checkpointing).
 What DeepSpeed has and this package does not is missing here too (an ImportError or
 AttributeError), never a stand-in that does nothing.
 
@@ -39,11 +41,14 @@ __git_hash__ = None
 __git_branch__ = None
 __version_major__, __version_minor__, __version_patch__ = (int(part) for part in DEEPSPEED_VERSION.split("."))
 
-_SUBMODULES = ("checkpoint", "checkpointing", "comm", "moe", "ops", "runtime", "utils", "accelerator")
+_SUBMODULES = ("checkpoint", "checkpointing", "comm", "moe", "ops", "runtime", "utils", "accelerator",
+               "git_version_info")
 _NAMES = {"get_accelerator": ("infinity.deepspeed.accelerator", "get_accelerator"),
           "zero": ("infinity.deepspeed.runtime", "zero"),
           "log_dist": ("infinity.deepspeed.utils", "log_dist"), "logger": ("infinity.deepspeed.utils", "logger"),
           "DeepSpeedEngine": ("infinity.engine", "Engine"),
+          "DeepSpeedConfig": ("infinity.deepspeed.runtime.config", "DeepSpeedConfig"),
+          "DeepSpeedConfigError": ("infinity.deepspeed.runtime.config", "DeepSpeedConfigError"),
           "init_distributed": ("infinity.deepspeed._compat", "init_distributed"),
           "add_config_arguments": ("infinity.deepspeed._compat", "add_config_arguments")}
 
@@ -77,6 +82,6 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_SUBMODULES) | set(_NAMES))
 
 
-__all__ = ["DeepSpeedEngine", "__version__", "add_config_arguments", "checkpoint", "checkpointing", "comm",
+__all__ = ["DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedEngine", "__version__", "add_config_arguments", "checkpoint", "checkpointing", "comm",
            "get_accelerator", "init_distributed", "initialize", "log_dist", "logger", "moe", "ops", "runtime", "utils",
            "version", "zero"]

@@ -11,6 +11,7 @@ gloo for collectives, memory counters 0 (torch keeps none for host allocations) 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 
 from infinity.device import device_kind
 
-__all__ = ["InfinityAccelerator", "get_accelerator"]
+__all__ = ["InfinityAccelerator", "get_accelerator", "is_current_accelerator_supported"]
 
 
 class InfinityAccelerator:
@@ -91,6 +92,19 @@ class InfinityAccelerator:
     def supported_dtypes(self) -> list[torch.dtype]:
         dtypes = [torch.float32, torch.float16]
         return dtypes + [torch.bfloat16] if self.is_bf16_supported() else dtypes
+
+    # ---- tensor constructors (DeepSpeed's XTensor properties: torch.tensor on this device) -----
+
+    def _tensor_of(self, dtype: torch.dtype):
+        return functools.partial(torch.tensor, dtype=dtype, device=self._name)
+
+    BFloat16Tensor = property(lambda self: self._tensor_of(torch.bfloat16))
+    ByteTensor = property(lambda self: self._tensor_of(torch.uint8))
+    DoubleTensor = property(lambda self: self._tensor_of(torch.float64))
+    FloatTensor = property(lambda self: self._tensor_of(torch.float32))
+    HalfTensor = property(lambda self: self._tensor_of(torch.float16))
+    IntTensor = property(lambda self: self._tensor_of(torch.int32))
+    LongTensor = property(lambda self: self._tensor_of(torch.int64))
 
     # ---- random numbers ---------------------------------------------------------------------
 
@@ -204,3 +218,9 @@ def get_accelerator() -> InfinityAccelerator:
     if _accelerator is None:
         _accelerator = InfinityAccelerator("cuda" if device_kind() == "cuda" else "cpu")
     return _accelerator
+
+
+def is_current_accelerator_supported() -> bool:
+    """Whether this process's accelerator is one DeepSpeed supports: always, as infinity runs on
+    the two it knows, CUDA and the CPU."""
+    return get_accelerator().device_name() in ("cuda", "cpu")

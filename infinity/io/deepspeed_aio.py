@@ -167,6 +167,8 @@ class AsyncIOBuilder:
     """`AsyncIOBuilder().load().aio_handle(...)`, as DeepSpeed's op builder; nothing is compiled
     at run time (the extension was built by pip install)."""
 
+    NAME = "async_io"
+
     def is_compatible(self, verbose: bool = False) -> bool:
         return True
 

@@ -130,11 +130,11 @@ class DeepSpeedCPUAdam(CPUAdam):
                 loss = closure()
         state = self.state[sub_group_id] if sub_group_id in self.state else None
         if not state:
-            raise RuntimeError(f"DeepSpeedCPUAdam.rollback_subgroup: sub_group_id {sub_group_id} "
-                               "has no optimizer state (no step_subgroup ran for it)")
+            raise RuntimeError(f"DeepSpeedCPUAdam.rollback_subgroup: Cannot rollback optimizer state for "
+                               f"sub_group_id {sub_group_id}: it has none (no step_subgroup ran for it)")
         if int(state["step"]) <= 0:
-            raise RuntimeError(f"DeepSpeedCPUAdam.rollback_subgroup: sub_group_id {sub_group_id} "
-                               f"has step count {int(state['step'])}, nothing to roll back")
+            raise RuntimeError(f"DeepSpeedCPUAdam.rollback_subgroup: Cannot rollback sub_group_id {sub_group_id}: "
+                               f"step count is {int(state['step'])}, nothing to roll back")
         group, p = self._subgroup_param("rollback_subgroup", sub_group_id)
         target = state.get("master", p)
         moments = [state["exp_avg"], state["exp_avg_sq"]]

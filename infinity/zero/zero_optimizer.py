@@ -76,6 +76,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._shards = None  # the engine's optimizer tier and units, for state_dict()
         self._run_pending: Callable[[], None] = lambda: None  # until bound: nothing waits
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The client optimizer given to `initialize` (DeepSpeed's ZeRO optimizers expose the
+        optimizer they wrap as `.optimizer`, and integrations read it): its param groups are this
+        optimizer's, so its lr is the one the update reads. A config-built optimizer wraps none
+        (the engine runs its update rule over the shards itself), and then this is an
+        AttributeError, as for any object without the attribute."""
+        if self._user_optimizer is None:
+            raise AttributeError("optimizer: this engine's optimizer was built from the config's optimizer section "
+                                 "and wraps no torch optimizer (the update runs over the shards in engine.step()); "
+                                 "its param groups are engine.optimizer.param_groups")
+        return self._user_optimizer
+
     def bind(self, tier, units, set_params, run_pending: Callable[[], None]) -> None:
         """The optimizer tier (infinity.offload.protocols.OptimizerTier) holding the state of `units`,
         `set_params(unit, master)`, which makes a unit's compute-dtype values the masters', and

@@ -1,0 +1,27 @@
+"""`deepspeed.runtime.utils.see_memory_usage`: one log line of this process's memory (the
+accelerator's allocated / reserved bytes on CUDA, and the host's resident set), as DeepSpeed's
+logs it when `force` is true."""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+
+__all__ = ["see_memory_usage"]
+
+log = logging.getLogger("infinity")
+
+
+def see_memory_usage(message: str, force: bool = False) -> None:
+    if not force:
+        return
+    gib = 1 << 30
+    parts = [message]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        parts.append(f"MA {torch.cuda.memory_allocated() / gib:.2f} GB, Max_MA {torch.cuda.max_memory_allocated() / gib:.2f} GB, "
+                     f"CA {torch.cuda.memory_reserved() / gib:.2f} GB")
+    parts.append(f"CPU RSS {psutil.Process().memory_info().rss / gib:.2f} GB, "
+                 f"used {psutil.virtual_memory().percent:.1f}% of host memory")
+    log.info(" | ".join(parts))
