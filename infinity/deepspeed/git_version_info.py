@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from infinity.deepspeed._alias import DEEPSPEED_VERSION
+from infinity.device import nccl_version
 
 __all__ = ["compatible_ops", "git_branch", "git_hash", "installed_ops", "torch_info", "version"]
 
@@ -20,18 +21,8 @@ def _major_minor(text: str | None) -> str:
     return ".".join((text or "0.0").split("+")[0].split(".")[:2])
 
 
-def _nccl() -> str:
-    if not torch.cuda.is_available():
-        return "0.0"
-    try:
-        major, minor, *_ = torch.cuda.nccl.version()
-    except (AttributeError, RuntimeError):
-        return "0.0"
-    return f"{major}.{minor}"
-
-
 torch_info = {"version": _major_minor(torch.__version__), "bf16_support": True,
-              "cuda_version": _major_minor(torch.version.cuda), "nccl_version": _nccl(), "hip_version": "0.0"}
+              "cuda_version": _major_minor(torch.version.cuda), "nccl_version": nccl_version(), "hip_version": "0.0"}
 
 
 def _ops() -> dict[str, bool]:

@@ -44,7 +44,7 @@ from infinity.io.memory import use_host_registration
 # device layer's] in infinity/io/memory.py).
 use_host_registration(CudaHostRegistration())
 
-__all__ = ["AsyncTestDevice", "CpuDevice", "Device", "InFlight", "device_kind", "make_device"]
+__all__ = ["AsyncTestDevice", "CpuDevice", "Device", "InFlight", "device_kind", "make_device", "nccl_version"]
 
 KINDS = ("cuda", "cpu", "async-test")
 
@@ -85,3 +85,14 @@ def gpu_memory() -> list[int]:
     if not torch.cuda.is_available():
         return []
     return [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+
+
+def nccl_version() -> str:
+    """NCCL's "major.minor" as torch was built with it, "0.0" without CUDA (DeepSpeed's torch_info)."""
+    if not torch.cuda.is_available():
+        return "0.0"
+    try:
+        major, minor, *_ = torch.cuda.nccl.version()
+    except (AttributeError, RuntimeError):
+        return "0.0"
+    return f"{major}.{minor}"

@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 
 import psutil
-import torch
+
+from infinity.deepspeed.accelerator import get_accelerator
 
 __all__ = ["see_memory_usage"]
 
@@ -19,9 +20,11 @@ def see_memory_usage(message: str, force: bool = False) -> None:
         return
     gib = 1 << 30
     parts = [message]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        parts.append(f"MA {torch.cuda.memory_allocated() / gib:.2f} GB, Max_MA {torch.cuda.max_memory_allocated() / gib:.2f} GB, "
-                     f"CA {torch.cuda.memory_reserved() / gib:.2f} GB")
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        parts.append(f"MA {accelerator.memory_allocated() / gib:.2f} GB, "
+                     f"Max_MA {accelerator.max_memory_allocated() / gib:.2f} GB, "
+                     f"CA {accelerator.memory_reserved() / gib:.2f} GB")
     parts.append(f"CPU RSS {psutil.Process().memory_info().rss / gib:.2f} GB, "
                  f"used {psutil.virtual_memory().percent:.1f}% of host memory")
     log.info(" | ".join(parts))
