@@ -9,6 +9,7 @@ import json
 import os
 import socket
 import sys
+import time
 from collections import OrderedDict
 
 import pytest
@@ -243,3 +244,97 @@ def test_a_failing_rank_fails_the_launch(tmp_path):
     script.write_text("import sys\nsys.exit(3)\n")
     rc = infinity_main(["run", "--num_gpus", "1", "--master_port", str(_free_port()), str(script)])
     assert rc != 0
+
+
+# ---- two nodes of two slots, simulated on this host ---------------------------------------------------
+
+# ZeRO-3 with parameters and optimizer state on NVMe, clipping 1.0, 3 steps of a small MLP: each rank
+# records its losses and, at the end, the full weights.
+TRAINER = """
+import json, os, sys
+import torch, torch.distributed as dist
+from torch import nn
+import deepspeed
+
+deepspeed.init_distributed()
+rank = dist.get_rank()
+if os.environ.get("INFINITY_TEST_FAIL_RANK") == str(rank):
+    sys.exit(7)  # the other ranks are left waiting for it in their first collective
+out, nvme = os.environ["INFINITY_TEST_OUT"], os.path.join(os.environ["INFINITY_TEST_OUT"], f"nvme{rank}")
+os.makedirs(nvme, exist_ok=True)
+config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                "offload_param": {"device": "nvme", "nvme_path": nvme},
+                                "offload_optimizer": {"device": "nvme", "nvme_path": nvme}}}
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8), nn.GELU(), nn.Linear(8, 2))
+engine, _, _, _ = deepspeed.initialize(model=model, config=config)
+losses = []
+for step in range(3):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x, y = torch.randn(2, 8, generator=g), torch.randint(0, 2, (2,), generator=g)
+    loss = nn.functional.cross_entropy(engine(x.to(engine.device)), y.to(engine.device))
+    engine.backward(loss)
+    engine.step()
+    losses.append(loss.item())
+with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+    weights = {n: p.detach().cpu().flatten().tolist() for n, p in engine.module.named_parameters()}
+with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    json.dump({"losses": losses, "weights": weights, "norm": float(engine.get_global_grad_norm()),
+               "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "CROSS_RANK")}}, f)
+engine.close()
+"""
+
+
+def _two_node_launch(tmp_path, monkeypatch, out, **env) -> int:
+    """`infinity run --hostfile` over two hosts of two slots, both this machine (the ssh stand-in)."""
+    ssh = tmp_path / "fake_ssh"
+    ssh.write_text(FAKE_SSH)
+    ssh.chmod(0o755)
+    (tmp_path / "hosts").write_text("node-a slots=2\nnode-b slots=2\n")
+    monkeypatch.setenv("INFINITY_SSH", str(ssh))
+    monkeypatch.setenv("FAKE_SSH_LOG", str(tmp_path / "ssh.log"))
+    monkeypatch.setenv("INFINITY_TEST_OUT", str(out))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return infinity_main(["run", "--hostfile", "hosts", "--master_addr", "127.0.0.1", "--master_port",
+                          str(_free_port()), "job.py"])
+
+
+@pytest.mark.slow
+def test_two_nodes_of_two_slots_train_as_one_node_of_four(tmp_path, monkeypatch):
+    """The same ZeRO-3 NVMe job on 4 ranks, started as two nodes of two slots (torchrun on each
+    over the ssh stand-in, ranks numbered node by node) and as one node of four: every rank's
+    losses, gradient norm and final weights are the same, bit for bit."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "job.py").write_text(TRAINER)
+    two, one = tmp_path / "two_nodes", tmp_path / "one_node"
+    two.mkdir()
+    one.mkdir()
+    assert _two_node_launch(tmp_path, monkeypatch, two) == 0
+    assert sorted((tmp_path / "ssh.log").read_text().split()) == ["node-a", "node-b"]
+    monkeypatch.setenv("INFINITY_TEST_OUT", str(one))
+    assert infinity_main(["run", "--num_gpus", "4", "--master_port", str(_free_port()), "job.py"]) == 0
+    nodes, single = _ranks(two), _ranks(one)
+    assert len(nodes) == len(single) == 4
+    assert [(g["env"]["RANK"], g["env"]["CROSS_RANK"], g["env"]["LOCAL_RANK"]) for g in nodes] == \
+        [("0", "0", "0"), ("1", "0", "1"), ("2", "1", "0"), ("3", "1", "1")]
+    for a, b in zip(nodes, single):
+        assert a["losses"] == b["losses"] and a["norm"] == b["norm"] and a["weights"] == b["weights"]
+    assert nodes[0]["losses"] != nodes[1]["losses"]  # the ranks saw different data
+
+
+@pytest.mark.slow
+def test_a_failed_node_stops_the_other_with_its_status(tmp_path, monkeypatch, capfd):
+    """Rank 3 (node-b's second slot) exits with status 7 right after joining: node-b's torchrun
+    fails (status 1, torchrun's for a failed rank) and the launch returns that status, naming
+    the node, and stops node-a, whose ranks would otherwise wait for rank 3 in initialize."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "job.py").write_text(TRAINER)
+    start = time.monotonic()
+    assert _two_node_launch(tmp_path, monkeypatch, tmp_path, INFINITY_TEST_FAIL_RANK="3") == 1
+    assert time.monotonic() - start < 120
+    err = capfd.readouterr().err
+    assert "exitcode: 7" in err and "node 1 (node-b) exited with status 1; stopping the other nodes" in err
+    assert not list(tmp_path.glob("rank*.json"))
