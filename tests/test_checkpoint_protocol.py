@@ -65,6 +65,9 @@ class FakeEngine:
     def flush_shards(self) -> None:
         self.events.append("flush")
 
+    def optimizer_kinds(self) -> tuple[str, ...]:
+        return KINDS
+
     def read_optimizer_shard(self, unit: Unit, kind: str) -> torch.Tensor:
         return self.optim[unit.index, kind]
 

@@ -478,6 +478,36 @@ def test_resume_is_exact_in_each_format(name, fmt, tmp_path):
                                                                                         tmp_path / "nvme"))[0], tmp_path)
 
 
+@pytest.mark.parametrize("name,kept,absent", [("Lion", "exp_avg", "exp_avg_sq"), ("Adagrad", "exp_avg_sq", "exp_avg")])
+def test_a_checkpoint_holds_only_the_moments_its_optimizer_keeps(name, kept, absent, tmp_path):
+    """Lion keeps one moment and Adagrad another: the checkpoint's files hold the master and that
+    moment (no file of zeros for the other), resume is exact, and a checkpoint whose manifest
+    predates `optim_kinds` (three kinds listed by default) is refused only if a file is missing."""
+    import json
+    import os
+
+    from infinity.checkpoint.layout import MANIFEST, MANIFEST_CRC, manifest_crc
+
+    (tmp_path / "nvme").mkdir()
+    _resumes_exactly(lambda: infinity.initialize(model=_mlp(), config=_optimizer_config(name, "fp32", "nvme",
+                                                                                        tmp_path / "nvme"))[0], tmp_path)
+    latest = (tmp_path / "ckpt" / "latest").read_text().strip()
+    tag_dir = tmp_path / "ckpt" / latest
+    names = os.listdir(tag_dir)
+    assert any(n.endswith(f".{kept}.bin") for n in names) and any(n.endswith(".master.bin") for n in names)
+    assert not any(n.endswith(f".{absent}.bin") for n in names), names
+    manifest = json.loads((tag_dir / MANIFEST).read_text())
+    assert manifest["optim_kinds"] == ["master", kept]
+    # the same manifest without the key reads as an older checkpoint's: all three kinds expected
+    del manifest["optim_kinds"]
+    manifest[MANIFEST_CRC] = manifest_crc({k: v for k, v in manifest.items() if k != MANIFEST_CRC})
+    (tag_dir / MANIFEST).write_text(json.dumps(manifest))
+    engine = infinity.initialize(model=_mlp(), config=_optimizer_config(name, "fp32", "nvme", tmp_path / "nvme"))[0]
+    with pytest.raises(Exception, match=f"lists no extent of unit 0 in rank00000.{absent}.bin"):
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+    engine.close()
+
+
 # ---- two ranks ---------------------------------------------------------------------------------------
 
 _TWO_RANK_CASES = {  # name -> (config optimizer type, moment format, offload_optimizer, zero extras)

@@ -4,8 +4,10 @@
     save_dir/latest                    the newest tag, one line (replaced atomically)
     save_dir/<tag>/manifest.json       layout, shapes, dtypes, world size, a checksum per extent
     save_dir/<tag>/rank00000.master.bin      rank 0's fp32 masters of every unit, end to end
-    save_dir/<tag>/rank00000.exp_avg.bin     ... its exp_avg
-    save_dir/<tag>/rank00000.exp_avg_sq.bin  ... its exp_avg_sq
+    save_dir/<tag>/rank00000.exp_avg.bin     ... its exp_avg      } the moments the optimizer keeps
+    save_dir/<tag>/rank00000.exp_avg_sq.bin  ... its exp_avg_sq   } (manifest "optim_kinds": Lion
+                                             exp_avg alone, Adagrad exp_avg_sq, Adam both); a moment
+                                             not saved loads as zeros
     save_dir/<tag>/rank00000.frozen.bin      its shards of frozen parameters, compute dtype
     save_dir/<tag>/rank00000.state.pt        counters, optimizer groups, scheduler, loss scale,
                                              RNG states, client_state (torch.load weights_only)
@@ -119,6 +121,8 @@ class Manifest:
         self.units: list[dict] = data["units"]
         self.files: dict[str, dict] = data["files"]
         self.tiles: dict[str, list[str]] = data.get("tiles", {})  # weight name -> its tiles' names, in order
+        # the optimizer state kinds saved (the rule's); checkpoints before "optim_kinds" hold all three
+        self.optim_kinds: tuple[str, ...] = tuple(data.get("optim_kinds", OPTIM_KINDS))
         self.places: dict[str, ParamPlace] = {}
         for j, u in enumerate(self.units):
             for p in u["params"]:
@@ -155,6 +159,9 @@ class Manifest:
 
     def validate(self) -> None:
         """Every parameter lies inside its region, and every extent it needs is listed."""
+        if "master" not in self.optim_kinds or not set(self.optim_kinds) <= set(OPTIM_KINDS):
+            raise CheckpointError(f"{self.path(MANIFEST)}: optim_kinds {list(self.optim_kinds)}: expected master and "
+                                  f"some of {list(OPTIM_KINDS[1:])}")
         for j, u in enumerate(self.units):
             for p in u["params"]:
                 region = p["region"]
@@ -162,7 +169,7 @@ class Manifest:
                     raise CheckpointError(f"{self.path(MANIFEST)}: {p['name']} has region {region!r}")
                 if p["offset"] < 0 or p["offset"] + p["numel"] > self.region_numel(j, region) * self.world_size:
                     raise CheckpointError(f"{self.path(MANIFEST)}: {p['name']} lies outside its unit's region")
-            kinds = (OPTIM_KINDS if u["train_shard_numel"] else ()) + ((FROZEN,) if u["frozen_shard_numel"] else ())
+            kinds = (self.optim_kinds if u["train_shard_numel"] else ()) + ((FROZEN,) if u["frozen_shard_numel"] else ())
             for kind in kinds:
                 for rank in range(self.world_size):
                     self.extent(rank, kind, j)

@@ -99,6 +99,10 @@ class ExtentCache:
 
     def get(self, kind: str, rank: int, unit: int) -> torch.Tensor:
         key = (kind, rank, unit)
+        if key not in self._extents and kind in OPTIM_KINDS and kind not in self.manifest.optim_kinds:
+            # a moment the saving optimizer did not keep (Lion's exp_avg_sq): zeros, as it would
+            # have held them, for an engine whose optimizer keeps it
+            self._extents[key] = torch.zeros(self.manifest.region_numel(unit, "train"), dtype=torch.float32)
         if key not in self._extents:
             m = self.manifest
             name, offset, nbytes, crc = m.extent(rank, kind, unit)

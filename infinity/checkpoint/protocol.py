@@ -78,8 +78,13 @@ class Checkpointable(Protocol):
     def flush_shards(self) -> None:
         """Waits for the writes in flight: what is read next is the last step's result."""
 
+    def optimizer_kinds(self) -> tuple[str, ...]:
+        """The optimizer state this engine keeps per trainable shard: "master", then its update
+        rule's moments (Adam both, Adagrad exp_avg_sq, Lion exp_avg, a client optimizer none:
+        its state travels in its state_dict). A checkpoint holds these and no others."""
+
     def read_optimizer_shard(self, unit: Unit, kind: str) -> torch.Tensor:
-        """This rank's `kind` ("master", "exp_avg", "exp_avg_sq") of a trainable unit: fp32,
+        """This rank's `kind` (one of `optimizer_kinds()`) of a trainable unit: fp32,
         host, `train_shard_numel` elements; a view the caller must not change."""
 
     def read_param_shard(self, unit: Unit) -> torch.Tensor:

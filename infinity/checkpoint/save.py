@@ -26,7 +26,6 @@ from infinity.checkpoint.layout import (
     LATEST,
     MANIFEST,
     MANIFEST_CRC,
-    OPTIM_KINDS,
     VERSION,
     dtype_name,
     manifest_crc,
@@ -191,7 +190,8 @@ def _write_rank(engine: Checkpointable, partial: str, tag: str, state: bytes, ex
     trainable = [u for u in engine.units if u.trainable]
     frozen = [] if exclude_frozen else [u for u in engine.units if u.frozen_shard_numel]
     elsize = engine.config.compute_dtype.itemsize
-    total = sum(round_up(u.train_shard_numel * 4) for u in trainable) * len(OPTIM_KINDS)
+    kinds = engine.optimizer_kinds()
+    total = sum(round_up(u.train_shard_numel * 4) for u in trainable) * len(kinds)
     total += sum(round_up(u.frozen_shard_numel * elsize) for u in frozen)
     entries: dict[str, dict] = {}
     offsets: dict[str, int] = {}
@@ -212,7 +212,7 @@ def _write_rank(engine: Checkpointable, partial: str, tag: str, state: bytes, ex
         with torch.profiler.record_function("infinity::save_checkpoint"):
             for u in engine.units:
                 if u.trainable:
-                    for kind in OPTIM_KINDS:
+                    for kind in kinds:
                         put(kind, u.index, engine.read_optimizer_shard(u, kind))
                 if u.frozen_shard_numel and not exclude_frozen:
                     put(FROZEN, u.index, u.split(engine.read_param_shard(u)).frozen)
@@ -271,6 +271,7 @@ def _publish(engine: Checkpointable, training: TrainingState, save_dir: str, tag
         "offload_optimizer": zero.offload_optimizer.device, "global_steps": training.global_steps,
         "param_groups": len(training.optimizer["param_groups"]), "saved_at": time.time(),
         "units": unit_entries(engine.units, exclude_frozen), "frozen_excluded": exclude_frozen,
+        "optim_kinds": list(engine.optimizer_kinds()),
         "aliases": aliases(engine), "tiles": tiled_weights(engine.module), "hf_config": HF_CONFIG in entries,
         "files": dict(sorted(entries.items())),
     }

@@ -137,6 +137,9 @@ class CheckpointFace:
         self.optim_state.flush()
         self.params.flush()
 
+    def optimizer_kinds(self) -> tuple[str, ...]:
+        return self.optimizer.rule.kinds
+
     def read_optimizer_shard(self, unit: Unit, kind: str) -> torch.Tensor:
         return self.optim_state.read(unit, kind)
 
