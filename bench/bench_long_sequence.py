@@ -2,7 +2,9 @@
 length, for an HF Llama with a 128k vocabulary (dim 512, 2 layers, fp32, parameters and optimizer
 state on NVMe, batch 1), with and without the chunked LM loss ([Note: the chunked LM loss]).
 
-    python bench/bench_long_sequence.py --nvme /tmp --tokens 1024 8192 --whole 1024 4096
+    python bench/bench_long_sequence.py --nvme /tmp --tokens 1024 8192 --whole 1024 4096 --torch 1024 4096
+
+(--torch: the same step in plain PyTorch, everything in memory, at the lengths given.)
 
 With --preset, `infinity finetune`'s step instead (its built-in config, infinity's Llama of the
 preset's shapes, one sequence), its peak RSS beside `infinity estimate`'s prediction:
@@ -53,6 +55,32 @@ with open("/proc/self/status") as f:
 print(json.dumps({**record, "peak_rss": hwm, "step_s": step, "loss": loss.item()}))
 """
 CHILD += _STEP
+
+# The same model and step in plain PyTorch (no infinity): everything in memory, torch's AdamW
+# (foreach), HF's loss over whole logits, clipping 1.0. The reference beside the chunked step.
+TORCH_CHILD = r"""
+import json, sys, time, torch, transformers
+tokens = int(sys.argv[1])
+torch.manual_seed(0)
+cfg = transformers.LlamaConfig(vocab_size=131072, hidden_size=512, intermediate_size=1376, num_hidden_layers=2,
+                               num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=tokens,
+                               tie_word_embeddings=False)
+model = transformers.LlamaForCausalLM(cfg)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+with open("/proc/self/status") as f:
+    built = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+ids = torch.randint(0, 131072, (1, tokens), generator=torch.Generator().manual_seed(0))
+t0 = time.perf_counter()
+loss = model(input_ids=ids, labels=ids).loss
+loss.backward()
+torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+optimizer.step()
+step = time.perf_counter() - t0
+with open("/proc/self/status") as f:
+    hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+print(json.dumps({"tokens": tokens, "torch": True, "rss_built": built, "peak_rss": hwm, "step_s": step,
+                  "loss": loss.item()}))
+"""
 
 
 # `infinity finetune`'s step with its built-in config on infinity's Llama of a preset's shapes (a
@@ -106,11 +134,12 @@ def run_finetune(tokens: int, args: argparse.Namespace, checkpointing: bool, chu
         return r
 
 
-def run(tokens: int, chunked: bool, nvme: str) -> dict:
+def run(tokens: int, chunked: bool | None, nvme: str) -> dict:
+    """One step in a child: infinity's, chunked or whole logits, or (chunked None) plain PyTorch's."""
     with tempfile.TemporaryDirectory(dir=nvme) as d:
         env = {**os.environ, "PYTHONWARNINGS": "ignore", "INFINITY_DEVICE": "cpu"}
-        out = subprocess.run([sys.executable, "-c", CHILD, str(tokens), str(int(chunked)), d],
-                             capture_output=True, text=True, env=env, timeout=3600)
+        argv = [TORCH_CHILD, str(tokens)] if chunked is None else [CHILD, str(tokens), str(int(chunked)), d]
+        out = subprocess.run([sys.executable, "-c", *argv], capture_output=True, text=True, env=env, timeout=3600)
         if out.returncode:
             return {"tokens": tokens, "chunked": chunked, "error": out.stderr[-500:]}
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -121,6 +150,7 @@ def main() -> None:
     ap.add_argument("--nvme", default="/tmp")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     ap.add_argument("--whole", type=int, nargs="*", default=[1024, 4096], help="lengths also run with whole logits")
+    ap.add_argument("--torch", type=int, nargs="*", default=[], help="lengths also run in plain PyTorch (no infinity)")
     ap.add_argument("--output")
     ap.add_argument("--preset", help="instead: `infinity finetune`'s step on infinity's Llama of this preset's "
                                      "shapes, its peak RSS beside `infinity estimate`'s")
@@ -145,12 +175,13 @@ def main() -> None:
                         json.dump(rows, f, indent=1)
         return
     for tokens in args.tokens:
-        for chunked in (True, False) if tokens in args.whole else (True,):
+        for chunked in (True, False, None)[:2 if tokens in args.whole else 1] + ((None,) if tokens in args.torch else ()):
             t0 = time.time()
             r = run(tokens, chunked, args.nvme)
             rows.append(r)
             gib = r.get("peak_rss", 0) / 2**30
-            print(f"{tokens:6d} tokens {'chunked' if chunked else 'whole  '}: peak RSS {gib:6.2f} GiB, "
+            what = {True: "chunked", False: "whole  ", None: "torch  "}[chunked]
+            print(f"{tokens:6d} tokens {what}: peak RSS {gib:6.2f} GiB, "
                   f"step {r.get('step_s', float('nan')):6.1f} s ({time.time() - t0:.0f} s in all) {r.get('error', '')}",
                   flush=True)
     if args.output:
