@@ -8,7 +8,6 @@ import argparse
 import json
 import os
 import socket
-import sys
 import time
 from collections import OrderedDict
 
@@ -213,15 +212,21 @@ def test_two_cpu_ranks_on_this_host(tmp_path, monkeypatch):
         assert got["env"]["CUDA_VISIBLE_DEVICES"] == os.environ.get("CUDA_VISIBLE_DEVICES")  # CPU ranks: untouched
 
 
-def test_two_hosts_over_the_ssh_stand_in(tmp_path, monkeypatch):
-    script = tmp_path / "job.py"
-    script.write_text(WORKER)
+def _ssh_stand_in(tmp_path, monkeypatch, hosts: str) -> None:
+    """A hostfile of `hosts` whose every host is this machine, reached through FAKE_SSH (which
+    logs the host names to ssh.log)."""
     ssh = tmp_path / "fake_ssh"
     ssh.write_text(FAKE_SSH)
     ssh.chmod(0o755)
-    (tmp_path / "hosts").write_text("# both are this machine\nnode-a slots=1\nnode-b slots=4\n")
+    (tmp_path / "hosts").write_text(hosts)
     monkeypatch.setenv("INFINITY_SSH", str(ssh))
     monkeypatch.setenv("FAKE_SSH_LOG", str(tmp_path / "ssh.log"))
+
+
+def test_two_hosts_over_the_ssh_stand_in(tmp_path, monkeypatch):
+    script = tmp_path / "job.py"
+    script.write_text(WORKER)
+    _ssh_stand_in(tmp_path, monkeypatch, "# both are this machine\nnode-a slots=1\nnode-b slots=4\n")
     monkeypatch.setenv("INFINITY_TEST_OUT", str(tmp_path))  # INFINITY_*: exported to every node
     monkeypatch.chdir(tmp_path)
     rc = infinity_main(["run", "--hostfile", "hosts", "--num_gpus", "1", "--master_addr", "127.0.0.1",
@@ -289,12 +294,7 @@ engine.close()
 
 def _two_node_launch(tmp_path, monkeypatch, out, **env) -> int:
     """`infinity run --hostfile` over two hosts of two slots, both this machine (the ssh stand-in)."""
-    ssh = tmp_path / "fake_ssh"
-    ssh.write_text(FAKE_SSH)
-    ssh.chmod(0o755)
-    (tmp_path / "hosts").write_text("node-a slots=2\nnode-b slots=2\n")
-    monkeypatch.setenv("INFINITY_SSH", str(ssh))
-    monkeypatch.setenv("FAKE_SSH_LOG", str(tmp_path / "ssh.log"))
+    _ssh_stand_in(tmp_path, monkeypatch, "node-a slots=2\nnode-b slots=2\n")
     monkeypatch.setenv("INFINITY_TEST_OUT", str(out))
     for key, value in env.items():
         monkeypatch.setenv(key, value)
