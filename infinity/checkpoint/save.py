@@ -227,24 +227,32 @@ def _write_rank(engine: Checkpointable, partial: str, tag: str, state: bytes, ex
     size, crc = files.crc_of_file(path)
     entries[state_file(rank)] = {"bytes": size, "crc32": crc}
     if rank == 0:
-        buffers = persistent_buffers(engine.module)
-        path = os.path.join(partial, BUFFERS)
-        w = StreamWriter(path, [(n, b.dtype, list(b.shape)) for n, b in buffers.items()])
-        try:
-            for n, b in buffers.items():
-                w.add(n, b)
-            w.close()
-        except BaseException:
-            w.abort()  # now, not when the traceback is collected: a removed file's space is held while open
-            raise
+        entries.update(_write_module_files(engine, partial))
+    return entries
+
+
+def _write_module_files(engine: Checkpointable, partial: str) -> dict[str, dict]:
+    """Rank 0's files of the module itself: its persistent buffers and, for a Hugging Face model,
+    its config; returns their manifest entries."""
+    entries: dict[str, dict] = {}
+    buffers = persistent_buffers(engine.module)
+    path = os.path.join(partial, BUFFERS)
+    w = StreamWriter(path, [(n, b.dtype, list(b.shape)) for n, b in buffers.items()])
+    try:
+        for n, b in buffers.items():
+            w.add(n, b)
+        w.close()
+    except BaseException:
+        w.abort()  # now, not when the traceback is collected: a removed file's space is held while open
+        raise
+    size, crc = files.crc_of_file(path)
+    entries[BUFFERS] = {"bytes": size, "crc32": crc}
+    hf_config = getattr(engine.module, "config", None)
+    if hasattr(hf_config, "to_json_string"):  # a Hugging Face model: export makes a model directory
+        path = os.path.join(partial, HF_CONFIG)
+        files.write_atomic(path, hf_config.to_json_string().encode())
         size, crc = files.crc_of_file(path)
-        entries[BUFFERS] = {"bytes": size, "crc32": crc}
-        hf_config = getattr(engine.module, "config", None)
-        if hasattr(hf_config, "to_json_string"):  # a Hugging Face model: export makes a model directory
-            path = os.path.join(partial, HF_CONFIG)
-            files.write_atomic(path, hf_config.to_json_string().encode())
-            size, crc = files.crc_of_file(path)
-            entries[HF_CONFIG] = {"bytes": size, "crc32": crc}
+        entries[HF_CONFIG] = {"bytes": size, "crc32": crc}
     return entries
 
 
