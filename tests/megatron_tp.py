@@ -173,9 +173,11 @@ def clip_grad_norm_tp(model: nn.Module, max_norm: float, mpu: Mpu) -> float:
 
 
 def reference_steps(model: nn.Module, mpu: Mpu, steps: int, rows: int, lr: float = 1e-2,
-                    clip: float = 1.0) -> list[float]:
+                    clip: float = 1.0, loss_scale: float = 1.0, norms: list | None = None) -> list[float]:
     """Plain PyTorch at TP x DP: this DP rank's rows, gradients averaged over the DP group, the
-    norm over the whole model, AdamW. Returns the global batch's loss of each step."""
+    norm over the whole model, AdamW. Returns the global batch's loss of each step (the loss
+    before `loss_scale`, which multiplies what is backpropagated); `norms` gets each step's
+    gradient norm before clipping."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     share = rows // mpu.dp
     losses = []
@@ -183,11 +185,13 @@ def reference_steps(model: nn.Module, mpu: Mpu, steps: int, rows: int, lr: float
         tokens, labels = batch(step, rows)
         mine = slice(mpu.dp_rank * share, (mpu.dp_rank + 1) * share)
         loss = model(tokens[mine], labels[mine])
-        loss.backward()
+        (loss * loss_scale).backward()
         for p in model.parameters():
             dist.all_reduce(p.grad, group=mpu.get_data_parallel_group())
             p.grad.div_(mpu.dp)
-        clip_grad_norm_tp(model, clip, mpu)
+        norm = clip_grad_norm_tp(model, clip, mpu)
+        if norms is not None:
+            norms.append(norm)
         optimizer.step()
         optimizer.zero_grad()
         total = loss.detach().clone()
@@ -216,3 +220,32 @@ def full_weights(model: nn.Module, mpu: Mpu) -> dict[str, torch.Tensor]:
             for pname, p in module.named_parameters(recurse=False):
                 out[f"{name}.{pname}"] = p.detach().clone()
     return out
+
+
+def engine_config(rows: int, mpu: Mpu, offload: str, nvme: str, lr: float, clip: float, stage: int = 3) -> dict:
+    """infinity's ZeRO config for the reference's training: the same AdamW, this data-parallel
+    rank's share of `rows` a micro-batch, every parameter partitioned (no persistence threshold)."""
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    if offload != "none":
+        zero["offload_param"] = {"device": offload, "nvme_path": nvme}
+        zero["offload_optimizer"] = {"device": offload, "nvme_path": nvme}
+    return {"train_micro_batch_size_per_gpu": rows // mpu.dp, "gradient_accumulation_steps": 1,
+            "gradient_clipping": clip, "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}}}
+
+
+def engine_steps(engine, mpu: Mpu, steps: range, rows: int, loss_scale: float = 1.0) -> list[float]:
+    """The reference's steps through an infinity engine: this data-parallel rank's rows of each
+    step's batch; returns the data-parallel mean loss of each step (unscaled)."""
+    share = rows // mpu.dp
+    losses = []
+    for step in steps:
+        tokens, labels = batch(step, rows)
+        mine = slice(mpu.dp_rank * share, (mpu.dp_rank + 1) * share)
+        loss = engine(tokens[mine], labels[mine])
+        engine.backward(loss * loss_scale)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=mpu.get_data_parallel_group())
+        losses.append(total.item() / mpu.dp)
+    return losses

@@ -37,6 +37,7 @@ class FakeEngine:
                                    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                                    "zero_optimization": {"stage": 3}})
         self.rank, self.world_size = 0, 1
+        self.model_parallel = None
         self.units = [Unit(i, name, [(f"{name}.{n}", p, 0 if p.requires_grad else -1)
                                      for n, p in m.named_parameters()], dtype, torch.device("cpu"), 0, 1)
                       for i, (name, m) in enumerate(self.module.named_children())]

@@ -416,7 +416,7 @@ def test_initialize_takes_deepspeeds_arguments(model, tmp_path):
     with pytest.raises(ValueError, match="lr_scheduler: it steps an optimizer that is not the one"):
         infinity.initialize(model=copy.deepcopy(model), optimizer=user, config=cfg,
                             lr_scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
-    with pytest.raises(ValueError, match="mpu"):
+    with pytest.raises(TypeError, match="mpu: expected DeepSpeed's model-parallel unit"):
         infinity.initialize(model=copy.deepcopy(model), config=cfg, mpu=object())
 
 

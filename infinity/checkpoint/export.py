@@ -140,6 +140,7 @@ def consolidate(checkpoint: str, out_dir: str, *, dtype: torch.dtype = torch.flo
             raise ValueError(f"out_dir {out_dir}: inside the checkpoint directory {inside}; give a directory "
                              "outside it")
     manifest = Manifest.read(path)
+    manifest.check_whole("consolidate")
     buffers_path = checked_path(manifest, BUFFERS) if BUFFERS in manifest.files else None
     buffer_header = read_header(buffers_path)[0] if buffers_path else {}
     buffers = load_file(buffers_path) if buffer_header else {}
@@ -291,6 +292,10 @@ def save_16bit_model(engine: Checkpointable, save_dir: str, save_filename: str =
     rank 0 writes. A Hugging Face model's config.json goes beside them, replacing one there."""
     error = None
     try:
+        if engine.model_parallel is not None:  # [Note: model-parallel checkpoints] in checkpoint/model_parallel.py
+            raise ValueError("save_16bit_model: under model parallelism (mpu) each rank holds a slice of the model, "
+                             "and infinity does not know how the slices join; save_checkpoint writes each slice, "
+                             "and engine.consolidated_state_dict() gives this rank's slice whole")
         engine.check_step_boundary("save_16bit_model")
         check_filename(save_filename)
         max_bytes = parse_size(max_shard_size)

@@ -148,6 +148,11 @@ class Manifest:
         if data.get(MANIFEST_CRC) != manifest_crc(data):
             raise CheckpointError(f"{path}: checksum mismatch (the manifest was changed or damaged); nothing was "
                                   "loaded")
+        if "model_parallel_size" in data:  # [Note: model-parallel checkpoints] in checkpoint/model_parallel.py
+            raise CheckpointError(f"{directory}: a model-parallel checkpoint of {data['model_parallel_size']} slices "
+                                  f"({', '.join(map(str, data.get('dirs', [])))}); infinity does not join slices, "
+                                  "whose layout the model's code knows: load it into engines with the same mpu, or "
+                                  "join the slices with the model-parallel framework's own tools")
         try:
             manifest = cls(data, directory)
             manifest.validate()
@@ -173,6 +178,14 @@ class Manifest:
             for kind in kinds:
                 for rank in range(self.world_size):
                     self.extent(rank, kind, j)
+
+    def check_whole(self, what: str) -> None:
+        """Raises if this checkpoint is one model-parallel rank's slice of the model, which `what`
+        (an export) cannot write as the model ([Note: model-parallel checkpoints])."""
+        if self.data.get("mp_world_size", 1) > 1:
+            raise CheckpointError(f"{what}: {self.directory} is model-parallel rank {self.data['mp_rank']}'s slice "
+                                  f"of {self.data['mp_world_size']}; infinity does not join slices, whose layout "
+                                  "the model's code knows: join them with the model-parallel framework's tools")
 
     def path(self, name: str) -> str:
         return os.path.join(self.directory, name)

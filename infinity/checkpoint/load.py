@@ -35,6 +35,7 @@ from infinity.checkpoint.layout import (
     round_up,
     state_file,
 )
+from infinity.checkpoint.model_parallel import check_slice, slice_path
 from infinity.checkpoint.protocol import Checkpointable, TrainingState
 from infinity.checkpoint.safetensors_io import load_file
 from infinity.checkpoint.save import (
@@ -255,7 +256,9 @@ def load_checkpoint(engine: Checkpointable, load_dir: str, tag: Any = None, *, l
                                    replaces_all=optimizer_states and load_module_strict and not load_module_only)
         path = resolve(load_dir, tag)
         if path is not None:
+            path = slice_path(engine, path)  # [Note: model-parallel checkpoints] in checkpoint/model_parallel.py
             manifest = Manifest.read(path)
+            check_slice(engine, manifest)
             check_model(manifest, engine, strict=load_module_strict, optimizer_states=optimizer_states,
                         num_groups=len(engine.training_state().optimizer["param_groups"]))
             _check_files(manifest)
@@ -264,7 +267,7 @@ def load_checkpoint(engine: Checkpointable, load_dir: str, tag: Any = None, *, l
             _check_buffers(engine, buffers, strict=load_module_strict, where=path)
     except Exception as e:  # noqa: BLE001 (every rank hears of it, then it is raised)
         error = e
-    agree(error, "load_checkpoint")
+    agree(error, "load_checkpoint", everyone=True)
     if path is None:
         log.warning("load_checkpoint: %s has no %r file and no tag was given; nothing loaded", load_dir, LATEST)
         return None, None
@@ -321,7 +324,7 @@ def _load_shards(engine: Checkpointable, manifest: Manifest, optimizer_states: b
         finally:
             bar.close()
         try:
-            agree(error, "load_checkpoint")
+            agree(error, "load_checkpoint", everyone=True)
         except BaseException as e:
             engine.mark_broken(f"load_checkpoint failed part way ({type(e).__name__}: {e}), leaving some values "
                                "loaded and others not", until_load=True)

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from infinity.config import InfinityConfig
+from infinity.zero.model_parallel import ModelParallel
 from infinity.zero.unit import Unit
 
 
@@ -48,8 +49,9 @@ class TrainingState(NamedTuple):
 class Checkpointable(Protocol):
     """An engine as checkpointing sees it ([Note: the checkpoint protocol])."""
 
-    rank: int
-    world_size: int
+    rank: int  # in the data-parallel group ([Note: the data-parallel group] in zero/dist.py)
+    world_size: int  # of the data-parallel group
+    model_parallel: ModelParallel | None  # the mpu's groups ([Note: model parallelism] in zero/model_parallel.py)
     config: InfinityConfig  # read: aio, batch sizes, zero placement, checkpoint, compute dtype
     module: nn.Module  # the model: its buffers, parameter names (tied ones too), Hugging Face config
     units: Sequence[Unit]  # the layout of every parameter; never gathered or released from here

@@ -106,12 +106,13 @@ def aliases(engine: Checkpointable) -> dict[str, str]:
             if id(p) in first and first[id(p)] != name}
 
 
-def agree(error: BaseException | None, what: str, payload: Any = None) -> list:
+def agree(error: BaseException | None, what: str, payload: Any = None, everyone: bool = False) -> list:
     """Every rank's `payload`, once no rank has failed; if one has, every rank raises (its own
-    error, or one naming the rank that failed) instead of waiting for it in a collective."""
-    rank = zdist.dist.get_rank() if zdist.world_size() > 1 else 0
+    error, or one naming the rank that failed) instead of waiting for it in a collective. Over
+    the data-parallel group, or the whole job with `everyone`."""
+    rank = zdist.rank(everyone=True)
     gathered = zdist.all_gather_object(
-        (None if error is None else f"rank {rank}: {type(error).__name__}: {error}", payload))
+        (None if error is None else f"rank {rank}: {type(error).__name__}: {error}", payload), everyone=everyone)
     failures = [g for g, _ in gathered if g is not None]
     if failures:
         if error is not None:
@@ -121,11 +122,15 @@ def agree(error: BaseException | None, what: str, payload: Any = None) -> list:
 
 
 def save_checkpoint(engine: Checkpointable, save_dir: str, tag: Any = None, client_state: dict | None = None,
-                    save_latest: bool = True, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
-    """Writes the checkpoint on every rank (all of them call it); returns what it cost: its
-    directory (`path`), `bytes`, `seconds` and `gbps`. exclude_frozen_parameters: leave out the
-    values of parameters with requires_grad False (a LoRA run's base weights); a load keeps the
-    model's own values for them."""
+                    save_latest: bool = True, exclude_frozen_parameters: bool = False, *, keep_limit: bool = True,
+                    mp: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Writes the checkpoint on every rank of the data-parallel group (all of them call it);
+    returns what it cost: its directory (`path`), `bytes`, `seconds` and `gbps`.
+    exclude_frozen_parameters: leave out the values of parameters with requires_grad False (a
+    LoRA run's base weights); a load keeps the model's own values for them. Under model
+    parallelism `save_sliced` (checkpoint/model_parallel.py) calls it for each slice, with
+    `keep_limit` False (checkpoint.save_total_limit is its business) and `mp`, (model-parallel
+    rank, size) for the slice's manifest."""
     rank = engine.rank
     save_dir = os.fspath(save_dir)
     t0 = time.perf_counter()
@@ -160,15 +165,16 @@ def save_checkpoint(engine: Checkpointable, save_dir: str, tag: Any = None, clie
     if rank == 0:
         try:
             _publish(engine, training, save_dir, tag, partial, final,
-                     {n: e for part in everything for n, e in part.items()}, save_latest, exclude_frozen_parameters)
+                     {n: e for part in everything for n, e in part.items()}, save_latest, exclude_frozen_parameters,
+                     {} if mp is None else {"mp_rank": mp[0], "mp_world_size": mp[1]})
         except BaseException as e:  # noqa: BLE001
             error = e
     agree(error, "save_checkpoint (publishing on rank 0)")
-    if rank == 0 and engine.config.checkpoint.save_total_limit is not None:
+    if rank == 0 and keep_limit and engine.config.checkpoint.save_total_limit is not None:
         _keep_newest(save_dir, engine.config.checkpoint.save_total_limit, tag)
     seconds = time.perf_counter() - t0
     saved = {"path": final, "bytes": nbytes, "seconds": seconds, "gbps": nbytes / seconds / 1e9 if seconds else 0.0}
-    if rank == 0:
+    if rank == 0 and keep_limit:
         log.info("infinity: saved checkpoint %s: %.3f GB in %.2f s (%.2f GB/s)", final, nbytes / 1e9, seconds,
                  saved["gbps"])
     return saved
@@ -269,7 +275,7 @@ def _start(save_dir: str, tag: str) -> str:
 
 
 def _publish(engine: Checkpointable, training: TrainingState, save_dir: str, tag: str, partial: str, final: str,
-             entries: dict[str, dict], save_latest: bool, exclude_frozen: bool) -> None:
+             entries: dict[str, dict], save_latest: bool, exclude_frozen: bool, extra: dict) -> None:
     """[Note: publishing a checkpoint] in files.py. A failure before the tag is published
     removes what was written; one writing `latest` keeps the tag, which is whole, and says so."""
     zero = engine.config.zero
@@ -281,7 +287,7 @@ def _publish(engine: Checkpointable, training: TrainingState, save_dir: str, tag
         "units": unit_entries(engine.units, exclude_frozen), "frozen_excluded": exclude_frozen,
         "optim_kinds": list(engine.optimizer_kinds()),
         "aliases": aliases(engine), "tiles": tiled_weights(engine.module), "hf_config": HF_CONFIG in entries,
-        "files": dict(sorted(entries.items())),
+        "files": dict(sorted(entries.items())), **extra,
     }
     manifest[MANIFEST_CRC] = manifest_crc(manifest)
     try:

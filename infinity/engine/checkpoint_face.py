@@ -27,7 +27,10 @@ class CheckpointFace:
         infinity/checkpoint/files.py); `last_checkpoint` says what it cost.
         exclude_frozen_parameters: the frozen parameters' values are not saved, and a load keeps
         the model's own (Hugging Face's Trainer asks for this with PEFT models)."""
-        from infinity.checkpoint.save import save_checkpoint
+        if self.model_parallel is not None:  # [Note: model-parallel checkpoints] in checkpoint/model_parallel.py
+            from infinity.checkpoint.model_parallel import save_sliced as save_checkpoint
+        else:
+            from infinity.checkpoint.save import save_checkpoint
         with self._held_signals():
             self.last_checkpoint = save_checkpoint(self, save_dir, tag, client_state, save_latest,
                                                    exclude_frozen_parameters)

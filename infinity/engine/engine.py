@@ -36,6 +36,7 @@ from infinity.offload.schedule import StepSchedule
 from infinity.zero.hooks import UnitHooks
 from infinity.zero.init import DeferredInit, is_deferred
 from infinity.zero.loss_scaler import LossScaler
+from infinity.zero.model_parallel import ModelParallel
 from infinity.offload.nvme_io import with_measured_aio
 from infinity.offload.optimizer.memory import ResidentOptimizerState
 from infinity.offload.params.memory import ResidentParams
@@ -73,11 +74,15 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
 
     def __init__(self, model: nn.Module, config: InfinityConfig, *, model_parameters: Any = None,
                  optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None,
-                 units: UnitPolicy = None, accelerator: Device | None = None):
+                 units: UnitPolicy = None, accelerator: Device | None = None, mpu: Any = None):
         measured = config.aio.tune
         self.config = config = with_measured_aio(config)  # [Note: the disk tunes itself] in io/autotune.py
         self.accelerator = accelerator or make_device()  # every stream, event and copy ([Note: in-flight copies])
         self.rank, self.world_size = zdist.init_distributed(nccl=self.accelerator.name == "cuda")
+        # [Note: model parallelism] in zero/model_parallel.py: ZeRO over the data-parallel group
+        self.model_parallel = ModelParallel(mpu) if mpu is not None else None
+        zdist.set_data_parallel_group(self.model_parallel and self.model_parallel.dp_group)
+        self.rank, self.world_size = zdist.rank(), zdist.world_size()
         self.device = self.accelerator.compute
         self.module = model
         self.dtype = config.compute_dtype
@@ -89,7 +94,8 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         self.training_dataloader: Any = None  # initialize(training_data=...)'s loader
         self._values_cache: dict[int, torch.Tensor] | None = None  # [Note: state dict values]
         # [Note: engine lifecycle] in infinity/engine/lifecycle.py; [Note: signals at step boundaries] in infinity/engine/signals.py
-        self.lifecycle = Lifecycle(SignalGate(agree=self._agree_on_signals if self.world_size > 1 else None))
+        many = zdist.world_size(everyone=True) > 1  # signals are agreed over the whole job
+        self.lifecycle = Lifecycle(SignalGate(agree=self._agree_on_signals if many else None))
         self.accumulation = Accumulation(config.batch.gradient_accumulation_steps, self.lifecycle)
         self.last_checkpoint: dict[str, Any] | None = None  # path, bytes, seconds, gbps of the last save
         self._tracing = False  # recording the timeline for config.trace ([Note: the timeline])
@@ -140,11 +146,11 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         self.fetcher = Fetcher(self.units, self.params, zero, self.updates, self.schedule)
         self.policy = StepPolicy(self.units, self.params, self.optim_state, self.fetcher, self.updates, self.optimizer,
                                  self.accelerator, self.accumulation, mode=self.update_mode, clip=config.gradient_clipping, scaler=self.scaler,
-                                 skip_nonfinite=config.bf16.check_grad_overflow)
+                                 skip_nonfinite=config.bf16.check_grad_overflow, model_parallel=self.model_parallel)
         self.hooks = UnitHooks(self.units, modules, self.fetcher, self.policy.on_unit_grads,
                                outside_backward=self._backward_outside_engine)
         self.report = StepReport(wall_clock_breakdown=config.wall_clock_breakdown,
-                                 steps_per_print=config.steps_per_print, rank=self.rank)
+                                 steps_per_print=config.steps_per_print, rank=zdist.rank(everyone=True))
         for u in self.units:
             if u.persistent:
                 self.fetcher.acquire(u)
@@ -207,7 +213,7 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         def add(name, params, unit_modules, persists):
             entries = [(n, p, group_of.get(id(p), -1)) for n, p in params]
             units.append(Unit(len(units), name, entries, self.dtype, self.device, self.rank, self.world_size,
-                              persistent=persists))
+                              persistent=persists, model_parallel=self.model_parallel is not None))
             modules.append([] if persists else unit_modules)
 
         for plan in plans:
@@ -221,7 +227,8 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         offload = self.config.zero.offload_param
         if offload.device == "nvme":
             from infinity.offload.params.nvme import NvmeParams
-            return NvmeParams(self.accelerator, offload, self.config.aio, rank=self.rank, units=self.units,
+            return NvmeParams(self.accelerator, offload, self.config.aio, rank=zdist.rank(everyone=True),
+                              units=self.units,
                               prefetch_numel=self.config.zero.stage3_prefetch_bucket_size,
                               on_damage=self.lifecycle.damaged)
         return ResidentParams(self.accelerator, offload=offload.device == "cpu")
@@ -243,7 +250,7 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
             return split_by_budget(self.accelerator, offload.max_in_cpu, [u for u in self.units if u.trainable], order,
                                    lambda units: NvmeOptimizerState(
                                        self.accelerator, offload, self.config.aio, self.config.zero.sub_group_size,
-                                       rank=self.rank, units=units, schedule=schedule,
+                                       rank=zdist.rank(everyone=True), units=units, schedule=schedule,
                                        at_next_use=mode is UpdateMode.AT_NEXT_USE, no_accumulator=at_once,
                                        on_damage=self.lifecycle.damaged, rule=rule), rule=rule), schedule
         return ResidentOptimizerState(self.accelerator, on_device=offload.device == "none",
@@ -411,7 +418,7 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         from infinity.engine.signals import HELD
         flags = torch.tensor([float(s in arrived) for s in HELD])
         flags = self.accelerator.move(flags)
-        zdist.all_reduce_max(flags)
+        zdist.all_reduce_max(flags, everyone=True)
         return {s for s, f in zip(HELD, self.accelerator.host(flags).tolist()) if f}
 
     def _step(self, lr_kwargs: dict | None = None) -> None:

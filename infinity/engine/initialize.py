@@ -28,6 +28,7 @@ from infinity.config import load_config
 from infinity.device import Device, make_device
 from infinity.engine import Engine
 from infinity.zero import dist as zdist
+from infinity.zero.model_parallel import ModelParallel
 from infinity.zero.partitioner import UnitPolicy
 from infinity.zero.registry import owner_of
 from infinity.zero.zero_optimizer import ZeroOptimizer
@@ -62,9 +63,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if model is None:
         raise ValueError("model: expected the torch.nn.Module to train, got None")
     _check_not_partitioned(model)
-    if mpu is not None or mesh_param is not None:
-        raise ValueError("mpu / mesh_param: model (tensor or pipeline) parallelism is not supported by infinity; "
-                         "it shards data-parallel ranks only (ZeRO)")
+    if mesh_param is not None:
+        raise ValueError("mesh_param: DeepSpeed's device mesh (sequence or tensor parallelism built by DeepSpeed) is "
+                         "not supported by infinity; give a model-parallel framework's groups as mpu instead")
     if config is not None and config_params is not None:
         raise ValueError("config and config_params: give one of them (config_params is DeepSpeed's older name)")
     config = config if config is not None else config_params
@@ -78,12 +79,14 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if dist_init_required is not False:
         _, world = zdist.init_distributed(nccl=accelerator.name == "cuda")  # the batch-size rule needs it
     else:
-        world = zdist.world_size()
+        world = zdist.world_size(everyone=True)
+    if mpu is not None:  # the batch-size rule counts data-parallel ranks, as DeepSpeed's with an mpu
+        world = ModelParallel(mpu).dp_world
     cfg = load_config(config, world_size=world)
     lr_scheduler, scheduler_factory = _client_scheduler(lr_scheduler, optimizer)
     optimizer = _client_optimizer(optimizer, model, model_parameters)
     engine = Engine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
-                    lr_scheduler=lr_scheduler, units=units, accelerator=accelerator)
+                    lr_scheduler=lr_scheduler, units=units, accelerator=accelerator, mpu=mpu)
     activations.attach(accelerator, cfg.activation_checkpointing)
     if scheduler_factory is not None:
         engine.lr_scheduler = scheduler_factory(engine.optimizer)

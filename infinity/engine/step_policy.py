@@ -142,6 +142,7 @@ from infinity.optim.functional import AdamHyper
 from infinity.zero import dist as zdist
 from infinity.zero.fetcher import Fetcher
 from infinity.zero.loss_scaler import LossScaler
+from infinity.zero.model_parallel import ModelParallel
 from infinity.offload.protocols import OptimizerTier, ParamTier
 from infinity.offload.schedule import StepSchedule
 from infinity.zero.unit import Unit, UnitState
@@ -303,8 +304,10 @@ class StepPolicy:
     def __init__(self, units: list[Unit], params: ParamTier, optim_state: OptimizerTier, fetcher: Fetcher,
                  updates: PendingUpdates, optimizer: ZeroOptimizer, accelerator: Device, accumulation: Accumulation,
                  *, mode: UpdateMode,
-                 clip: float, scaler: LossScaler | None, skip_nonfinite: bool = True):
+                 clip: float, scaler: LossScaler | None, skip_nonfinite: bool = True,
+                 model_parallel: ModelParallel | None = None):
         self.units, self.params, self.optim_state, self.fetcher = units, params, optim_state, fetcher
+        self.model_parallel = model_parallel  # the norm is summed over its group too
         self.updates = updates  # [Note: a unit's update]
         self.optimizer, self.accelerator = optimizer, accelerator
         self.clip = clip
@@ -398,12 +401,16 @@ class StepPolicy:
         self.updates.run_all()  # the last step's updates that no use reached (their units did not run)
         self.optim_state.flush()
         units = [u for u in self.units if u.trainable]
-        sq = torch.zeros((), dtype=torch.float32)
+        sq = torch.zeros(2, dtype=torch.float32)  # [model-parallel slices, the rest]
         for u in units:
             sq += self.optim_state.grad_sq(u)
         total = self.accelerator.move(sq)
         zdist.all_reduce_sum(total)
-        sq = total.item()
+        if self.model_parallel is not None:  # [Note: model parallelism] in zero/model_parallel.py
+            sliced = total[:1].clone()
+            zdist.all_reduce_sum(sliced, group=self.model_parallel.group)
+            total = torch.cat([sliced, total[1:]])
+        sq = (total[0] + total[1]).item()
         nonfinite = not math.isfinite(sq)  # a square sum is inf or nan iff some gradient was (or overflowed)
         loss_scale = self.scaler.scale if self.scaler else 1.0
         grad_norm = (sq ** 0.5) / loss_scale

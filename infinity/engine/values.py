@@ -153,7 +153,8 @@ class FullValues:
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The full fp32 state dict on CPU, gathered unit by unit, on rank 0 (empty elsewhere),
-        under the module's state_dict names (a tiled weight whole)."""
+        under the module's state_dict names (a tiled weight whole). Under model parallelism: this
+        model-parallel rank's slice, on rank 0 of its data-parallel group."""
         self._check_sound("consolidated_state_dict")
         full_values: dict[int, torch.Tensor] = {}
         for u in self.units:

@@ -44,6 +44,7 @@ class TierUnit(Protocol):
     train_shard_numel: int  # of the trainable region (what has optimizer state)
     frozen_shard_numel: int  # of the frozen region
     segments: list[Segment]  # the trainable region, by optimizer param group
+    mp_rows: torch.Tensor | None  # norm rows of model-parallel slices ([Note: model parallelism])
 
     @property
     def trainable(self) -> bool: ...
@@ -126,7 +127,8 @@ class OptimizerTier(Protocol):
         caller waits for it (`Device.wait_compute`) before it overwrites that memory."""
 
     def grad_sq(self, unit: TierUnit) -> torch.Tensor:
-        """Squared 2-norm of the unit's final gradient ([Note: gradient norm by rows]), on the host."""
+        """Squared 2-norm of the unit's final gradient ([Note: gradient norm by rows]), on the host,
+        as [model-parallel slices' part, the rest's] (`norm_parts`)."""
 
     def update(self, unit: TierUnit, hypers: list["AdamHyper"], step: int, grad_scale: float,
                out: torch.Tensor) -> None:

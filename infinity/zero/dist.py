@@ -2,6 +2,14 @@
 
 gloo (the CPU backend) has no reduce-scatter and no all-gather into one tensor, so on gloo
 those are built from all_reduce / all_gather of lists; NCCL gets the single-tensor versions.
+
+[Note: the data-parallel group]
+ZeRO partitions over the data-parallel ranks: every process of the job, or, under model
+parallelism (`initialize(mpu=...)`, [Note: model parallelism] in zero/model_parallel.py), the
+ranks of `mpu.get_data_parallel_group()`, which hold the same model-parallel slice of the model.
+The collectives here (and `rank()`, `world_size()`) are over that group; the engine sets it
+once per process (`set_data_parallel_group`), as DeepSpeed keeps its groups in one module. What
+must reach every process of the job (a failed save, a signal) passes `everyone=True`.
 """
 
 from __future__ import annotations
@@ -43,8 +51,32 @@ def init_distributed(nccl: bool) -> tuple[int, int]:
     return 0, 1
 
 
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+_group = None  # the data-parallel group; None: the whole job ([Note: the data-parallel group])
+
+
+def set_data_parallel_group(group) -> None:
+    """The group ZeRO partitions over from now on (None: every process)."""
+    global _group
+    _group = group
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size(everyone: bool = False) -> int:
+    """Ranks of the data-parallel group (`everyone`: of the whole job)."""
+    return dist.get_world_size(None if everyone else _group) if _initialized() else 1
+
+
+def rank(everyone: bool = False) -> int:
+    """This process's rank in the data-parallel group (`everyone`: in the whole job)."""
+    return dist.get_rank(None if everyone else _group) if _initialized() else 0
+
+
+def global_rank(group_rank: int) -> int:
+    """The job-wide rank of the data-parallel group's rank `group_rank` (what broadcast's src is)."""
+    return group_rank if _group is None else dist.get_global_rank(_group, group_rank)
 
 
 def _nccl() -> bool:
@@ -58,9 +90,9 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor) -> None:
             full.copy_(shard)
         return
     if _nccl():
-        dist.all_gather_into_tensor(full, shard)
+        dist.all_gather_into_tensor(full, shard, group=_group)
     else:
-        dist.all_gather(list(full.chunk(world_size())), shard)
+        dist.all_gather(list(full.chunk(world_size())), shard, group=_group)
 
 
 def reduce_scatter_mean(full: torch.Tensor) -> torch.Tensor:
@@ -70,42 +102,53 @@ def reduce_scatter_mean(full: torch.Tensor) -> torch.Tensor:
         return full
     if _nccl():
         shard = torch.empty(full.numel() // world, dtype=full.dtype, device=full.device)
-        dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.AVG)
+        dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.AVG, group=_group)
         return shard
-    shard = full.chunk(world)[dist.get_rank()]
+    shard = full.chunk(world)[rank()]
     if full.dtype in (torch.float16, torch.bfloat16):
         # The sum of several ranks' fp16 gradients can pass 65504 where their mean does not (a
         # loss-scaled gradient near the top of the range): it would read as an overflow and skip
         # the step. Summed in fp32, it is rounded once, to the mean.
         wide = full.float()
-        dist.all_reduce(wide)
-        return shard.copy_(wide.chunk(world)[dist.get_rank()].div_(world))
-    dist.all_reduce(full)
+        dist.all_reduce(wide, group=_group)
+        return shard.copy_(wide.chunk(world)[rank()].div_(world))
+    dist.all_reduce(full, group=_group)
     return shard.div_(world)
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    if world_size() > 1:
-        dist.all_reduce(t)
+def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
+    """Sums `t` over the data-parallel group, or over `group` (a model-parallel group) when given."""
+    if group is not None:
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(t, group=group)
+    elif world_size() > 1:
+        dist.all_reduce(t, group=_group)
     return t
 
 
+def barrier(everyone: bool = False) -> None:
+    if world_size(everyone) > 1:
+        dist.barrier(group=None if everyone else _group)
 
-def barrier() -> None:
-    if world_size() > 1:
-        dist.barrier()
 
-
-def all_gather_object(obj):
+def all_gather_object(obj, everyone: bool = False):
     """Every rank's `obj` (picklable, small), in rank order."""
-    if world_size() == 1:
+    world = world_size(everyone)
+    if world == 1:
         return [obj]
-    out = [None] * world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * world
+    dist.all_gather_object(out, obj, group=None if everyone else _group)
     return out
 
 
-def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+def all_reduce_max(t: torch.Tensor, everyone: bool = False) -> torch.Tensor:
+    if world_size(everyone) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=None if everyone else _group)
+    return t
+
+
+def broadcast(t: torch.Tensor, src: int) -> torch.Tensor:
+    """`t` of the data-parallel group's rank `src`, on every rank of the group."""
     if world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.broadcast(t, global_rank(src), group=_group)
     return t

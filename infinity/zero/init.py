@@ -178,8 +178,7 @@ def written_before_initialize(params: list[nn.Parameter], modifier_rank: int | N
         for p in params:
             value = p.detach()
             if modifier_rank is not None:
-                if zdist.world_size() > 1:
-                    torch.distributed.broadcast(value, modifier_rank)
+                zdist.broadcast(value, modifier_rank)
                 if not (value.is_floating_point() and torch.isnan(value).all()):
                     _written[p] = value.clone()
             _give_memory(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))

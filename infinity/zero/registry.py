@@ -93,6 +93,5 @@ def GatheredParameters(params: torch.nn.Parameter | Iterable[torch.nn.Parameter]
 def _modified_shard(unit: Unit, src: int) -> torch.Tensor:
     """This rank's shard of the modifier's values (a copy, on the device)."""
     full = unit.full
-    if zdist.world_size() > 1:
-        torch.distributed.broadcast(full, src)
+    zdist.broadcast(full, src)
     return unit.local_shard(full)

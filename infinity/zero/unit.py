@@ -41,8 +41,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from infinity.offload.optimizer.accumulators import NORM_ROW
 from infinity.offload.protocols import Segment, ShardParts
 from infinity.zero import dist as zdist
+from infinity.zero.model_parallel import is_model_parallel
 
 SHARD_ALIGN_BYTES = 4096
 
@@ -94,19 +96,28 @@ class Unit:
     _gathered: torch.Tensor | None  # the buffer the parameters point into: _flat, or a fresh one; GATHERED only
 
     def __init__(self, index: int, name: str, params: list[tuple[str, nn.Parameter, int]],
-                 dtype: torch.dtype, device: torch.device, rank: int, world: int, persistent: bool = False):
+                 dtype: torch.dtype, device: torch.device, rank: int, world: int, persistent: bool = False,
+                 model_parallel: bool = False):
         self.index, self.name, self.dtype, self.device = index, name, dtype, device
         self.persistent = persistent
         self.rank, self.world = rank, world
         align = world * SHARD_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
-        trainable = sorted((t for t in params if t[2] >= 0), key=lambda t: t[2])
+        # Under model parallelism each group's model-parallel slices come first, and the others
+        # start on a fresh norm row ([Note: model parallelism] in zero/model_parallel.py).
+        marked = (lambda p: is_model_parallel(p)) if model_parallel else (lambda p: False)
+        trainable = sorted((t for t in params if t[2] >= 0), key=lambda t: (t[2], not marked(t[1])))
         frozen = [t for t in params if t[2] < 0]
         self.slots = []
-        offset = 0
+        offset, previous, mp_spans = 0, False, []
         for pname, p, group in trainable:
+            if previous != marked(p):
+                offset = _round_up(offset, NORM_ROW)
+                previous = marked(p)
             self.slots.append(ParamSlot(p, pname, p.shape, offset, p.numel(), group))
+            if marked(p):
+                mp_spans.append((offset, offset + p.numel()))
             offset += p.numel()
-        self.train_numel = offset
+        self.train_numel = offset  # real elements, and any gaps of the model-parallel layout
         train_padded = _round_up(offset, align)
         offset = train_padded
         for pname, p, group in frozen:
@@ -116,6 +127,8 @@ class Unit:
         self.train_shard_numel = train_padded // world
         self.frozen_shard_numel = _round_up(offset - train_padded, align) // world
         self.segments = self._segments()
+        self.mp_rows = self._mp_rows(mp_spans)
+        self._gaps = bool(self.slots) and sum(s.numel for s in self.slots if s.group >= 0) != self.train_numel
         self.state = UnitState.RELEASED
         self._flat = torch.empty(0, dtype=dtype, device=device)
         self._gathered = None
@@ -163,6 +176,21 @@ class Unit:
             else:
                 runs.append(Segment(s.group, a - lo, b - a))
         return runs
+
+    def _mp_rows(self, spans: list[tuple[int, int]]) -> torch.Tensor | None:
+        """Which norm rows of this rank's trainable shard hold model-parallel slices (the others
+        hold parameters every model-parallel rank has alike, or padding); None when none do."""
+        if not spans:
+            return None
+        ts = self.train_shard_numel
+        assert ts % NORM_ROW == 0, (ts, NORM_ROW)  # shards start on norm rows
+        rows = torch.zeros(ts // NORM_ROW, dtype=torch.bool)
+        lo = self.rank * ts
+        for a, b in spans:
+            a, b = max(a, lo) - lo, min(b, lo + ts) - lo
+            if a < b:
+                rows[a // NORM_ROW:-(-b // NORM_ROW)] = True
+        return rows
 
     def split(self, shard: torch.Tensor) -> ShardParts:
         """A shard's two regions, as views."""
@@ -254,7 +282,7 @@ class Unit:
         page-faulted in every time: 25 ms per 100 MB here). Units of other sizes that pad to the
         same size share it, so the padding is cleared too: it goes into the gradient norm."""
         assert out.numel() == self.train_padded_numel and out.dtype == self.dtype
-        out[self.train_numel:].zero_()
+        out[0 if self._gaps else self.train_numel:].zero_()
         for s in self.slots:
             g = s.param.grad
             s.param.grad = None

@@ -62,6 +62,16 @@ def row_norms_sq(g: torch.Tensor) -> torch.Tensor:
     return out.square_()
 
 
+def norm_parts(rows: torch.Tensor, mp_rows: torch.Tensor | None) -> torch.Tensor:
+    """A shard's squared norm from its row norms, as [model-parallel part, the rest] (float32;
+    [Note: model parallelism] in zero/model_parallel.py): `mp_rows` marks the rows of
+    model-parallel slices; None, as without model parallelism, puts every row in the rest."""
+    if mp_rows is None:
+        return torch.stack([torch.zeros((), dtype=torch.float32, device=rows.device), rows.sum()])
+    mp_rows = mp_rows.to(rows.device)
+    return torch.stack([rows[mp_rows].sum(), rows[~mp_rows].sum()])
+
+
 class GradientLanding:
     """Gradient shards on their way from the compute device into host memory.
 
@@ -128,7 +138,7 @@ class Accumulators:
         self.host: dict[int, torch.Tensor] = {}  # unit -> fp32 accumulator, 1-D, train_shard_numel
         self.spilled: set[int] = set()
         self.fresh: dict[int, torch.Tensor] = {}  # unit -> its landed gradient (a landing buffer)
-        self.sq: dict[int, torch.Tensor] = {}  # unit -> squared norm of its final gradient
+        self.sq: dict[int, torch.Tensor] = {}  # unit -> its final gradient's squared row norms
         place = {index: k for k, index in enumerate(update_order)}
         for u in sorted(units, key=lambda u: place.get(u.index, len(place))):
             if u.index in no_accumulator:
@@ -155,7 +165,7 @@ class Accumulators:
                 acc = self.host[index]
                 acc.copy_(g) if first else acc.add_(g)
                 if last:
-                    self.sq[index] = row_norms_sq(acc).sum()
+                    self.sq[index] = row_norms_sq(acc)
                 return False
             if index in self.spilled:
                 self._spill(index, g, first, last, cuts)
@@ -163,7 +173,7 @@ class Accumulators:
             # Kept for the update that follows at once, which gives the buffer back.
             assert first and last, "gradients without an accumulator must be used by the update they feed"
             self.fresh[index] = g
-            self.sq[index] = row_norms_sq(g).sum()
+            self.sq[index] = row_norms_sq(g)
             return True
 
     def _spill(self, index: int, g: torch.Tensor, first: bool, last: bool, cuts: list[tuple[int, int]]) -> None:
@@ -183,7 +193,7 @@ class Accumulators:
             else:
                 swapper.release(GRAD, (index, k), dirty=True)
         if last:
-            self.sq[index] = torch.cat(rows).sum()
+            self.sq[index] = torch.cat(rows)
 
     def for_update(self, unit: TierUnit) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(the gradient the update reads, or None where it reads a spilled one piece by piece;

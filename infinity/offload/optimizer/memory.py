@@ -19,7 +19,7 @@ import torch
 from infinity.device.timeline import TIMELINE
 from infinity.device import Device, InFlight
 from infinity.optim.rules import AdamRule
-from infinity.offload.optimizer.accumulators import GRAD, GradientLanding, row_norms_sq
+from infinity.offload.optimizer.accumulators import GRAD, GradientLanding, norm_parts, row_norms_sq
 from infinity.offload.protocols import TierUnit
 
 class ResidentOptimizerState:
@@ -71,7 +71,7 @@ class ResidentOptimizerState:
 
     def grad_sq(self, unit: TierUnit) -> torch.Tensor:
         self._consume_landed()
-        return self.device.host(row_norms_sq(self._grads[unit.index]).sum())
+        return self.device.host(norm_parts(row_norms_sq(self._grads[unit.index]), unit.mp_rows))
 
     def update(self, unit: TierUnit, hypers: list, step: int, grad_scale: float,
                out: torch.Tensor) -> None:

@@ -78,7 +78,7 @@ from infinity.device import Device, InFlight
 from infinity.device.timeline import TIMELINE
 from infinity.offload import BufferPool, NvmeStore, Swapper
 from infinity.offload.nvme_io import IOTally, make_handle
-from infinity.offload.optimizer.accumulators import GRAD, Accumulators
+from infinity.offload.optimizer.accumulators import GRAD, Accumulators, norm_parts
 from infinity.offload.optimizer.pieces import Piece, Pieces, PieceState
 from infinity.offload.optimizer.sizing import choose_pieces, cut_pieces, held_pieces, held_spread, host_elements
 from infinity.offload.protocols import TierUnit
@@ -233,7 +233,8 @@ class NvmeOptimizerState:
     def grad_sq(self, unit: TierUnit) -> torch.Tensor:
         """Squared norm of the unit's final gradient, taken when it became final."""
         self.acc.landing.consume_landed()
-        return self.acc.sq.get(unit.index, torch.zeros((), dtype=torch.float32))
+        rows = self.acc.sq.get(unit.index)
+        return torch.zeros(2, dtype=torch.float32) if rows is None else norm_parts(rows, unit.mp_rows)
 
     def step_order(self, units: list[TierUnit]) -> list[TierUnit]:
         """Units not yet updated, those whose state reads started in backward first, in that order."""
