@@ -330,7 +330,6 @@ class NvmeOptimizerState:
         pieces = self.pieces.of[index]
         kinds = self._kinds(index)
         grad, fresh = self.acc.for_update(unit)
-        half = None if out.dtype == torch.float32 else out  # the kernel rounds into it in its pass
         first = self._resume.get(index, 0)  # [Note: resuming an update]
         taken: dict[int, list] = {}  # piece -> its fetches, taken, not waited for
         current: Piece | None = None  # the piece being updated: waited for, not yet released
@@ -344,19 +343,7 @@ class NvmeOptimizerState:
                 handles = taken.pop(k)
                 got = dict(zip(kinds, self._wait_piece(piece, handles)))  # the swapper times the waits
                 current = piece
-                start, n = piece.start, piece.numel
-                master = got["master"]
-                g = got[GRAD] if GRAD in got else grad[start:start + n]
-                runs = [(max(seg.start, start) - start, min(seg.start + seg.count, start + n) - start,
-                         self.rule.hyper(hypers, seg)) for seg in self.rule.spans(unit)]
-                with TIMELINE.span("update", unit=index, piece=k):
-                    # [Note: update rules] in infinity/optim/rules.py: the moments as stored, 8-bit ones too
-                    self.rule.update_stored(master, g, {kind: got[kind] for kind in self.rule.moments},
-                                            [r for r in runs if r[0] < r[1]], step=step, grad_scale=grad_scale,
-                                            half_out=None if half is None else half[start:start + n],
-                                            scratch=self._scratch)
-                    if half is None:
-                        out[start:start + n].copy_(master)
+                self._update_piece(unit, k, piece, got, grad, hypers, step, grad_scale, out)
                 current = None
                 self._resume[index] = k + 1  # before its writes start: never updated twice
                 # A held piece keeps its buffers only where the rest of the update still has a
@@ -366,17 +353,7 @@ class NvmeOptimizerState:
                 else:
                     self.pieces.write_back(piece, kinds)
         except BaseException as e:
-            # [Note: failed transfers give their buffers back]: what this update holds goes back
-            # unchanged; the pieces not done are read again when it resumes.
-            if current is not None:
-                self.pieces.untake(current, kinds, [])
-            for j, handles in taken.items():
-                self.pieces.untake(pieces[j], (), handles)
-            self._drop_early(only=index)
-            if not isinstance(e, OSError) or self._lost(index):  # [Note: resuming an update]
-                self._resume.pop(index, None)
-                self._on_damage(f"the update of unit {index} failed at piece {k} of {len(pieces)} "
-                                f"({type(e).__name__}: {e}) and cannot be resumed")
+            self._abandon(index, kinds, current, taken, e, f"at piece {k} of {len(pieces)}")
             raise
         finally:
             if fresh is not None:
@@ -385,6 +362,42 @@ class NvmeOptimizerState:
         if index not in self.schedule.pending:  # this step's, not the last step's (which leaves `pending` now)
             self._updated.add(index)
         self._read_ahead(done=index)
+
+    def _update_piece(self, unit: TierUnit, k: int, piece: Piece, got: dict[str, torch.Tensor],
+                      grad: torch.Tensor | None, hypers: list, step: int, grad_scale: float,
+                      out: torch.Tensor) -> None:
+        """The rule's step over one piece, its state in `got` (by kind) and its gradient spilled
+        there too or in `grad`, the new values written into `out`'s run of the piece."""
+        start, n = piece.start, piece.numel
+        master = got["master"]
+        g = got[GRAD] if GRAD in got else grad[start:start + n]
+        runs = [(max(seg.start, start) - start, min(seg.start + seg.count, start + n) - start,
+                 self.rule.hyper(hypers, seg)) for seg in self.rule.spans(unit)]
+        half = None if out.dtype == torch.float32 else out  # the kernel rounds into it in its pass
+        with TIMELINE.span("update", unit=unit.index, piece=k):
+            # [Note: update rules] in infinity/optim/rules.py: the moments as stored, 8-bit ones too
+            self.rule.update_stored(master, g, {kind: got[kind] for kind in self.rule.moments},
+                                    [r for r in runs if r[0] < r[1]], step=step, grad_scale=grad_scale,
+                                    half_out=None if half is None else half[start:start + n],
+                                    scratch=self._scratch)
+            if half is None:
+                out[start:start + n].copy_(master)
+
+    def _abandon(self, index: int, kinds: tuple[str, ...], current: Piece | None, taken: dict[int, list],
+                 error: BaseException, where: str) -> None:
+        """[Note: failed transfers give their buffers back]: what a failed update holds goes back
+        unchanged; the pieces not done are read again when it resumes, or, when it cannot
+        resume, the run's health hears why ([Note: resuming an update])."""
+        pieces = self.pieces.of[index]
+        if current is not None:
+            self.pieces.untake(current, kinds, [])
+        for j, handles in taken.items():
+            self.pieces.untake(pieces[j], (), handles)
+        self._drop_early(only=index)
+        if not isinstance(error, OSError) or self._lost(index):
+            self._resume.pop(index, None)
+            self._on_damage(f"the update of unit {index} failed {where} ({type(error).__name__}: {error}) and "
+                            "cannot be resumed")
 
     def norms(self, unit: TierUnit, hypers: list, step: int, grad_scale: float) -> torch.Tensor:
         """[Note: LAMB's two passes] in infinity/optim/rules.py: this shard's sums of p^2 and u^2 per
