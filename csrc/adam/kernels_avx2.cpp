@@ -8,90 +8,10 @@
 
 #include "adam.h"
 #include "select.h"
+#include "vectors_avx2.h"
 
 namespace infinity::adam {
 namespace {
-
-constexpr size_t kWidth = 8;
-
-// Eight fp32 or 16-bit elements at `i` of `data`, as floats (bfloat16 and binary16 exactly).
-template <DType T>
-__m256 load_floats(const void* data, size_t i) {
-  if constexpr (T == DType::kF32) {
-    return _mm256_loadu_ps(static_cast<const float*>(data) + i);
-  } else {
-    const __m128i h =
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(data) + i));
-    if constexpr (T == DType::kBF16) {
-      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    } else {
-      return _mm256_cvtph_ps(h);
-    }
-  }
-}
-
-// Round to nearest even on the upper 16 bits, every NaN to 0xFFFF (torch's vectorized bits).
-__m128i float_to_bf16(__m256 x) {
-  const __m256i u = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i h = _mm256_srli_epi32(
-      _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256 is_nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-  h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0xFFFF), _mm256_castps_si256(is_nan));
-  // Every lane is in [0, 0xFFFF], so the unsigned-saturating pack keeps it as is.
-  return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-}
-
-// Non-temporal when `stream` (16-byte aligned): see [Note: memory traffic] in adam.h.
-template <DType H>
-void store_half(void* out, size_t i, __m256 x, bool stream) {
-  if constexpr (H != DType::kNone) {
-    __m128i h;
-    if constexpr (H == DType::kBF16) {
-      h = float_to_bf16(x);
-    } else {
-      h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    }
-    __m128i* dst = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i);
-    if (stream) {
-      _mm_stream_si128(dst, h);
-    } else {
-      _mm_storeu_si128(dst, h);
-    }
-  }
-}
-
-// A moment stored back from fp32 registers ([Note: bf16 moments] in adam.h).
-template <DType M>
-void store_moment(void* moment, size_t i, __m256 x) {
-  if constexpr (M == DType::kF32) {
-    _mm256_storeu_ps(static_cast<float*>(moment) + i, x);
-  } else {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(moment) + i),
-                     float_to_bf16(x));
-  }
-}
-
-constexpr size_t size_of(DType t) { return t == DType::kF32 ? 4 : 2; }
-
-// Asks for the lines kPrefetchBytes ahead of element i in every input stream of rule R.
-template <Rule R, DType G, DType M>
-void prefetch_ahead(const Buffers& b, size_t i) {
-  constexpr size_t ahead = kPrefetchBytes / sizeof(float);
-  _mm_prefetch(reinterpret_cast<const char*>(b.param + i + ahead), _MM_HINT_T0);
-  if constexpr (kHasExpAvg<R>) {
-    _mm_prefetch(static_cast<const char*>(b.exp_avg) + (i + ahead) * size_of(M), _MM_HINT_T0);
-  }
-  if constexpr (kHasExpAvgSq<R>) {
-    _mm_prefetch(static_cast<const char*>(b.exp_avg_sq) + (i + ahead) * size_of(M), _MM_HINT_T0);
-  }
-  _mm_prefetch(static_cast<const char*>(b.grad) + (i + ahead) * size_of(G), _MM_HINT_T0);
-}
-
-template <typename T>
-void copy_elements(T* dst, const T* src, size_t n) {
-  for (size_t k = 0; k < n; ++k) dst[k] = src[k];
-}
 
 __m256 lerp(const Lerp& l, __m256 start, __m256 end) {
   const __m256 diff = _mm256_sub_ps(end, start);
@@ -118,8 +38,8 @@ __m256 adam(const StepConstants& c, const Buffers& b, size_t i, __m256 p, __m256
   v = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(c.one_minus_beta2), g), g, v);
   const __m256 denom = _mm256_add_ps(
       _mm256_div_ps(_mm256_sqrt_ps(v), _mm256_set1_ps(c.bc2_sqrt)), _mm256_set1_ps(c.eps));
-  store_moment<M>(b.exp_avg, i, m);
-  store_moment<M>(b.exp_avg_sq, i, v);
+  store_floats<M>(b.exp_avg, i, m);
+  store_floats<M>(b.exp_avg_sq, i, v);
   return _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(c.neg_step), m), denom));
 }
 
@@ -128,7 +48,7 @@ __m256 adagrad(const StepConstants& c, const Buffers& b, size_t i, __m256 p, __m
   if constexpr (L2) g = _mm256_fmadd_ps(_mm256_set1_ps(c.l2), p, g);
   const __m256 s = _mm256_fmadd_ps(g, g, load_floats<M>(b.exp_avg_sq, i));
   const __m256 std_dev = _mm256_add_ps(_mm256_sqrt_ps(s), _mm256_set1_ps(c.eps));
-  store_moment<M>(b.exp_avg_sq, i, s);
+  store_floats<M>(b.exp_avg_sq, i, s);
   return _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(c.neg_step), g), std_dev));
 }
 
@@ -138,7 +58,7 @@ __m256 lion(const StepConstants& c, const Buffers& b, size_t i, __m256 p, __m256
   const __m256 direction = lerp(c.lerp1, m, g);
   p = _mm256_mul_ps(p, _mm256_set1_ps(c.decay));
   p = _mm256_add_ps(p, _mm256_mul_ps(_mm256_set1_ps(c.neg_step), sign(direction)));
-  store_moment<M>(b.exp_avg, i, lerp(c.lerp2, m, g));
+  store_floats<M>(b.exp_avg, i, lerp(c.lerp2, m, g));
   return p;
 }
 
@@ -198,7 +118,7 @@ struct Avx2Loop {
     }
     // Two vectors a turn: one prefetch per 64-byte line of each fp32 stream.
     for (; i + 2 * kWidth <= end; i += 2 * kWidth) {
-      prefetch_ahead<R, G, M>(b, i);
+      prefetch_streams<G, M, kHasExpAvg<R>, kHasExpAvgSq<R>>(b, i);
       body(c, b, i, stream);
       body(c, b, i + kWidth, stream);
     }
@@ -359,7 +279,7 @@ void stream_avx2(const Buffers& b, size_t begin, size_t end) {
   float* exp_avg_sq = static_cast<float*>(b.exp_avg_sq);
   size_t i = begin;
   for (; i + kWidth <= end; i += kWidth) {
-    prefetch_ahead<Rule::kAdam, DType::kF32, DType::kF32>(b, i);
+    prefetch_streams<DType::kF32, DType::kF32, true, true>(b, i);
     const __m256 g = _mm256_loadu_ps(grad + i);
     const __m256 p = _mm256_loadu_ps(b.param + i);
     const __m256 m = _mm256_loadu_ps(exp_avg + i);

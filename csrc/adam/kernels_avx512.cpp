@@ -1,91 +1,13 @@
 // AVX-512 (F, BW, VL, DQ) path of every rule: 16 floats per vector, tails through masked loads
-// and stores.
-//
-// bfloat16 output (the half copy and bf16 moments) uses integer rounding, not vcvtneps2bf16:
-// that instruction flushes denormal inputs to zero and writes a different NaN than torch, and
-// the update must match torch's conversion bit for bit. The integer form costs four integer
-// instructions per 16 elements, well under the memory time.
+// and stores (the conversions, and why bfloat16 is rounded with integers, in vectors_avx512.h).
 #include <immintrin.h>
 
 #include "adam.h"
 #include "select.h"
+#include "vectors_avx512.h"
 
 namespace infinity::adam {
 namespace {
-
-// The fp32 or 16-bit elements at `i` of `data` that `mask` selects, as floats (bfloat16 and
-// binary16 exactly); the others read as zero.
-template <DType T>
-__m512 load_floats(const void* data, size_t i, __mmask16 mask) {
-  if constexpr (T == DType::kF32) {
-    return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(data) + i);
-  } else {
-    const __m256i h = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(data) + i);
-    if constexpr (T == DType::kBF16) {
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    } else {
-      return _mm512_cvtph_ps(h);
-    }
-  }
-}
-
-// Round to nearest even on the upper 16 bits, every NaN to 0xFFFF (torch's vectorized bits).
-__m256i float_to_bf16(__m512 x) {
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded =
-      _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  const __mmask16 is_number = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
-  const __m512i h = _mm512_mask_blend_epi32(is_number, _mm512_set1_epi32(0xFFFF), rounded);
-  return _mm512_cvtepi32_epi16(h);
-}
-
-// Non-temporal when `stream` (the whole vector is written, 32-byte aligned): the half copy is
-// never read back by this pass, so fetching its lines first would only waste bandwidth
-// ([Note: memory traffic] in adam.h).
-template <DType H>
-void store_half(void* out, size_t i, __m512 x, __mmask16 mask, bool stream) {
-  if constexpr (H != DType::kNone) {
-    __m256i h;
-    if constexpr (H == DType::kBF16) {
-      h = float_to_bf16(x);
-    } else {
-      h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    }
-    uint16_t* dst = static_cast<uint16_t*>(out) + i;
-    if (stream) {
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), h);
-    } else {
-      _mm256_mask_storeu_epi16(dst, mask, h);
-    }
-  }
-}
-
-// A moment stored back from fp32 registers ([Note: bf16 moments] in adam.h).
-template <DType M>
-void store_moment(void* moment, size_t i, __m512 x, __mmask16 mask) {
-  if constexpr (M == DType::kF32) {
-    _mm512_mask_storeu_ps(static_cast<float*>(moment) + i, mask, x);
-  } else {
-    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(moment) + i, mask, float_to_bf16(x));
-  }
-}
-
-constexpr size_t size_of(DType t) { return t == DType::kF32 ? 4 : 2; }
-
-// Asks for the lines kPrefetchBytes ahead of element i in every input stream of rule R.
-template <Rule R, DType G, DType M>
-void prefetch_ahead(const Buffers& b, size_t i) {
-  constexpr size_t ahead = kPrefetchBytes / sizeof(float);
-  _mm_prefetch(reinterpret_cast<const char*>(b.param + i + ahead), _MM_HINT_T0);
-  if constexpr (kHasExpAvg<R>) {
-    _mm_prefetch(static_cast<const char*>(b.exp_avg) + (i + ahead) * size_of(M), _MM_HINT_T0);
-  }
-  if constexpr (kHasExpAvgSq<R>) {
-    _mm_prefetch(static_cast<const char*>(b.exp_avg_sq) + (i + ahead) * size_of(M), _MM_HINT_T0);
-  }
-  _mm_prefetch(static_cast<const char*>(b.grad) + (i + ahead) * size_of(G), _MM_HINT_T0);
-}
 
 __m512 lerp(const Lerp& l, __m512 start, __m512 end) {
   const __m512 diff = _mm512_sub_ps(end, start);
@@ -115,8 +37,8 @@ __m512 adam(const StepConstants& c, const Buffers& b, size_t i, __mmask16 mask, 
   v = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(c.one_minus_beta2), g), g, v);
   const __m512 denom = _mm512_add_ps(
       _mm512_div_ps(_mm512_sqrt_ps(v), _mm512_set1_ps(c.bc2_sqrt)), _mm512_set1_ps(c.eps));
-  store_moment<M>(b.exp_avg, i, m, mask);
-  store_moment<M>(b.exp_avg_sq, i, v, mask);
+  store_floats<M>(b.exp_avg, i, m, mask);
+  store_floats<M>(b.exp_avg_sq, i, v, mask);
   return _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(c.neg_step), m), denom));
 }
 
@@ -126,7 +48,7 @@ __m512 adagrad(const StepConstants& c, const Buffers& b, size_t i, __mmask16 mas
   if constexpr (L2) g = _mm512_fmadd_ps(_mm512_set1_ps(c.l2), p, g);
   const __m512 s = _mm512_fmadd_ps(g, g, load_floats<M>(b.exp_avg_sq, i, mask));
   const __m512 std_dev = _mm512_add_ps(_mm512_sqrt_ps(s), _mm512_set1_ps(c.eps));
-  store_moment<M>(b.exp_avg_sq, i, s, mask);
+  store_floats<M>(b.exp_avg_sq, i, s, mask);
   return _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(c.neg_step), g), std_dev));
 }
 
@@ -137,7 +59,7 @@ __m512 lion(const StepConstants& c, const Buffers& b, size_t i, __mmask16 mask, 
   const __m512 direction = lerp(c.lerp1, m, g);
   p = _mm512_mul_ps(p, _mm512_set1_ps(c.decay));
   p = _mm512_add_ps(p, _mm512_mul_ps(_mm512_set1_ps(c.neg_step), sign(direction)));
-  store_moment<M>(b.exp_avg, i, lerp(c.lerp2, m, g), mask);
+  store_floats<M>(b.exp_avg, i, lerp(c.lerp2, m, g), mask);
   return p;
 }
 
@@ -173,7 +95,7 @@ struct Avx512Loop {
       }
     }
     for (; i + 16 <= end; i += 16) {
-      prefetch_ahead<R, G, M>(b, i);
+      prefetch_streams<G, M, kHasExpAvg<R>, kHasExpAvgSq<R>>(b, i);
       body(c, b, i, 0xFFFF, stream);
     }
     if (i < end) body(c, b, i, static_cast<__mmask16>((1u << (end - i)) - 1u), false);
@@ -331,7 +253,7 @@ inline __attribute__((always_inline)) void stream_vector(const Buffers& b, size_
 void stream_avx512(const Buffers& b, size_t begin, size_t end) {
   size_t i = begin;
   for (; i + 16 <= end; i += 16) {
-    prefetch_ahead<Rule::kAdam, DType::kF32, DType::kF32>(b, i);
+    prefetch_streams<DType::kF32, DType::kF32, true, true>(b, i);
     stream_vector(b, i, 0xFFFF);
   }
   if (i < end) stream_vector(b, i, static_cast<__mmask16>((1u << (end - i)) - 1u));

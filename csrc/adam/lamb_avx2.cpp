@@ -2,75 +2,18 @@
 // the 16 lanes of [Note: LAMB's sums]) a turn ([Note: LAMB arithmetic] in lamb.h). A last turn
 // of fewer than 16 elements is copied into zeroed stack buffers, run through the same code and
 // copied back, so the tail gives the body's bits without a second implementation. The 16-bit
-// conversions are the same as kernels_avx2.cpp's.
+// conversions are kernels_avx2.cpp's (vectors_avx2.h).
 #include <immintrin.h>
 
 #include <type_traits>
 
 #include "lamb.h"
+#include "vectors_avx2.h"
 
 namespace infinity::adam {
 namespace {
 
-constexpr size_t kWidth = 8;
 constexpr size_t kTurn = 2 * kWidth;
-
-template <DType T>
-__m256 load_floats(const void* data, size_t i) {
-  if constexpr (T == DType::kF32) {
-    return _mm256_loadu_ps(static_cast<const float*>(data) + i);
-  } else {
-    const __m128i h =
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(data) + i));
-    if constexpr (T == DType::kBF16) {
-      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    } else {
-      return _mm256_cvtph_ps(h);
-    }
-  }
-}
-
-// Round to nearest even on the upper 16 bits, every NaN to 0xFFFF (torch's vectorized bits).
-__m128i float_to_bf16(__m256 x) {
-  const __m256i u = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i h = _mm256_srli_epi32(
-      _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256 is_nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-  h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0xFFFF), _mm256_castps_si256(is_nan));
-  // Every lane is in [0, 0xFFFF], so the unsigned-saturating pack keeps it as is.
-  return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-}
-
-__m128i to_half(__m256 x, DType t) {
-  return t == DType::kBF16 ? float_to_bf16(x)
-                           : _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
-
-template <DType T>
-void store_floats(void* data, size_t i, __m256 x) {
-  if constexpr (T == DType::kF32) {
-    _mm256_storeu_ps(static_cast<float*>(data) + i, x);
-  } else {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(data) + i), to_half(x, T));
-  }
-}
-
-constexpr size_t size_of(DType t) { return t == DType::kF32 ? 4 : 2; }
-
-template <DType G, DType M>
-void prefetch_ahead(const Buffers& b, size_t i) {
-  constexpr size_t ahead = kPrefetchBytes / sizeof(float);
-  _mm_prefetch(reinterpret_cast<const char*>(b.param + i + ahead), _MM_HINT_T0);
-  _mm_prefetch(static_cast<const char*>(b.exp_avg) + (i + ahead) * size_of(M), _MM_HINT_T0);
-  _mm_prefetch(static_cast<const char*>(b.exp_avg_sq) + (i + ahead) * size_of(M), _MM_HINT_T0);
-  _mm_prefetch(static_cast<const char*>(b.grad) + (i + ahead) * size_of(G), _MM_HINT_T0);
-}
-
-template <typename T>
-void copy_elements(T* dst, const T* src, size_t n) {
-  for (size_t k = 0; k < n; ++k) dst[k] = src[k];
-}
 
 struct Direction {
   __m256 m, v, u;
@@ -169,7 +112,7 @@ struct Avx2Loop {
       Lanes w, u;
       size_t i = chunk;
       for (; i + kTurn <= chunk_end; i += kTurn) {
-        prefetch_ahead<G, M>(b, i);
+        prefetch_streams<G, M, true, true>(b, i);
         add_turn(c, b, i, kTurn, w, u);
       }
       if (i < chunk_end) {
@@ -188,15 +131,7 @@ struct Avx2Loop {
     _mm256_storeu_ps(b.param + i, p_new);
     store_floats<M>(b.exp_avg, i, d.m);
     store_floats<M>(b.exp_avg_sq, i, d.v);
-    if constexpr (H != DType::kNone) {
-      // Streaming stores for the half copy ([Note: memory traffic] in adam.h).
-      __m128i* dst = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(b.half_out) + i);
-      if (stream) {
-        _mm_stream_si128(dst, to_half(p_new, H));
-      } else {
-        _mm_storeu_si128(dst, to_half(p_new, H));
-      }
-    }
+    store_half<H>(b.half_out, i, p_new, stream);
   }
 
   // Fewer than kWidth elements at i (zeroed lanes run through without faults and stay behind).
@@ -220,7 +155,7 @@ struct Avx2Loop {
       }
     }
     for (; i + kTurn <= end; i += kTurn) {  // one prefetch per 64-byte line of each fp32 stream
-      prefetch_ahead<G, M>(b, i);
+      prefetch_streams<G, M, true, true>(b, i);
       body(c, b, i, stream);
       body(c, b, i + kWidth, stream);
     }

@@ -1,63 +1,14 @@
 // AVX-512 (F, BW, VL, DQ) path of LAMB's two passes: 16 floats per vector, tails through masked
 // loads and stores ([Note: LAMB arithmetic] and [Note: LAMB's sums] in lamb.h). The 16-bit
-// conversions are the same as kernels_avx512.cpp's (integer rounding to bfloat16, for torch's
-// bits).
+// conversions are kernels_avx512.cpp's (vectors_avx512.h: integer rounding to bfloat16, for
+// torch's bits).
 #include <immintrin.h>
 
 #include "lamb.h"
+#include "vectors_avx512.h"
 
 namespace infinity::adam {
 namespace {
-
-template <DType T>
-__m512 load_floats(const void* data, size_t i, __mmask16 mask) {
-  if constexpr (T == DType::kF32) {
-    return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(data) + i);
-  } else {
-    const __m256i h = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(data) + i);
-    if constexpr (T == DType::kBF16) {
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    } else {
-      return _mm512_cvtph_ps(h);
-    }
-  }
-}
-
-// Round to nearest even on the upper 16 bits, every NaN to 0xFFFF (torch's vectorized bits).
-__m256i float_to_bf16(__m512 x) {
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded =
-      _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  const __mmask16 is_number = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
-  const __m512i h = _mm512_mask_blend_epi32(is_number, _mm512_set1_epi32(0xFFFF), rounded);
-  return _mm512_cvtepi32_epi16(h);
-}
-
-__m256i to_half(__m512 x, DType t) {
-  return t == DType::kBF16 ? float_to_bf16(x)
-                           : _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
-
-template <DType T>
-void store_floats(void* data, size_t i, __m512 x, __mmask16 mask) {
-  if constexpr (T == DType::kF32) {
-    _mm512_mask_storeu_ps(static_cast<float*>(data) + i, mask, x);
-  } else {
-    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(data) + i, mask, to_half(x, T));
-  }
-}
-
-constexpr size_t size_of(DType t) { return t == DType::kF32 ? 4 : 2; }
-
-template <DType G, DType M>
-void prefetch_ahead(const Buffers& b, size_t i) {
-  constexpr size_t ahead = kPrefetchBytes / sizeof(float);
-  _mm_prefetch(reinterpret_cast<const char*>(b.param + i + ahead), _MM_HINT_T0);
-  _mm_prefetch(static_cast<const char*>(b.exp_avg) + (i + ahead) * size_of(M), _MM_HINT_T0);
-  _mm_prefetch(static_cast<const char*>(b.exp_avg_sq) + (i + ahead) * size_of(M), _MM_HINT_T0);
-  _mm_prefetch(static_cast<const char*>(b.grad) + (i + ahead) * size_of(G), _MM_HINT_T0);
-}
 
 struct Direction {
   __m512 m, v, u;
@@ -116,7 +67,7 @@ struct Avx512Loop {
       const size_t chunk_end = end - chunk < kLambChunk ? end : chunk + kLambChunk;
       Lanes w, u;
       for (size_t i = chunk; i < chunk_end; i += 16) {
-        prefetch_ahead<G, M>(b, i);
+        prefetch_streams<G, M, true, true>(b, i);
         const __mmask16 mask = first_lanes(chunk_end - i);
         const __m512 p = _mm512_maskz_loadu_ps(mask, b.param + i);
         w.add_squares(p);
@@ -135,15 +86,7 @@ struct Avx512Loop {
     _mm512_mask_storeu_ps(b.param + i, mask, p_new);
     store_floats<M>(b.exp_avg, i, d.m, mask);
     store_floats<M>(b.exp_avg_sq, i, d.v, mask);
-    if constexpr (H != DType::kNone) {
-      // Streaming stores for the half copy ([Note: memory traffic] in adam.h).
-      if (stream) {
-        _mm256_stream_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(b.half_out) + i),
-                            to_half(p_new, H));
-      } else {
-        store_floats<H>(b.half_out, i, p_new, mask);
-      }
-    }
+    store_half<H>(b.half_out, i, p_new, mask, stream);
   }
 
   static void apply(const LambConstants& c, const Buffers& b, size_t begin, size_t end) {
@@ -160,7 +103,7 @@ struct Avx512Loop {
       }
     }
     for (; i + 16 <= end; i += 16) {
-      prefetch_ahead<G, M>(b, i);
+      prefetch_streams<G, M, true, true>(b, i);
       body(c, b, i, 0xFFFF, stream);
     }
     if (i < end) body(c, b, i, first_lanes(end - i), false);
