@@ -8,6 +8,7 @@ equals the reference, saves one checkpoint per model-parallel rank and resumes f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -30,20 +31,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, tp_size: int, port: int, results) -> None:
+@contextlib.contextmanager
+def _joined(rank: int, world: int, tp_size: int, port: int):
+    """This spawned process in a gloo job of `world` ranks, with the grid's mpu."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        mpu = tp.Mpu(tp_size)
+        yield tp.Mpu(tp_size)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _worker(rank: int, world: int, tp_size: int, port: int, results) -> None:
+    with _joined(rank, world, tp_size, port) as mpu:
         torch.manual_seed(0)
         model = tp.parallelize(tp.TinyLM().double(), mpu)
         losses = tp.reference_steps(model, mpu, STEPS, ROWS, clip=CLIP)
         weights = tp.full_weights(model, mpu)
         if rank == 0:
             results["losses"], results["weights"] = losses, weights
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def _single() -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -83,11 +90,7 @@ LR, SCALE, SAVE_AT, ENGINE_STEPS = 1e-3, 4.0, 2, 4  # SCALE: gradient norms of 2
 
 def _engine_worker(rank: int, world: int, tp_size: int, port: int, offload: str, stage: int, root: str,
                    results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        mpu = tp.Mpu(tp_size)
+    with _joined(rank, world, tp_size, port) as mpu:
         torch.manual_seed(0)
         reference = tp.parallelize(tp.TinyLM(), mpu)
         norms: list[float] = []
@@ -112,8 +115,6 @@ def _engine_worker(rank: int, world: int, tp_size: int, port: int, offload: str,
                 "resumed": resumed.consolidated_state_dict(), "resumed_losses": resumed_losses}
         else:
             resumed.consolidated_state_dict()  # every rank of the data-parallel group gathers
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.parametrize("world,tp_size,offload,stage", [
@@ -181,11 +182,7 @@ def test_an_mpu_missing_its_methods_or_a_mesh_is_refused_by_name():
 
 
 def _resume_worker(rank: int, world: int, tp_size: int, port: int, root: str, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        mpu = tp.Mpu(tp_size)
+    with _joined(rank, world, tp_size, port) as mpu:
         config = tp.engine_config(ROWS, mpu, "nvme", os.path.join(root, "nvme"), LR, 1.0)
         engine, *_ = infinity.initialize(model=tp.parallelize(tp.TinyLM(), mpu), config=config, mpu=mpu)
         engine.load_checkpoint(os.path.join(root, "ckpt"))
@@ -193,8 +190,6 @@ def _resume_worker(rank: int, world: int, tp_size: int, port: int, root: str, re
         weights = engine.consolidated_state_dict()
         if mpu.dp_rank == 0:
             results[mpu.tp_rank] = weights
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow

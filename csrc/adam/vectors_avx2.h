@@ -10,13 +10,12 @@
 #include <cstdint>
 
 #include "adam.h"
+#include "prefetch.h"
 
 namespace infinity::adam {
 namespace {
 
 constexpr size_t kWidth = 8;
-
-constexpr size_t size_of(DType t) { return t == DType::kF32 ? 4 : 2; }
 
 // Eight fp32 or 16-bit elements at `i` of `data`, as floats (bfloat16 and binary16 exactly).
 template <DType T>
@@ -79,21 +78,6 @@ void store_half(void* out, size_t i, __m256 x, bool stream) {
       _mm_storeu_si128(dst, to_half<H>(x));
     }
   }
-}
-
-// Asks for the lines kPrefetchBytes ahead of element i in the master, the gradient and the
-// moments a rule reads (`exp_avg`, `exp_avg_sq`).
-template <DType G, DType M, bool exp_avg, bool exp_avg_sq>
-void prefetch_streams(const Buffers& b, size_t i) {
-  constexpr size_t ahead = kPrefetchBytes / sizeof(float);
-  _mm_prefetch(reinterpret_cast<const char*>(b.param + i + ahead), _MM_HINT_T0);
-  if constexpr (exp_avg) {
-    _mm_prefetch(static_cast<const char*>(b.exp_avg) + (i + ahead) * size_of(M), _MM_HINT_T0);
-  }
-  if constexpr (exp_avg_sq) {
-    _mm_prefetch(static_cast<const char*>(b.exp_avg_sq) + (i + ahead) * size_of(M), _MM_HINT_T0);
-  }
-  _mm_prefetch(static_cast<const char*>(b.grad) + (i + ahead) * size_of(G), _MM_HINT_T0);
 }
 
 template <typename T>

@@ -12,11 +12,10 @@
 #include <cstdint>
 
 #include "adam.h"
+#include "prefetch.h"
 
 namespace infinity::adam {
 namespace {
-
-constexpr size_t size_of(DType t) { return t == DType::kF32 ? 4 : 2; }
 
 // The fp32 or 16-bit elements at `i` of `data` that `mask` selects, as floats (bfloat16 and
 // binary16 exactly); the others read as zero.
@@ -79,21 +78,6 @@ void store_half(void* out, size_t i, __m512 x, __mmask16 mask, bool stream) {
       _mm256_mask_storeu_epi16(dst, mask, to_half<H>(x));
     }
   }
-}
-
-// Asks for the lines kPrefetchBytes ahead of element i in the master, the gradient and the
-// moments a rule reads (`exp_avg`, `exp_avg_sq`).
-template <DType G, DType M, bool exp_avg, bool exp_avg_sq>
-void prefetch_streams(const Buffers& b, size_t i) {
-  constexpr size_t ahead = kPrefetchBytes / sizeof(float);
-  _mm_prefetch(reinterpret_cast<const char*>(b.param + i + ahead), _MM_HINT_T0);
-  if constexpr (exp_avg) {
-    _mm_prefetch(static_cast<const char*>(b.exp_avg) + (i + ahead) * size_of(M), _MM_HINT_T0);
-  }
-  if constexpr (exp_avg_sq) {
-    _mm_prefetch(static_cast<const char*>(b.exp_avg_sq) + (i + ahead) * size_of(M), _MM_HINT_T0);
-  }
-  _mm_prefetch(static_cast<const char*>(b.grad) + (i + ahead) * size_of(G), _MM_HINT_T0);
 }
 
 }  // namespace

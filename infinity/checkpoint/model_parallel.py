@@ -30,8 +30,7 @@ from typing import Any
 from infinity.checkpoint import files
 from infinity.checkpoint.layout import FORMAT, MANIFEST, MANIFEST_CRC, VERSION, CheckpointError, Manifest, manifest_crc
 from infinity.checkpoint.protocol import Checkpointable
-from infinity.checkpoint.save import (_keep_newest, _rename_into_place, _start, _write_latest, agree, check_tag,
-                                      save_checkpoint)
+from infinity.checkpoint.save import _keep_newest, _start, agree, check_tag, publish, save_checkpoint
 from infinity.zero import dist as zdist
 
 SIZE_KEY = "model_parallel_size"  # in a model-parallel tag's manifest (and nowhere else)
@@ -88,19 +87,11 @@ def _publish(save_dir: str, tag: str, partial: str, final: str, steps: int, mp_w
              save_latest: bool) -> None:
     manifest = {"format": FORMAT, "version": VERSION, "tag": tag, SIZE_KEY: mp_world, "data_parallel_size": dp_world,
                 "global_steps": steps, "saved_at": time.time(), "dirs": [slice_dir(r) for r in range(mp_world)]}
-    manifest[MANIFEST_CRC] = manifest_crc(manifest)
-    try:
-        for d in manifest["dirs"]:
-            if not os.path.isfile(os.path.join(partial, d, MANIFEST)):
-                raise CheckpointError(f"save_checkpoint: {d} of {tag} was not written")
-        files.write_atomic(os.path.join(partial, MANIFEST), json.dumps(manifest, indent=1).encode())
-        files.fsync_dir(partial)
-        _rename_into_place(save_dir, tag, partial, final)
-    except BaseException:
+    missing = [d for d in manifest["dirs"] if not os.path.isfile(os.path.join(partial, d, MANIFEST))]
+    if missing:
         files.remove_tree(partial)
-        raise
-    if save_latest:
-        _write_latest(save_dir, tag)
+        raise CheckpointError(f"save_checkpoint: {', '.join(missing)} of {tag} were not written")
+    publish(save_dir, tag, partial, final, manifest, save_latest)
 
 
 def read_sliced(path: str) -> dict | None:

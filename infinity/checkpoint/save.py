@@ -289,6 +289,12 @@ def _publish(engine: Checkpointable, training: TrainingState, save_dir: str, tag
         "aliases": aliases(engine), "tiles": tiled_weights(engine.module), "hf_config": HF_CONFIG in entries,
         "files": dict(sorted(entries.items())), **extra,
     }
+    publish(save_dir, tag, partial, final, manifest, save_latest)
+
+
+def publish(save_dir: str, tag: str, partial: str, final: str, manifest: dict, save_latest: bool) -> None:
+    """Writes `manifest` (its CRC added) into `partial`, renames it to `final`, then `latest`
+    ([Note: publishing a checkpoint] in files.py); a failure before the rename removes `partial`."""
     manifest[MANIFEST_CRC] = manifest_crc(manifest)
     try:
         files.write_atomic(os.path.join(partial, MANIFEST), json.dumps(manifest, indent=1).encode())
