@@ -206,3 +206,27 @@ def test_a_model_parallel_checkpoint_resumes_on_another_data_parallel_size(tmp_p
     for tp_rank in range(2):
         for name, value in first[tp_rank]["weights"].items():
             torch.testing.assert_close(resumed[tp_rank][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _mixing_worker(rank: int, world: int, tp_size: int, port: int, root: str, results) -> None:
+    with _joined(rank, world, tp_size, port) as mpu:
+        config = tp.engine_config(ROWS, mpu, "none", "", LR, 1.0)
+        engine, *_ = infinity.initialize(model=tp.parallelize(tp.TinyLM(), mpu), config=config, mpu=mpu)
+        try:
+            infinity.initialize(model=tp.TinyLM(), config=config)
+        except ValueError as e:
+            results[rank] = str(e)
+        engine.close()
+        plain, *_ = infinity.initialize(model=tp.TinyLM(), config=config)  # once the other is closed
+        plain.close()
+
+
+@pytest.mark.slow
+def test_an_engine_without_the_mpu_beside_an_open_one_with_it_is_refused(tmp_path):
+    """The data-parallel group is the process's ([Note: the data-parallel group] in zero/dist.py):
+    a second engine over the whole job would move the first one's collectives."""
+    results = mp.Manager().dict()
+    mp.start_processes(_mixing_worker, args=(2, 2, _free_port(), str(tmp_path), results), nprocs=2,
+                       start_method="spawn")
+    assert len(results) == 2
+    assert all("this process has an open engine over another data-parallel group" in r for r in results.values())

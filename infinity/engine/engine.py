@@ -81,7 +81,7 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         self.rank, self.world_size = zdist.init_distributed(nccl=self.accelerator.name == "cuda")
         # [Note: model parallelism] in zero/model_parallel.py: ZeRO over the data-parallel group
         self.model_parallel = ModelParallel(mpu) if mpu is not None else None
-        zdist.set_data_parallel_group(self.model_parallel and self.model_parallel.dp_group)
+        zdist.set_data_parallel_group(self.model_parallel and self.model_parallel.dp_group, self)
         self.rank, self.world_size = zdist.rank(), zdist.world_size()
         self.device = self.accelerator.compute
         self.module = model

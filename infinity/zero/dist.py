@@ -8,13 +8,15 @@ ZeRO partitions over the data-parallel ranks: every process of the job, or, unde
 parallelism (`initialize(mpu=...)`, [Note: model parallelism] in zero/model_parallel.py), the
 ranks of `mpu.get_data_parallel_group()`, which hold the same model-parallel slice of the model.
 The collectives here (and `rank()`, `world_size()`) are over that group; the engine sets it
-once per process (`set_data_parallel_group`), as DeepSpeed keeps its groups in one module. What
-must reach every process of the job (a failed save, a signal) passes `everyone=True`.
+(`set_data_parallel_group`), one per process as DeepSpeed keeps its groups in one module: an
+engine over another group while one is open is refused. What must reach every process of the
+job (a failed save, a signal) passes `everyone=True`.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -52,12 +54,22 @@ def init_distributed(nccl: bool) -> tuple[int, int]:
 
 
 _group = None  # the data-parallel group; None: the whole job ([Note: the data-parallel group])
+_users: weakref.WeakSet = weakref.WeakSet()  # the engines partitioned over it
 
 
-def set_data_parallel_group(group) -> None:
-    """The group ZeRO partitions over from now on (None: every process)."""
+def set_data_parallel_group(group, user) -> None:
+    """The group ZeRO partitions over from now on (None: every process), for the engine `user`.
+    An engine over another group while one is open would pull the open one's collectives onto
+    its group: refused."""
     global _group
+    others = [u for u in _users if not getattr(u, "closed", True)]  # one whose construction failed is not open
+    if others and group is not _group:
+        raise ValueError("mpu: this process has an open engine over "
+                         f"{'the whole job' if _group is None else 'another data-parallel group'}; its collectives "
+                         "would move to the new one. Give every engine of a process the same mpu (or none), or "
+                         "close the open one first (engine.close())")
     _group = group
+    _users.add(user)
 
 
 def _initialized() -> bool:
