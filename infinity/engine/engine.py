@@ -78,11 +78,7 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         measured = config.aio.tune
         self.config = config = with_measured_aio(config)  # [Note: the disk tunes itself] in io/autotune.py
         self.accelerator = accelerator or make_device()  # every stream, event and copy ([Note: in-flight copies])
-        self.rank, self.world_size = zdist.init_distributed(nccl=self.accelerator.name == "cuda")
-        # [Note: model parallelism] in zero/model_parallel.py: ZeRO over the data-parallel group
-        self.model_parallel = ModelParallel(mpu) if mpu is not None else None
-        zdist.set_data_parallel_group(self.model_parallel and self.model_parallel.dp_group, self)
-        self.rank, self.world_size = zdist.rank(), zdist.world_size()
+        self.model_parallel = self._join(mpu)  # sets rank and world_size: the data-parallel group's
         self.device = self.accelerator.compute
         self.module = model
         self.dtype = config.compute_dtype
@@ -127,18 +123,7 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         self.chosen = self._choices(measured, auto_budgets)
         # Decided once, read by the tiers and the policy ([Note: update modes] in engine/step_policy.py).
         self.update_mode = self._update_mode(self.optim_state.updates_can_wait)
-        deferred = DeferredInit(model) if is_deferred(model) else None  # [Note: deferred initialisation]
-        for u in self.units:
-            if deferred is not None:
-                deferred.materialize([s.param for s in u.slots])
-            shard = u.initial_shard()
-            if u.trainable:  # [Note: frozen parameters] in unit.py: no optimizer state
-                self.optim_state.add(u, shard[:u.train_shard_numel])
-            self.params.add(u, shard)
-            u.bind_params()
-            del shard
-        if deferred is not None:
-            deferred.finish()
+        self._partition(model)
         self.updates = PendingUpdates(self.params, self.optim_state, self.lifecycle, self.schedule)  # [Note: a unit's update] in engine/step_policy.py
         self.optimizer.bind(self.optim_state, self.units, self._set_trainable_values, self.updates.run_all)
         self.trainable_numel = sum(s.numel for u in self.units for s in u.slots if s.group >= 0)
@@ -151,6 +136,41 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
                                outside_backward=self._backward_outside_engine)
         self.report = StepReport(wall_clock_breakdown=config.wall_clock_breakdown,
                                  steps_per_print=config.steps_per_print, rank=zdist.rank(everyone=True))
+        self._attach(model)
+        log.info("infinity: %d units, %d trainable and %d frozen parameters", len(self.units),
+                 self.trainable_numel, self.frozen_numel)
+
+    # ---- construction ---------------------------------------------------------------------
+
+    def _join(self, mpu: Any) -> ModelParallel | None:
+        """Joins the job (initialising torch.distributed if needed) and takes the group ZeRO
+        partitions over: every rank, or the mpu's data-parallel group ([Note: model parallelism]
+        in zero/model_parallel.py); sets `rank` and `world_size` in that group."""
+        zdist.init_distributed(nccl=self.accelerator.name == "cuda")
+        model_parallel = ModelParallel(mpu) if mpu is not None else None
+        zdist.set_data_parallel_group(model_parallel and model_parallel.dp_group, self)
+        self.rank, self.world_size = zdist.rank(), zdist.world_size()
+        return model_parallel
+
+    def _partition(self, model: nn.Module) -> None:
+        """Each unit's first shard into its tiers, materialising a model built under Init unit by
+        unit ([Note: deferred initialisation]); the module's own copies are freed as it goes."""
+        deferred = DeferredInit(model) if is_deferred(model) else None
+        for u in self.units:
+            if deferred is not None:
+                deferred.materialize([s.param for s in u.slots])
+            shard = u.initial_shard()
+            if u.trainable:  # [Note: frozen parameters] in unit.py: no optimizer state
+                self.optim_state.add(u, shard[:u.train_shard_numel])
+            self.params.add(u, shard)
+            u.bind_params()
+            del shard
+        if deferred is not None:
+            deferred.finish()
+
+    def _attach(self, model: nn.Module) -> None:
+        """The last of construction: persistent units gathered, buffers moved to the device, the
+        parameters registered as partitioned and state_dict hooked."""
         for u in self.units:
             if u.persistent:
                 self.fetcher.acquire(u)
@@ -161,10 +181,6 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         register_units(self, self.units)
         self._owner = {id(s.param): (u, s) for u in self.units for s in u.slots}
         self._state_dict_hooks = self._hook_state_dict(model)
-        log.info("infinity: %d units, %d trainable and %d frozen parameters", len(self.units),
-                 self.trainable_numel, self.frozen_numel)
-
-    # ---- construction ---------------------------------------------------------------------
 
     def _adapt_model(self, model: nn.Module, groups: list[dict]) -> dict[int, list[nn.Parameter]]:
         """What the engine changes in the user's model before its units are planned: its large
