@@ -242,3 +242,27 @@ def test_gradient_checkpointing_enable_runs_through_infinity_checkpointing(tmp_p
     engine.backward(out.loss)
     _compare_grads(engine, reference)
     engine.close()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_infinitys_own_llama_computes_whole_logits_when_the_chunked_loss_is_off(enabled):
+    """`infinity finetune`'s Llama computes its loss itself; `"chunked_loss": {"enabled": false}`
+    must give it whole logits too (the head called once on every token), as the key promises,
+    and the same loss to fp32 rounding."""
+    from infinity.apps.models.llama import Llama
+
+    torch.manual_seed(0)
+    model = Llama({"vocab_size": VOCAB, "hidden_size": DIM, "intermediate_size": 64, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+                   "tie_word_embeddings": False})
+    ids, labels = _batch(6)
+    expected = torch.nn.functional.cross_entropy(copy.deepcopy(model)(ids)[:, :-1].reshape(-1, VOCAB),
+                                                 labels[:, 1:].reshape(-1))
+    engine, *_ = infinity.initialize(model, config=_config(chunked={"enabled": enabled}))
+    shapes = []
+    handle = engine.module.lm_head.register_forward_hook(lambda m, i, o: shapes.append(tuple(o.shape)))
+    loss = engine(ids, labels)
+    handle.remove()
+    torch.testing.assert_close(loss, expected)
+    assert ((2, 20, VOCAB) in shapes) is not enabled  # whole logits exactly when the chunked loss is off
+    engine.close()

@@ -196,7 +196,12 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         """[Note: chunked loss for Hugging Face causal LMs] on each causal LM of `model` whose head
         is tiled or an nn.Linear without bias (given the class `HeadLinear`, so that its loss runs
         inside its own call)."""
-        if not self.config.chunked_loss.enabled or self.inference:
+        if not self.config.chunked_loss.enabled:
+            for m in model.modules():  # a model that chunks its own loss is told to keep the logits whole
+                if callable(getattr(m, "chunked_loss_head", None)):
+                    m.chunk_bytes = 0
+            return []
+        if self.inference:
             return []
         installed = []
         for lm, head in chunked_heads(model):
