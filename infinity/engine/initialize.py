@@ -76,13 +76,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if config is None:
         raise ValueError("config: expected a DeepSpeed JSON config (dict or path), got None")
     accelerator = _device(device)
-    if dist_init_required is not False:
-        _, world = zdist.init_distributed(nccl=accelerator.name == "cuda")  # the batch-size rule needs it
-    else:
-        world = zdist.world_size(everyone=True)
-    if mpu is not None:  # the batch-size rule counts data-parallel ranks, as DeepSpeed's with an mpu
-        world = ModelParallel(mpu).dp_world
-    cfg = load_config(config, world_size=world)
+    cfg = load_config(config, world_size=_data_parallel_size(accelerator, dist_init_required, mpu))
     lr_scheduler, scheduler_factory = _client_scheduler(lr_scheduler, optimizer)
     optimizer = _client_optimizer(optimizer, model, model_parameters)
     engine = Engine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
@@ -96,6 +90,14 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                                     engine.world_size, collate_fn=collate_fn)
     engine.training_dataloader = loader
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _data_parallel_size(accelerator: Device, dist_init_required: bool | None, mpu: Any) -> int:
+    """The ranks the batch-size rule counts: every process, initialising torch.distributed unless
+    told not to, or the mpu's data-parallel ranks (as DeepSpeed's with an mpu)."""
+    if dist_init_required is not False:
+        zdist.init_distributed(nccl=accelerator.name == "cuda")
+    return ModelParallel(mpu).dp_world if mpu is not None else zdist.world_size(everyone=True)
 
 
 def _device(device: Any) -> Device:
