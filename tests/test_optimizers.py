@@ -233,6 +233,54 @@ def test_8bit_moments_move_a_quarter_of_fp32_bytes(tmp_path):
     assert used["fp32"] >= 12 * n and used["bf16"] <= 8.5 * n and used["8bit"] <= 6.5 * n, used
 
 
+def _streamed(fmt: str, path, buffer_count: int):
+    """(engine, fp32 master, bytes read from disk a step) after 5 steps of six 128 x 128 units
+    cut into 24 pieces of 4096, with `buffer_count` x 4096 fp32 elements of pool."""
+    path.mkdir()
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(128, 128, bias=False) for _ in range(6)))
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "moment_format": fmt}},
+           "zero_optimization": {"stage": 3, "sub_group_size": 4096, "stage3_param_persistence_threshold": 0,
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": str(path),
+                                                       "buffer_count": buffer_count}},
+           "aio": {"engine": "psync"}}  # pread from this process: /proc/self/io counts it
+    engine, *_ = infinity.initialize(model=model, config=cfg)
+    g = torch.Generator().manual_seed(1)
+    for step in range(5):
+        if step == 2:  # the first steps learn the order and fill the pool
+            with open("/proc/self/io") as f:
+                before = int(dict(line.split(": ") for line in f.read().splitlines())["read_bytes"])
+        loss = engine(torch.randn(8, 128, generator=g)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    with open("/proc/self/io") as f:
+        read = (int(dict(line.split(": ") for line in f.read().splitlines())["read_bytes"]) - before) / 3
+    return engine, engine.consolidated_state_dict(), read
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "8bit"])
+def test_smaller_moments_take_smaller_buffers_so_the_same_budget_holds_more(fmt, tmp_path):
+    """[Note: two sizes of buffer] in offload/pool.py: with the same knobs the pool's real bytes
+    are no more than fp32's, but its moment buffers are their format's size, so it holds more
+    pieces from step to step and the disk reads (/proc/self/io) fall by more than the format's
+    bytes alone (2/3 of fp32's for bf16; one size for all held as many pieces as fp32's pool);
+    what is computed is the same as with a pool that holds the whole state."""
+    fp32, _, fp32_read = _streamed("fp32", tmp_path / "fp32", 36)
+    fp32_bytes = sum(b.numel() for b in fp32.optim_state.pool._buffers)
+    fp32.close()
+    engine, state, read = _streamed(fmt, tmp_path / fmt, 36)
+    buffers = engine.optim_state.pool._buffers  # the tensors the pool allocated
+    assert sum(b.numel() for b in buffers) <= fp32_bytes
+    assert sorted({b.numel() for b in buffers}) == [8192, 16384]  # the moments' pages, the master's
+    engine.close()
+    assert 0 < read <= 0.55 * fp32_read, (read, fp32_read)
+    whole, whole_state, _ = _streamed(fmt, tmp_path / "whole", 400)  # the pool holds all 24 pieces
+    whole.close()
+    for name, value in whole_state.items():
+        assert torch.equal(state[name], value), name
+
+
 def test_the_8bit_format_keeps_each_value_within_its_code_s_step():
     """Every value comes back within a sixteenth of itself (e4m3's half step) unless it is below
     the block's range (then it is at most a 2^-9 of the block's scale away); a square's root

@@ -93,6 +93,26 @@ def test_accounting():
     assert (stats.bytes_in_use, stats.peak_in_use) == (0, 2 * 4096)
 
 
+def test_a_second_size_of_buffer_serves_the_requests_it_holds_and_only_them():
+    """[Note: two sizes of buffer]: a request takes the smallest class that holds it, and waits for
+    that class alone; the buffers are the sizes asked for, in real memory."""
+    pool = BufferPool(2, 3 * PAGE_SIZE, small=(3, PAGE_SIZE + 1))
+    sizes = sorted(pool.base(b).numel() for b in [pool.acquire(PAGE_SIZE) for _ in range(3)])
+    assert sizes == [2 * PAGE_SIZE] * 3  # PAGE_SIZE + 1 rounded up to whole pages
+    assert pool.stats.bytes_total == 2 * 3 * PAGE_SIZE + 3 * 2 * PAGE_SIZE and pool.buffer_count == 5
+    assert pool.free_for(1) == 0 and pool.free_for(2 * PAGE_SIZE + 1) == 2
+    with pytest.raises(TimeoutError, match="buffer_count"):
+        pool.acquire(1, timeout=0.05)  # two large buffers free, none of its own size
+    big = pool.acquire(2 * PAGE_SIZE + 1)
+    assert pool.base(big).numel() == 3 * PAGE_SIZE
+    assert pool.stats.buffers_in_use == 4 and pool.stats.bytes_in_use == 3 * 2 * PAGE_SIZE + 3 * PAGE_SIZE
+
+
+def test_a_second_size_no_smaller_than_the_first_makes_one_class():
+    pool = BufferPool(2, PAGE_SIZE, small=(2, PAGE_SIZE))
+    assert pool.buffer_count == 4 and pool.free_for(1) == 4 and pool.stats.bytes_total == 4 * PAGE_SIZE
+
+
 def test_a_pool_larger_than_ram_is_refused_before_allocating():
     match = r"offload_param: buffer_count x buffer_size = 1000000 x .*lower buffer_count or buffer_size"
     with pytest.raises(ValueError, match=match):

@@ -11,6 +11,16 @@ to crash DeepSpeed ("More elements ... than buffer size") just works:
     can be moved as whole pages, straight through O_DIRECT with no bounce buffer.
 The total is checked against the RAM available before anything is allocated.
 
+[Note: two sizes of buffer]
+A pool may have a second, smaller class of buffers (`small`): a request is served from the
+smallest class that holds it, and waits for that class alone. The NVMe optimizer tier keeps a
+piece's fp32 master in a buffer of the piece's fp32 size and its moments, when their format is
+smaller (bf16, 8 bits), in buffers of the moments' size: with one size for all, a bf16 moment
+left half of its buffer unused and an 8-bit one three quarters, and the budget held a third
+fewer pieces than its bytes allow ([Note: the pool is a budget] in
+infinity/offload/optimizer/sizing.py). Classes are never mixed: the tier counts each piece's
+buffers in each class, so a moment never takes the buffer a master is waiting for.
+
 [Note: waiting for a buffer]
 A request that cannot be served now waits for a release rather than failing: with prefetching,
 running out of buffers for a moment is normal. It waits at most `timeout` seconds; a pool that
@@ -44,6 +54,7 @@ class PoolStats(NamedTuple):
     bytes_in_use: int  # in buffers handed out now
     peak_in_use: int  # the most ever handed out at once
     pinned: bool
+    buffers_in_use: int = 0  # how many are handed out now
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -63,12 +74,15 @@ class BufferPool:
         name: the config section, for messages (e.g. "offload_param").
         on_release: called with every buffer handed back (the asynchronous test device
             scribbles over it, so that a copy still reading it fails loudly).
+        small: (count, bytes) of a second class of smaller buffers, which serve the requests
+            they hold ([Note: two sizes of buffer]); None for one size.
 
     Thread-safe: one lock guards it, so any thread may acquire and release.
     """
 
-    _buffers: list[torch.Tensor]  # buffer_count x 1-D uint8, page-aligned, buffer_size bytes each
-    _free: list[int]  # indices into _buffers, most recently released last (reused first: warm)
+    _buffers: list[torch.Tensor]  # 1-D uint8, page-aligned: buffer_count of buffer_size bytes, then the small ones
+    _sizes: list[int]  # the classes' bytes a buffer, smallest first
+    _free: dict[int, list[int]]  # class size -> indices into _buffers, most recently released last (reused first: warm)
     _in_use: dict[int, int]  # data_ptr of a handed-out buffer -> its index
 
     def __init__(
@@ -80,6 +94,7 @@ class BufferPool:
         pin: bool | None = None,
         name: str = "offload_param",
         on_release: Callable[[torch.Tensor], None] | None = None,
+        small: tuple[int, int] | None = None,
     ) -> None:
         self._name = name
         self._on_release = on_release
@@ -100,28 +115,40 @@ class BufferPool:
             )
             buffer_size = largest
         self._buffer_size = round_up(buffer_size, PAGE_SIZE)
-        self._buffer_count = buffer_count
+        classes = [(buffer_count, self._buffer_size)]
+        if small is not None and small[0] > 0:
+            count = _check_count(f"{name} pool's small buffers", small[0], 1)
+            size = round_up(_check_count(f"{name} pool's small buffer size", small[1], 1), PAGE_SIZE)
+            if size < self._buffer_size:
+                classes.append((count, size))
+            else:  # no smaller than the others: one class
+                classes[0] = (buffer_count + count, self._buffer_size)
+        self._buffer_count = sum(count for count, _ in classes)
         self._pinned = bool(driver if pin is None else pin)
-        self._check_ram()
+        self._check_ram(classes)
         # Page-locked even without CUDA (mlock): O_DIRECT into locked pages is ~1.4x faster here
         # ([Note: page-locked even without a GPU] in infinity/io/memory.py); only an explicit
         # pin=False leaves them pageable.
-        self._buffers = [aligned_empty(self._buffer_size, pin=None if pin is not False else False)
-                         for _ in range(self._buffer_count)]
-        self._free = list(range(self._buffer_count - 1, -1, -1))
+        self._buffers, self._free = [], {}
+        for count, size in classes:
+            first = len(self._buffers)
+            self._buffers += [aligned_empty(size, pin=None if pin is not False else False) for _ in range(count)]
+            self._free[size] = list(range(first + count - 1, first - 1, -1))
+        self._sizes = sorted(self._free)
         self._in_use = {}
+        self._bytes_in_use = 0
         self._peak = 0
         self._cond = threading.Condition()
 
-    def _check_ram(self) -> None:
-        total = self._buffer_count * self._buffer_size
+    def _check_ram(self, classes: list[tuple[int, int]]) -> None:
+        total = sum(count * size for count, size in classes)
         available = psutil.virtual_memory().available
         if total <= available:
             return
         hint = " or set pin_memory: false" if self._pinned else ""
         raise ValueError(
-            f"zero_optimization.{self._name}: buffer_count x buffer_size = {self._buffer_count} x "
-            f"{self._buffer_size} bytes = {human_bytes(total)} of {'pinned ' if self._pinned else ''}host memory, "
+            f"zero_optimization.{self._name}: buffer_count x buffer_size = "
+            f"{' + '.join(f'{count} x {size}' for count, size in classes)} bytes = {human_bytes(total)} of {'pinned ' if self._pinned else ''}host memory, "
             f"but only {human_bytes(available)} is available; lower buffer_count or buffer_size{hint}"
         )
 
@@ -147,16 +174,26 @@ class BufferPool:
 
     @property
     def num_free(self) -> int:
+        """Free buffers of every class."""
         with self._cond:
-            return len(self._free)
+            return sum(len(free) for free in self._free.values())
+
+    def free_for(self, nbytes: int) -> int:
+        """Free buffers of the class a request of `nbytes` is served from ([Note: two sizes of buffer])."""
+        with self._cond:
+            return len(self._free[self._class_of(nbytes)])
+
+    def class_count(self, nbytes: int) -> int:
+        """Buffers of the class a request of `nbytes` is served from."""
+        size = self._class_of(nbytes)
+        return sum(1 for b in self._buffers if b.numel() == size)
 
     @property
     def stats(self) -> PoolStats:
         with self._cond:
-            in_use = len(self._in_use) * self._buffer_size
             return PoolStats(
-                self._buffer_count, self._buffer_size, self._buffer_count * self._buffer_size,
-                in_use, self._peak, self._pinned,
+                self._buffer_count, self._buffer_size, sum(b.numel() for b in self._buffers),
+                self._bytes_in_use, self._peak, self._pinned, len(self._in_use),
             )
 
     # ---- handing out and taking back ---------------------------------------------------------
@@ -168,14 +205,15 @@ class BufferPool:
         buffer]); raises TimeoutError naming `buffer_count` and `buffer_size` if none comes.
         """
         self._check_nbytes(nbytes)
+        free = self._free[self._class_of(nbytes)]
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while not self._free:
+            while not free:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise self.exhausted(timeout)
                 self._cond.wait(remaining)
-            return self._take(nbytes)
+            return self._take(free, nbytes)
 
     def exhausted(self, timeout: float | None) -> TimeoutError:
         """The error for a request that waited `timeout` seconds for a buffer in vain."""
@@ -188,8 +226,9 @@ class BufferPool:
     def try_acquire(self, nbytes: int) -> torch.Tensor | None:
         """Like `acquire`, but None at once when no buffer is free."""
         self._check_nbytes(nbytes)
+        free = self._free[self._class_of(nbytes)]
         with self._cond:
-            return self._take(nbytes) if self._free else None
+            return self._take(free, nbytes) if free else None
 
     def release(self, buf: torch.Tensor) -> None:
         """Gives back a buffer from `acquire` (any view that starts where the buffer starts)."""
@@ -199,8 +238,9 @@ class BufferPool:
                 raise ValueError(f"release: the tensor is not a buffer handed out by the {self._name} pool")
             if self._on_release is not None:
                 self._on_release(self._buffers[index])
-            self._free.append(index)
-            self._cond.notify()
+            self._bytes_in_use -= self._buffers[index].numel()
+            self._free[self._buffers[index].numel()].append(index)
+            self._cond.notify_all()  # the waiters may wait on different classes
 
     def owns(self, buf: torch.Tensor) -> bool:
         """Whether `buf` starts a buffer of this pool that is handed out now."""
@@ -215,12 +255,17 @@ class BufferPool:
                 raise ValueError(f"buffer: the tensor is not a buffer handed out by the {self._name} pool")
             return self._buffers[index]
 
-    def _take(self, nbytes: int) -> torch.Tensor:
-        index = self._free.pop()
+    def _take(self, free: list[int], nbytes: int) -> torch.Tensor:
+        index = free.pop()
         buf = self._buffers[index]
         self._in_use[buf.data_ptr()] = index
-        self._peak = max(self._peak, len(self._in_use) * self._buffer_size)
+        self._bytes_in_use += buf.numel()
+        self._peak = max(self._peak, self._bytes_in_use)
         return buf[:nbytes]
+
+    def _class_of(self, nbytes: int) -> int:
+        """The size of the smallest class that holds `nbytes`."""
+        return next(size for size in self._sizes if size >= nbytes)
 
     def _check_nbytes(self, nbytes: int) -> None:
         if isinstance(nbytes, bool) or not isinstance(nbytes, Integral) or nbytes < 0:

@@ -133,10 +133,13 @@ class Swapper(ShardTransfers):
         with self._cond:
             return self.pool.num_free + (len(self.cache) if self.cache is not None else 0)
 
-    def can_spare(self, count: int) -> bool:
-        """Whether `count` buffers are available without waiting (`buffers_available`),
+    def can_spare(self, count: int, nbytes: int | None = None) -> bool:
+        """Whether `count` buffers are available without waiting (`buffers_available`; with
+        `nbytes`, free ones of the class that serves it: [Note: two sizes of buffer] in pool.py),
         counting those of writes the kernel has finished (`reap`)."""
-        return self.buffers_available >= count or (self.reap() > 0 and self.buffers_available >= count)
+        def available() -> int:
+            return self.buffers_available if nbytes is None else self.pool.free_for(nbytes)
+        return available() >= count or (self.reap() > 0 and available() >= count)
 
     def lost(self, kinds: Collection[str] | None = None) -> OSError | None:
         """Why the bytes of a shard (of one of `kinds`; None: any) are lost: the failure of the

@@ -110,7 +110,7 @@ class ShardTransfers:
                     assert (kind, key) in self._lost, f"{shard.name}: invalid, but not counted as lost"
                 elif (kind, key) in self._lost:
                     assert shard.state is ShardState.HOST_TO_NVME, f"{shard.name}: lost, but {shard.state.name}"
-            in_use = self.pool.stats.bytes_in_use // self.pool.buffer_size
+            in_use = self.pool.stats.buffers_in_use
             owning += len(self._parked)
             assert in_use == owning + outside, f"pool: {in_use} buffers in use, shards own {owning} + {outside} outside"
             if self.cache is not None:

@@ -24,7 +24,7 @@ from infinity.apps.tools.estimate_model import ModelSize
 from infinity.apps.finetune_config import TILE_SIZE
 from infinity.apps.tools.estimate_placement import FP32, HALF
 from infinity.config.sections import ChunkedLossConfig
-from infinity.offload.optimizer.sizing import STATE_KINDS, host_elements, pool_size
+from infinity.offload.optimizer.sizing import host_elements, piece_buffers, pool_size
 
 
 CHUNK_BYTES = ChunkedLossConfig().chunk_bytes
@@ -143,10 +143,10 @@ def finetune_host_peak(model: ModelSize, cfg: dict, cpu_bytes: int, tokens: int,
     largest_trainable = max(u.trainable for u in units)
     _, count, buffer, piece, grads = builtin_budget(cpu_bytes, largest, largest_trainable)
     shards = [u.trainable for u in units if u.trainable]
-    per_piece = STATE_KINDS + (1 if model.trainable > grads else 0)
+    piece = piece_buffers(spilled=model.trainable > grads)  # AdamW, fp32 moments: the built-in config's
     optimizer_pool = buffers = 0
     if shards:
-        buffers, elements = pool_size(shards, PIECE, OPTIMIZER_BUFFERS, per_piece, host_elements())  # as the tier does
+        buffers, elements = pool_size(shards, PIECE, OPTIMIZER_BUFFERS, piece, host_elements())  # as the tier does
         optimizer_pool = buffers * elements * FP32
     parts = [
         ("the process (Python, torch, infinity: measured here)", psutil.Process().memory_info().rss),

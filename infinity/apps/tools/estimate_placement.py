@@ -46,6 +46,8 @@ cross the bus in every forward and backward, the optimizer state only once a ste
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -55,7 +57,7 @@ from infinity.apps.tools.estimate_machine import Machine
 from infinity.apps.tools.estimate_model import ModelSize, UnitSize
 from infinity.offload.nvme_io import MIN_BUFFERS
 from infinity.optim.formats import FORMATS
-from infinity.offload.optimizer.sizing import STATE_KINDS as KINDS_COUNT, choose_pieces, cut_pieces
+from infinity.offload.optimizer.sizing import choose_pieces, cut_pieces, piece_buffers
 
 HALF = 2  # bytes of a bf16 element, the compute dtype the recommended config enables
 FP32 = 4
@@ -161,16 +163,18 @@ def _optimizer_items(model: ModelSize, world: int, optimizer: str, nvme_path: st
             room -= n
         else:
             spilled += n
-    per_piece = KINDS_COUNT + (1 if spilled else 0)
-    asked = max(defaults.buffer_count, 3 * per_piece)  # the knob; the engine cuts its bytes into `count` buffers
+    per_piece, kept = piece_buffers(2, FORMATS[fmt].bytes_per_value(), bool(spilled))  # Adam's two moments
+    asked = max(defaults.buffer_count, math.ceil(3 * per_piece))  # the knob; the engine cuts its bytes into `count` buffers
     # The pipeline's least pool: the engine grows it into what the knobs allow of the host's free
-    # memory when it is built ([Note: the pool is a budget] in offload/optimizer/sizing.py).
-    target, count = choose_pieces(trains, zero.sub_group_size, asked, per_piece, host_elements=1)
+    # memory when it is built ([Note: the pool is a budget] in offload/optimizer/sizing.py), its
+    # buffers counted in fp32 ones of the largest piece ([Note: two sizes of buffer] in offload/pool.py).
+    target, count = choose_pieces(trains, zero.sub_group_size, asked, per_piece, host_elements=1, kinds=kept)
     piece = max((n for t in trains for _, n in cut_pieces(t, target)), default=1)  # [Note: the pool is a budget]
     items = [Item("nvme", what, state),
              Item("host", "fp32 gradient accumulators", FP32 * (t - spilled)),
              Item("nvme", "spilled fp32 gradient accumulators", FP32 * spilled),
-             Item("host", f"offload_optimizer pool: {count} buffers", count * _page(FP32 * piece)), landing]
+             Item("host", f"offload_optimizer pool: {count:g} buffers' worth", round(count * _page(FP32 * piece))),
+             landing]
     step = 2 * state + 2 * FP32 * spilled  # state read and written; spill written and read
     return items, step, {"device": "nvme", "nvme_path": nvme_path, "buffer_count": asked}
 

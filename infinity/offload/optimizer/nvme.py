@@ -76,11 +76,15 @@ import torch
 
 from infinity.device import Device, InFlight
 from infinity.device.timeline import TIMELINE
+from infinity.io import PAGE_SIZE
 from infinity.offload import BufferPool, NvmeStore, Swapper
+from infinity.offload.pool import round_up
 from infinity.offload.nvme_io import IOTally, make_handle
 from infinity.offload.optimizer.accumulators import GRAD, Accumulators, norm_parts
 from infinity.offload.optimizer.pieces import Piece, Pieces, PieceState
-from infinity.offload.optimizer.sizing import choose_pieces, cut_pieces, held_pieces, held_spread, host_elements
+from infinity.offload._messages import human_bytes
+from infinity.offload.optimizer.sizing import (choose_pieces, cut_pieces, held_pieces, held_spread, host_elements,
+                                               piece_buffers)
 from infinity.offload.protocols import TierUnit
 from infinity.offload.schedule import StepSchedule
 from infinity.offload.state import ShardState
@@ -122,9 +126,12 @@ class NvmeOptimizerState:
         self.acc = Accumulators(device, units, offload.max_grad_in_cpu, set(no_accumulator), schedule.expected)
         # Units with something to update; the others' state is never read for an update.
         self._updatable = {u.index for u in units if u.segments}
-        self._per_piece = len(self.kinds) + (1 if self.acc.spilled else 0)
+        # Buffers a piece takes, and keeps while held, counted in fp32 ones ([Note: two sizes of buffer] in pool.py)
+        self._per_piece, kept = piece_buffers(len(self.rule.moments), self.rule.format.bytes_per_value(),
+                                              bool(self.acc.spilled))
         target, buffers = choose_pieces([u.train_shard_numel for u in units], sub_group_size, offload.buffer_count,
-                                        self._per_piece, host_elements(), planned=offload.pool_elements)
+                                        self._per_piece, host_elements(), kinds=kept,
+                                        planned=offload.pool_elements)
         cuts = {u.index: cut_pieces(u.train_shard_numel, target) for u in units}
         layout = {kind: {(i, k): self._nbytes(kind, n) for i, ps in cuts.items() for k, (_, n) in enumerate(ps)}
                   for kind in self.kinds}
@@ -135,22 +142,21 @@ class NvmeOptimizerState:
                                handle=self.handle, name="offload_optimizer")
         largest = max((n for ps in cuts.values() for _, n in ps), default=1)
         pieces = sum(len(cuts[index]) for index in self._updatable)
+        self.pool, buffers, kept = self._build_pool(device, offload, buffers, largest, kept)
         self._held_count = held_pieces(pieces, buffers, self._per_piece,
-                                       max((len(cuts[index]) for index in self._updatable), default=1))
-        log.info("infinity: offload_optimizer pipeline: %d buffers of %.1f MB (pieces of up to %d elements; %d of "
-                 "the %d pieces stay in the pool, the others stream) for buffer_count %d x sub_group_size %d "
-                 "([Note: the pool is a budget])", buffers, largest * 4 / 1e6, largest, self._held_count, pieces,
-                 offload.buffer_count, sub_group_size)
-        # At least a buffer for each kind of: the piece being read, being updated, being written.
-        self.pool = BufferPool(buffers, largest * 4, name="offload_optimizer", pin=(device.pin() or None) if offload.pin_memory else False,
-                               on_release=device.scribble)
+                                       max((len(cuts[index]) for index in self._updatable), default=1), kept)
+        log.info("infinity: offload_optimizer pipeline: %d buffers, %s (pieces of up to %d elements; %d of the %d "
+                 "pieces stay in the pool, the others stream) for buffer_count %d x sub_group_size %d "
+                 "([Note: the pool is a budget])", self.pool.buffer_count, human_bytes(self.pool.stats.bytes_total),
+                 largest, self._held_count, pieces, offload.buffer_count, sub_group_size)
         # A second handle for writes, so that reads never queue behind them.
         self.swapper = Swapper(self.store, self.pool, None, self.handle, make_handle(aio), on_lost=self._lost_write)
         self.acc.bind(self.swapper, self.pool)
         self.pieces = Pieces(self.swapper, cuts)
         self._hold_spread(schedule.expected)
-        self.chosen = {"piece_elements": largest, "buffers": buffers, "pool_bytes": buffers * largest * 4,
-                       "pieces_in_flight": buffers // self._per_piece, "pieces_held": self._held_count,
+        self.chosen = {"piece_elements": largest, "buffers": self.pool.buffer_count,
+                       "pool_bytes": self.pool.stats.bytes_total,
+                       "pieces_in_flight": int(buffers // self._per_piece), "pieces_held": self._held_count,
                        "pieces": pieces}
         if offload.pool_elements is not None:  # max_in_cpu "auto" gave the pool the room (placement.py)
             self.chosen["planned_elements"] = offload.pool_elements
@@ -160,6 +166,26 @@ class NvmeOptimizerState:
         self._at_next_use = at_next_use
         self._tally = IOTally(self.swapper)
         self._scratch_room: dict[str, torch.Tensor] = {}
+
+    def _build_pool(self, device: Device, offload, buffers: float, largest: int, kept: float) -> tuple:
+        """(pool, buffers, kept): the pool of `buffers` fp32 buffers' bytes of the largest piece,
+        of one size, or of a master's and its moments' for each piece in flight ([Note: two sizes
+        of buffer] in pool.py); `buffers` and `kept` again, counted as the pool was made (whole
+        pages each), which `_per_piece` follows. At least a piece's buffers for each of: the piece
+        being read, being updated, being written."""
+        two_sizes = not self.acc.spilled and self.rule.moments and self.rule.format.bytes_per_value() < 4
+        self._moment_bytes = self.rule.format.nbytes(largest) if two_sizes else None
+        count, small = int(buffers), None
+        if two_sizes:
+            whole, part = round_up(4 * largest, PAGE_SIZE), round_up(self._moment_bytes, PAGE_SIZE)
+            moments = len(self.rule.moments)
+            count = max(3, int(buffers * whole) // (whole + moments * part))
+            small = (count * moments, self._moment_bytes)
+            self._per_piece = kept = 1 + moments * part / whole
+            buffers = count * self._per_piece
+        pin = (device.pin() or None) if offload.pin_memory else False
+        pool = BufferPool(count, largest * 4, name="offload_optimizer", pin=pin, on_release=device.scribble, small=small)
+        return pool, buffers, kept
 
     def _kinds(self, index: int) -> tuple[str, ...]:
         return self.kinds + (GRAD,) if index in self.acc.spilled else self.kinds
@@ -287,13 +313,22 @@ class NvmeOptimizerState:
                  and (kind != GRAD or index in self.schedule.final or index in self.schedule.pending)]
         if not kinds:
             return True
-        if not self.swapper.can_spare((2 if in_order else 3) * self._per_piece + len(kinds)):
+        if not self._can_spare(2 if in_order else 3, kinds):
             return False
         try:
             self.pieces.read_ahead(piece, kinds)
         except OSError:
             return False  # a shard whose last write failed: its update meets the error itself
         return True
+
+    def _can_spare(self, pieces: int, kinds: list[str] = ()) -> bool:
+        """Whether the pool has buffers free for `pieces` whole pieces and the `kinds` named, in
+        each of its classes ([Note: two sizes of buffer] in pool.py)."""
+        if self._moment_bytes is None:
+            return self.swapper.can_spare(int(pieces * self._per_piece) + len(kinds))
+        moments = sum(1 for kind in kinds if kind in self.rule.moments)
+        return (self.swapper.can_spare(pieces * len(self.rule.moments) + moments, self._moment_bytes)
+                and self.swapper.can_spare(pieces + len(kinds) - moments, self.pool.buffer_size))
 
     def abort_pass(self) -> None:
         """A backward failed: gradients in flight are dropped, and so is whatever this step had
@@ -348,7 +383,7 @@ class NvmeOptimizerState:
                 self._resume[index] = k + 1  # before its writes start: never updated twice
                 # A held piece keeps its buffers only where the rest of the update still has a
                 # piece's worth of them beside it ([Note: reads in update order]).
-                if piece.held and self.swapper.can_spare(2 * self._per_piece):
+                if piece.held and self._can_spare(2):
                     self.pieces.keep(piece, dict(zip(kinds, handles)))
                 else:
                     self.pieces.write_back(piece, kinds)

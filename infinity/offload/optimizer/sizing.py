@@ -50,7 +50,10 @@ of them, for the most state the pool holds from one step to the next:
     against 3.2G elements) holding a quarter of the state in all but 6 pieces' buffers cut
     the reads by as much but hid less of them (0.38 of the optimizer's I/O behind compute
     against 0.59), and the step was no faster.
-  * Buffers are as large as the largest piece, so pieces of unequal sizes (a 33.5M tile beside
+  * Buffers are as large as the largest piece (its fp32 master's; its moments', where their
+    format is smaller, in buffers of that size: [Note: two sizes of buffer] in
+    infinity/offload/pool.py, so a bf16 piece of Adam's costs two fp32 buffers' bytes, not three,
+    and the budget holds half as many pieces again), so pieces of unequal sizes (a 33.5M tile beside
     7.1M layers) waste the difference, and the spare buffers cost a piece each: smaller pieces
     hold more of the same bytes. The cuts tried are halvings of the piece that would leave
     `PIPELINE_DEPTH` pieces in flight, and the sizes that cut the largest shards into equal
@@ -93,11 +96,24 @@ HOST_SHARE = 4  # the pool takes at most a quarter of the host memory free when 
 assert PIECE_ALIGN % NORM_ROW == 0  # pieces start on norm rows ([Note: gradient norm by rows] in accumulators.py)
 
 
-def choose_pieces(shards: list[int], sub_group_size: int, buffer_count: int, per_piece: int,
-                  host_elements: int | None = None, kinds: int = STATE_KINDS,
-                  planned: int | None = None) -> tuple[int, int]:
+def piece_buffers(moments: int = STATE_KINDS - 1, moment_bytes: float = 4.0, spilled: bool = False) -> tuple[float, float]:
+    """(buffers a piece takes in the pool, of them those it keeps while held), counted in buffers
+    of the piece's fp32 size: its master, its `moments` at `moment_bytes` a value (4 fp32, 2 bf16,
+    about 1 for 8 bits), and a spilled gradient's. Moments smaller than fp32 take buffers of
+    their own size ([Note: two sizes of buffer] in infinity/offload/pool.py), so a bf16 piece of
+    Adam's counts 2, not 3; with a spilled gradient the pool keeps one size (the gradient's
+    buffer is fp32-sized, and shared with the others as before). The one count of a piece's
+    buffers: the tier, the placement plan and `infinity estimate` all take it from here."""
+    kept = 1 + moments if spilled or moment_bytes >= 4 else 1 + moments * moment_bytes / 4
+    return kept + (1 if spilled else 0), kept
+
+
+def choose_pieces(shards: list[int], sub_group_size: int, buffer_count: int, per_piece: float,
+                  host_elements: int | None = None, kinds: float = STATE_KINDS,
+                  planned: int | None = None) -> tuple[int, float]:
     """(piece target in elements, buffers) for shards of these sizes ([Note: the pool is a budget]).
-    `per_piece`: buffers a piece takes (its `kinds` of state, and a spilled gradient's);
+    `per_piece`, `kinds`: buffers a piece takes and keeps while held (`piece_buffers`; buffers
+    are counted in the largest piece's fp32 size);
     `host_elements`: the most fp32 elements the pool may take of the host's free memory;
     `planned`: fp32 elements the placement plan gives the pool (max_in_cpu "auto"), taken beside
     the knobs' budget and not capped by the host's share, which the plan has counted already."""
@@ -106,8 +122,8 @@ def choose_pieces(shards: list[int], sub_group_size: int, buffer_count: int, per
     # DeepSpeed's buffers: buffer_count sub-groups (a sub-group never larger than the state), and
     # at least the 3 pieces of a pipeline; never more than the host's share.
     budget = max(buffer_count * max(asked, min(int(sub_group_size), total)), 3 * per_piece * asked)
-    budget = max(min(budget, host_elements or budget), 3 * per_piece * asked, planned or 0)
-    target = min(int(sub_group_size), max(MIN_PIECE, budget // (PIPELINE_DEPTH * per_piece)))
+    budget = int(max(min(budget, host_elements or budget), 3 * per_piece * asked, planned or 0))
+    target = min(int(sub_group_size), max(MIN_PIECE, int(budget // (PIPELINE_DEPTH * per_piece))))
     sizes = Counter(shards)
     options = []  # (elements of state held from one step to the next, piece target, buffers)
     for cut in _cuts(sizes, target):
@@ -139,7 +155,7 @@ def choose_pieces(shards: list[int], sub_group_size: int, buffer_count: int, per
     return cut, buffers
 
 
-def held_pieces(pieces: int, buffers: int, per_piece: int, unit_pieces: int = 1, kinds: int = STATE_KINDS) -> int:
+def held_pieces(pieces: int, buffers: float, per_piece: float, unit_pieces: int = 1, kinds: float = STATE_KINDS) -> int:
     """How many of the state's pieces a pool of `buffers` holds from one step to the next
     ([Note: the pool is a budget]): all of them if their kinds and `CACHED_SPARE` pieces more
     fit; else as many as leave the streamed ones `STREAM_PIECES` pieces' buffers and room for
@@ -155,7 +171,7 @@ def held_pieces(pieces: int, buffers: int, per_piece: int, unit_pieces: int = 1,
         most = min(most, spare * pieces // slope)
     elif spare < 0:
         most = 0
-    return max(0, min(pieces, most))
+    return int(max(0, min(pieces, most)))
 
 
 def _cuts(sizes: Counter, target: int) -> list[int]:
@@ -198,30 +214,31 @@ def host_elements(available: int | None = None) -> int:
     return available // HOST_SHARE // 4
 
 
-def pool_size(shards: list[int], sub_group_size: int, buffer_count: int, per_piece: int,
-              host: int | None = None, planned: int | None = None) -> tuple[int, int]:
-    """(buffers, elements a buffer) of the pool of a tier over `shards`, as the tier sizes it:
-    what the placement plan and `infinity estimate` count, never a formula of their own."""
-    target, buffers = choose_pieces(shards, sub_group_size, buffer_count, per_piece, host, planned=planned)
+def pool_size(shards: list[int], sub_group_size: int, buffer_count: int, piece: tuple[float, float],
+              host: int | None = None, planned: int | None = None) -> tuple[float, int]:
+    """(buffers, elements a buffer) of the pool of a tier over `shards`, as the tier sizes it
+    (`piece`: `piece_buffers`; buffers counted in fp32 ones of the largest piece): what the
+    placement plan and `infinity estimate` count, never a formula of their own."""
+    target, buffers = choose_pieces(shards, sub_group_size, buffer_count, piece[0], host, piece[1], planned)
     return buffers, max((n for numel in shards for _, n in cut_pieces(numel, target)), default=1)
 
 
-def pool_bytes(shards: list[int], sub_group_size: int, buffer_count: int, per_piece: int,
+def pool_bytes(shards: list[int], sub_group_size: int, buffer_count: int, piece: tuple[float, float],
                host: int | None = None, planned: int | None = None) -> int:
     """The host memory of that pool (`pool_size`), in bytes."""
-    buffers, piece = pool_size(shards, sub_group_size, buffer_count, per_piece, host, planned)
-    return buffers * piece * 4
+    buffers, elements = pool_size(shards, sub_group_size, buffer_count, piece, host, planned)
+    return int(buffers * elements * 4)
 
 
-def streamed_elements(shards: list[int], sub_group_size: int, buffer_count: int, per_piece: int,
+def streamed_elements(shards: list[int], sub_group_size: int, buffer_count: int, piece: tuple[float, float],
                       host: int | None = None, planned: int | None = None) -> int:
     """Elements of a tier's state over `shards` that its pool does not hold from one step to the
     next, so that each step reads and writes them: what the placement plan compares."""
     if not shards:
         return 0
-    target, buffers = choose_pieces(shards, sub_group_size, buffer_count, per_piece, host, planned=planned)
+    target, buffers = choose_pieces(shards, sub_group_size, buffer_count, piece[0], host, piece[1], planned)
     cuts = [cut_pieces(numel, target) for numel in shards]
-    held = held_pieces(sum(map(len, cuts)), buffers, per_piece, max(map(len, cuts)))
+    held = held_pieces(sum(map(len, cuts)), buffers, piece[0], max(map(len, cuts)), piece[1])
     return sum(shards) * (sum(map(len, cuts)) - held) // sum(map(len, cuts))
 
 
