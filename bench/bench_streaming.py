@@ -3,6 +3,7 @@ its floors, with the budgets users give (issue [3/7]), interleaved in one proces
 
     python bench/bench_streaming.py --rounds 5 --nvme-path /work --output streaming_134m.json
     python bench/bench_streaming.py --clip 0 --rounds 5 --nvme-path /work --output streaming_134m_noclip.json
+    python bench/bench_streaming.py --rounds 5 --nvme-path /work --deepspeed /work/venv-ds/bin/python ...
     python bench/bench_streaming.py --cases stream-96m --moment-formats fp32 bf16 8bit --micro 1 --seq 64 \
         --rounds 5 --nvme-path /work --output formats_134m.json   # [4/7]: a disk-bound step, each moment format
 
@@ -24,6 +25,12 @@ rounds) over this disk, read and written one after the other or both at once, wh
 the bytes that do not stay in the pool. A step's ratio is taken per round against max(that
 round's compute floor, the I/O floor), then the median (min-max). The per-step report's waits say
 where the step waited (`waits`: seconds per kind of wait, summed over the step).
+
+`--deepspeed PYTHON` also runs each fp32 streaming case's config on DeepSpeed 0.19.8, after the
+rounds, one case a process (`DS_ACCELERATOR=cpu`, gloo, `--ds-steps` steps after a warm-up step):
+the same file but `stage3_prefetch_bucket_size` 0, which its NVMe parameter path needs with
+`max_in_cpu` 0. Its environment: `python3 -m venv /work/venv-ds && /work/venv-ds/bin/pip install
+torch==2.13.0 deepspeed==0.19.8`, and Debian's libaio-dev for its AIO op (built on first use).
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_user_configs as user  # noqa: E402
 from bench_clip import spread  # noqa: E402
-from bench_train import load_gpt  # noqa: E402
+from bench_train import DS_SCRIPT, GPT_FILE, load_gpt  # noqa: E402
 
 
 def _streaming(buffer_count: int, sub_group_size: float):
@@ -95,6 +102,38 @@ def summarize(runs: dict, disks: list[dict], cases: list[str]) -> dict:
     return out
 
 
+def ds_config(case: str, work: str, micro: int, clip: float) -> dict:
+    """`case`'s config as DeepSpeed 0.19.8 runs it: the same file but stage3_prefetch_bucket_size 0,
+    without which its NVMe parameter prefetch fails with `max_in_cpu` 0 (its issue #3062)."""
+    config = user.engine_config(case, work, micro, clip)
+    config["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
+    return config
+
+
+def run_deepspeed(args, case: str, model_cfg: dict) -> dict:
+    """`case` on DeepSpeed (`--deepspeed`: the Python of an environment with deepspeed==0.19.8),
+    `--ds-steps` steps after a warm-up step, in a process of its own after our rounds."""
+    work = tempfile.mkdtemp(prefix="bench-ds-", dir=args.nvme_path)
+    try:
+        payload = {"gpt_file": GPT_FILE, "steps": args.ds_steps, **{k: model_cfg[k] for k in
+                   ("vocab", "seq", "dim", "layers", "micro")},
+                   "config": ds_config(case, work, model_cfg["micro"], args.clip)}
+        proc = subprocess.run([args.deepspeed, "-c", DS_SCRIPT, json.dumps(payload)], stdout=subprocess.PIPE,
+                              text=True, cwd=tempfile.gettempdir(), env=dict(os.environ, DS_ACCELERATOR="cpu"),
+                              timeout=args.ds_timeout)
+        if proc.returncode:
+            print(f"DeepSpeed {case}: exit {proc.returncode}", file=sys.stderr)
+            return {"error": proc.returncode}
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+    except subprocess.TimeoutExpired:
+        print(f"DeepSpeed {case}: timed out after {args.ds_timeout} s", file=sys.stderr)
+        return {"error": "timeout"}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    out["config"] = json.loads(json.dumps(payload["config"]).replace(work, "<nvme>"))
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", nargs="+", choices=[*STREAMING, "cpu"], default=[*STREAMING, "cpu"])
@@ -108,6 +147,10 @@ def main() -> int:
     p.add_argument("--micro", type=int, help="micro-batch (default the model's, 2)")
     p.add_argument("--seq", type=int, help="sequence length (default the model's, 256); a short one makes the "
                    "step disk-bound")
+    p.add_argument("--deepspeed", metavar="PYTHON",
+                   help="also run each fp32 streaming case on DeepSpeed with this Python (deepspeed==0.19.8)")
+    p.add_argument("--ds-steps", type=int, default=3)
+    p.add_argument("--ds-timeout", type=int, default=1800)
     p.add_argument("--output")
     args = p.parse_args()
     if "cpu" not in args.cases:
@@ -131,6 +174,13 @@ def main() -> int:
           f"{1 / statistics.median(d['read_s_per_gb'] for d in disks):.2f} GB/s, write "
           f"{1 / statistics.median(d['write_s_per_gb'] for d in disks):.2f} GB/s")
     summary = summarize(runs, disks, args.cases)
+    deepspeed = {}
+    for case in (c for c in args.cases if args.deepspeed and c in STREAMING):
+        deepspeed[case] = run_deepspeed(args, case, model_cfg)
+        if "step_s" in deepspeed[case]:
+            ours = statistics.median(runs[case]["times"])
+            print(f"{case:>12}: DeepSpeed step {spread(deepspeed[case]['times'])} s = "
+                  f"{deepspeed[case]['step_s'] / ours:.2f}x infinity's", flush=True)
     if args.output:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=HERE).stdout.strip()
@@ -138,7 +188,7 @@ def main() -> int:
             json.dump({"command": " ".join(["python", *sys.argv]), "commit": commit,
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "args": vars(args),
                        "model": model_cfg, "params": num_params, "disk": disks, "configs": configs, "runs": runs,
-                       "summary": summary}, f, indent=1)
+                       "summary": summary, "deepspeed": deepspeed}, f, indent=1)
     return 0
 
 
