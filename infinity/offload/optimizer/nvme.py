@@ -43,7 +43,10 @@ ahead are issued in the order the updates will take them (`in_order`), keeping t
 buffers back; when the order changes under reads already issued (the first step's order is a
 guess, and `step()` then learns the forward's), those after the first piece still on disk go back
 (`_in_update_order`); and an updated piece the pool would hold is written back instead when
-keeping it would leave the rest of the update less than a piece's buffers.
+keeping it would leave the rest of the update less than a piece's buffers. Within an update,
+the reads of the unit's later pieces are issued as the writes before them give buffers back
+(`_refill`): taking only the next piece left a unit that the pool could not read ahead streaming
+one piece at a time, the disk idle between a piece's write and the next read.
 
 [Note: failed transfers give their buffers back]
 A read that failed holds nothing; every other buffer an update holds when a read or a fetch
@@ -375,6 +378,7 @@ class NvmeOptimizerState:
                 piece = pieces[k]
                 if k + 1 < len(pieces):
                     taken[k + 1] = self.pieces.take(pieces[k + 1], kinds)  # read ahead while this piece updates
+                self._refill(pieces, k + 2)
                 handles = taken.pop(k)
                 got = dict(zip(kinds, self._wait_piece(piece, handles)))  # the swapper times the waits
                 current = piece
@@ -397,6 +401,14 @@ class NvmeOptimizerState:
         if index not in self.schedule.pending:  # this step's, not the last step's (which leaves `pending` now)
             self._updated.add(index)
         self._read_ahead(done=index)
+
+    def _refill(self, pieces: list[Piece], start: int) -> None:
+        """[Note: reads in update order]: while a unit updates, the reads of its pieces from
+        `start` on are issued as the writes before them give their buffers back, so that the
+        disk has the rest of the unit queued rather than the one piece the update takes next."""
+        for p in pieces[start:]:
+            if p.state in (PieceState.ON_DISK, PieceState.READ_AHEAD) and not self._read_early(p, in_order=True):
+                return
 
     def _update_piece(self, unit: TierUnit, k: int, piece: Piece, got: dict[str, torch.Tensor],
                       grad: torch.Tensor | None, hypers: list, step: int, grad_scale: float,
