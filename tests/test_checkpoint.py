@@ -57,7 +57,9 @@ def _assert_values_close(a: dict, b: dict, tol: float) -> None:
 # ---- exact resume ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("placement", ["nvme/nvme", "cpu/cpu", "none/none"])
+@pytest.mark.parametrize("placement", ["nvme/nvme",  # the default run keeps the one with every tier below
+                                       pytest.param("cpu/cpu", marks=pytest.mark.slow),
+                                       pytest.param("none/none", marks=pytest.mark.slow)])
 def test_resume_in_a_fresh_process_is_bit_identical(tmp_path, placement):
     whole = job("run", tmp_path, "--placement", placement, "--steps", "6")
     job("save", tmp_path, "--placement", placement, "--steps", "3", "--save", str(tmp_path / "ckpt"))
