@@ -43,10 +43,9 @@ ahead are issued in the order the updates will take them (`in_order`), keeping t
 buffers back; when the order changes under reads already issued (the first step's order is a
 guess, and `step()` then learns the forward's), those after the first piece still on disk go back
 (`_in_update_order`); and an updated piece the pool would hold is written back instead when
-keeping it would leave the rest of the update less than a piece's buffers. Within an update,
-the reads of the unit's later pieces are issued as the writes before them give buffers back
-(`_refill`): taking only the next piece left a unit that the pool could not read ahead streaming
-one piece at a time, the disk idle between a piece's write and the next read.
+keeping it would leave the rest of the update less than a piece's buffers. An update also reads
+its unit's later pieces as the writes before them give buffers back (`_refill`), not only the
+next one, which streamed a unit the pool had not read ahead one piece at a time.
 
 [Note: failed transfers give their buffers back]
 A read that failed holds nothing; every other buffer an update holds when a read or a fetch
@@ -79,15 +78,13 @@ import torch
 
 from infinity.device import Device, InFlight
 from infinity.device.timeline import TIMELINE
-from infinity.io import PAGE_SIZE
 from infinity.offload import BufferPool, NvmeStore, Swapper
-from infinity.offload.pool import round_up
 from infinity.offload.nvme_io import IOTally, make_handle
 from infinity.offload.optimizer.accumulators import GRAD, Accumulators, norm_parts
 from infinity.offload.optimizer.pieces import Piece, Pieces, PieceState
 from infinity.offload._messages import human_bytes
 from infinity.offload.optimizer.sizing import (choose_pieces, cut_pieces, held_pieces, held_spread, host_elements,
-                                               piece_buffers)
+                                               piece_buffers, pool_classes)
 from infinity.offload.protocols import TierUnit
 from infinity.offload.schedule import StepSchedule
 from infinity.offload.state import ShardState
@@ -171,21 +168,14 @@ class NvmeOptimizerState:
         self._scratch_room: dict[str, torch.Tensor] = {}
 
     def _build_pool(self, device: Device, offload, buffers: float, largest: int, kept: float) -> tuple:
-        """(pool, buffers, kept): the pool of `buffers` fp32 buffers' bytes of the largest piece,
-        of one size, or of a master's and its moments' for each piece in flight ([Note: two sizes
-        of buffer] in pool.py); `buffers` and `kept` again, counted as the pool was made (whole
-        pages each), which `_per_piece` follows. At least a piece's buffers for each of: the piece
-        being read, being updated, being written."""
+        """(pool, buffers, kept): the pool of `buffers` fp32 buffers' bytes of the largest piece
+        (`pool_classes`), and `buffers` and `kept` again as it was made, which `_per_piece` follows."""
         two_sizes = not self.acc.spilled and self.rule.moments and self.rule.format.bytes_per_value() < 4
         self._moment_bytes = self.rule.format.nbytes(largest) if two_sizes else None
-        count, small = int(buffers), None
-        if two_sizes:
-            whole, part = round_up(4 * largest, PAGE_SIZE), round_up(self._moment_bytes, PAGE_SIZE)
-            moments = len(self.rule.moments)
-            count = max(3, int(buffers * whole) // (whole + moments * part))
-            small = (count * moments, self._moment_bytes)
-            self._per_piece = kept = 1 + moments * part / whole
-            buffers = count * self._per_piece
+        count, small, per_piece = pool_classes(buffers, largest, len(self.rule.moments), self._moment_bytes)
+        if per_piece is not None:
+            self._per_piece = kept = per_piece
+            buffers = count * per_piece
         pin = (device.pin() or None) if offload.pin_memory else False
         pool = BufferPool(count, largest * 4, name="offload_optimizer", pin=pin, on_release=device.scribble, small=small)
         return pool, buffers, kept
@@ -403,9 +393,8 @@ class NvmeOptimizerState:
         self._read_ahead(done=index)
 
     def _refill(self, pieces: list[Piece], start: int) -> None:
-        """[Note: reads in update order]: while a unit updates, the reads of its pieces from
-        `start` on are issued as the writes before them give their buffers back, so that the
-        disk has the rest of the unit queued rather than the one piece the update takes next."""
+        """The reads of the updating unit's pieces from `start` on, as the writes before them give
+        buffers back ([Note: reads in update order])."""
         for p in pieces[start:]:
             if p.state in (PieceState.ON_DISK, PieceState.READ_AHEAD) and not self._read_early(p, in_order=True):
                 return

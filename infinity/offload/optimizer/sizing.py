@@ -81,7 +81,9 @@ from collections import Counter
 
 import psutil
 
+from infinity.io import PAGE_SIZE
 from infinity.offload.optimizer.accumulators import NORM_ROW
+from infinity.offload.pool import round_up
 
 STATE_KINDS = 3  # fp32 master, exp_avg, exp_avg_sq: the buffers one piece of Adam's state takes
 PIECE_ALIGN = 1024  # elements: 4 KiB of fp32, so every piece's extent is O_DIRECT-aligned
@@ -106,6 +108,20 @@ def piece_buffers(moments: int = STATE_KINDS - 1, moment_bytes: float = 4.0, spi
     buffers: the tier, the placement plan and `infinity estimate` all take it from here."""
     kept = 1 + moments if spilled or moment_bytes >= 4 else 1 + moments * moment_bytes / 4
     return kept + (1 if spilled else 0), kept
+
+
+def pool_classes(buffers: float, largest: int, moments: int,
+                 moment_nbytes: int | None) -> tuple[int, tuple[int, int] | None, float | None]:
+    """(buffers of the largest piece's fp32 size, (count, bytes) of smaller ones for the moments or
+    None, a piece's buffers as made, in fp32 ones, or None) of a pool of `buffers` fp32 buffers'
+    bytes ([Note: two sizes of buffer] in infinity/offload/pool.py): one size when `moment_nbytes`
+    (a moment's bytes in the largest piece) is None, else a master's and `moments` moments' buffers
+    for each piece in flight, each buffer whole pages, at least the 3 pieces of a pipeline."""
+    if moment_nbytes is None:
+        return int(buffers), None, None
+    whole, part = round_up(4 * largest, PAGE_SIZE), round_up(moment_nbytes, PAGE_SIZE)
+    count = max(3, int(buffers * whole) // (whole + moments * part))
+    return count, (count * moments, moment_nbytes), 1 + moments * part / whole
 
 
 def choose_pieces(shards: list[int], sub_group_size: int, buffer_count: int, per_piece: float,
