@@ -54,7 +54,7 @@ class PoolStats(NamedTuple):
     bytes_in_use: int  # in buffers handed out now
     peak_in_use: int  # the most ever handed out at once
     pinned: bool
-    buffers_in_use: int = 0  # how many are handed out now
+    buffers_in_use: int  # how many are handed out now
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -182,11 +182,6 @@ class BufferPool:
         """Free buffers of the class a request of `nbytes` is served from ([Note: two sizes of buffer])."""
         with self._cond:
             return len(self._free[self._class_of(nbytes)])
-
-    def class_count(self, nbytes: int) -> int:
-        """Buffers of the class a request of `nbytes` is served from."""
-        size = self._class_of(nbytes)
-        return sum(1 for b in self._buffers if b.numel() == size)
 
     @property
     def stats(self) -> PoolStats:

@@ -170,7 +170,7 @@ class NvmeOptimizerState:
     def _build_pool(self, device: Device, offload, buffers: float, largest: int, kept: float) -> tuple:
         """(pool, buffers, kept): the pool of `buffers` fp32 buffers' bytes of the largest piece
         (`pool_classes`), and `buffers` and `kept` again as it was made, which `_per_piece` follows."""
-        two_sizes = not self.acc.spilled and self.rule.moments and self.rule.format.bytes_per_value() < 4
+        two_sizes = kept < 1 + len(self.rule.moments)  # `piece_buffers` counted the moments smaller
         self._moment_bytes = self.rule.format.nbytes(largest) if two_sizes else None
         count, small, per_piece = pool_classes(buffers, largest, len(self.rule.moments), self._moment_bytes)
         if per_piece is not None:
