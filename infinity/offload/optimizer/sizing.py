@@ -60,11 +60,16 @@ of them, for the most state the pool holds from one step to the next:
     pieces; a whole state may be cut down to `MIN_CACHED_PIECE`. Of the cuts that hold within 2%
     of the most, the one with the largest pieces (fewest transfers: each costs the step's thread
     a little work) wins, among pieces of at least `COARSE_PIECE`, unless the state mostly streams
-    through a pool of fewer than `PIPELINE_DEPTH` pieces: then the largest cut that gives that
+    through a pool of fewer than `STREAM_DEPTH` pieces: then the largest cut that gives that
     many (down to `MIN_STREAMED_PIECE`, an aio block), since a pool of three or four pieces
     reads one piece ahead and the update waits for each. The 134M GPT's 1.6 GB of state through
     96 MB (12 x 2e6 elements) waited 0.70 s a step on reads with 2M-element pieces, 0.48 s with
-    0.5M.
+    0.5M (clipping 1.0). But pieces of 0.5M make requests of 2 MiB a kind, which this project's
+    disk served at half speed inside the unclipped step (busy 2.23 s for bytes it moves in 1.03 s
+    alone), where 1M-element pieces (4 MiB) kept it at speed (1.28 s); in one process, rounds
+    interleaved, 1M-element pieces took 3.40 s a step against 4.09 s unclipped, and the same
+    (1.26x max(floors)) with clipping, where 2M took 1.47x (bench/results/streaming.md). So the
+    depth sought is 8 pieces, not 16.
   * The pool never takes more buffers than every piece and `PIPELINE_DEPTH` more of each kind:
     DeepSpeed's `buffer_count` sub-groups of a small model (a LoRA's adapters) would be several
     times its whole state.
@@ -88,6 +93,7 @@ from infinity.offload.pool import round_up
 STATE_KINDS = 3  # fp32 master, exp_avg, exp_avg_sq: the buffers one piece of Adam's state takes
 PIECE_ALIGN = 1024  # elements: 4 KiB of fp32, so every piece's extent is O_DIRECT-aligned
 PIPELINE_DEPTH = 16  # pieces the pool should hold at once ([Note: the pool is a budget])
+STREAM_DEPTH = 8  # pieces in flight a pool that mostly streams is cut for, at the least ([Note: the pool is a budget])
 MIN_PIECE = 1 << 22  # elements: 16 MiB of fp32, two 8 MiB aio blocks per kind
 MIN_STREAMED_PIECE = 1 << 18  # elements: 1 MiB of fp32 (an aio block), the least piece a state that streams is cut into
 COARSE_PIECE = 1 << 21  # elements: 8 MiB of fp32, the least piece unless a streaming pool needs more pieces
@@ -162,10 +168,10 @@ def choose_pieces(shards: list[int], sub_group_size: int, buffer_count: int, per
 
     # Pieces of at least COARSE_PIECE where the cut allows (each costs the step's thread a little
     # work), but a state that mostly streams through a pool of few pieces is cut finer, for
-    # PIPELINE_DEPTH pieces in flight ([Note: the pool is a budget]).
+    # STREAM_DEPTH pieces in flight ([Note: the pool is a budget]).
     kept, cut, buffers = best([o for o in options if o[0] == total or o[1] >= COARSE_PIECE] or options)
-    if 2 * kept < total and buffers < per_piece * PIPELINE_DEPTH:
-        deep = [o for o in options if o[2] >= per_piece * PIPELINE_DEPTH]
+    if 2 * kept < total and buffers < per_piece * STREAM_DEPTH:
+        deep = [o for o in options if o[2] >= per_piece * STREAM_DEPTH]
         if deep:  # the largest pieces that keep the pipeline that deep
             kept, cut, buffers = max(deep, key=lambda o: o[1])
     return cut, buffers
