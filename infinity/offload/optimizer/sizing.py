@@ -64,12 +64,12 @@ of them, for the most state the pool holds from one step to the next:
     many (down to `MIN_STREAMED_PIECE`, an aio block), since a pool of three or four pieces
     reads one piece ahead and the update waits for each. The 134M GPT's 1.6 GB of state through
     96 MB (12 x 2e6 elements) waited 0.70 s a step on reads with 2M-element pieces, 0.48 s with
-    0.5M (clipping 1.0). But pieces of 0.5M make requests of 2 MiB a kind, which this project's
-    disk served at half speed inside the unclipped step (busy 2.23 s for bytes it moves in 1.03 s
-    alone), where 1M-element pieces (4 MiB) kept it at speed (1.28 s); in one process, rounds
-    interleaved, 1M-element pieces took 3.40 s a step against 4.09 s unclipped, and the same
-    (1.26x max(floors)) with clipping, where 2M took 1.47x (bench/results/streaming.md). So the
-    depth sought is 8 pieces, not 16.
+    0.5M (clipping 1.0). Pieces of 0.5M make requests of 2 MiB a kind, which this project's disk
+    served at half speed inside the unclipped step (busy 2.23 s for bytes it moves in 1.03 s
+    alone), where 1M-element pieces (`STREAM_DEPTH` 8) kept it at speed (1.28 s); but side by side
+    (`bench/bench_stream_depth.py`, bench/results/streaming.md) depth 8 cut the unclipped step's
+    ratio to its floors by a fifth and raised the clipped one's by 4-5% in one run of two, and
+    clipping is what users' configs have: 16 stays until a rule tells the two apart.
   * The pool never takes more buffers than every piece and `PIPELINE_DEPTH` more of each kind:
     DeepSpeed's `buffer_count` sub-groups of a small model (a LoRA's adapters) would be several
     times its whole state.
@@ -93,7 +93,7 @@ from infinity.offload.pool import round_up
 STATE_KINDS = 3  # fp32 master, exp_avg, exp_avg_sq: the buffers one piece of Adam's state takes
 PIECE_ALIGN = 1024  # elements: 4 KiB of fp32, so every piece's extent is O_DIRECT-aligned
 PIPELINE_DEPTH = 16  # pieces the pool should hold at once ([Note: the pool is a budget])
-STREAM_DEPTH = 8  # pieces in flight a pool that mostly streams is cut for, at the least ([Note: the pool is a budget])
+STREAM_DEPTH = 16  # pieces in flight a pool that mostly streams is cut for, at the least ([Note: the pool is a budget])
 MIN_PIECE = 1 << 22  # elements: 16 MiB of fp32, two 8 MiB aio blocks per kind
 MIN_STREAMED_PIECE = 1 << 18  # elements: 1 MiB of fp32 (an aio block), the least piece a state that streams is cut into
 COARSE_PIECE = 1 << 21  # elements: 8 MiB of fp32, the least piece unless a streaming pool needs more pieces
