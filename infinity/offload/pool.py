@@ -9,7 +9,21 @@ to crash DeepSpeed ("More elements ... than buffer size") just works:
     shard sizes are known at start-up), with one warning that says so;
   * `buffer_size` is rounded up to a whole page, so that a shard's padded extent (see the store)
     can be moved as whole pages, straight through O_DIRECT with no bounce buffer.
-The total is checked against the RAM available before anything is allocated.
+The total is checked against the RAM available before anything is allocated. The buffers of a
+class are cut from one mapping, so that they lie on huge pages whatever their size ([Note: one
+mapping a class]).
+
+[Note: one mapping a class]
+A buffer is a view into one page-aligned mapping of its class's `count` x `size` bytes, not a
+mapping of its own. The kernel backs huge pages only where a whole 2 MiB of a mapping is
+aligned inside it ([Note: huge pages for I/O buffers] in csrc/aio/aligned_buffer.cpp), so a
+mapping of its own of 4,096,000 bytes (a 1M-element fp32 piece) had one huge page and 488
+ordinary pages, and one of 2,048,000 bytes (0.5M) none: an O_DIRECT request then took one
+scatter-gather entry a 4 KiB page, past this disk's 254 a request, and the block layer cut every
+4 MB piece in two (2.08 MB a request at the device in /proc/diskstats, against 4.19 MB for the
+disk measurement's buffers) and 2 MB ones in more. Inside the streaming step the disk then moved
+the optimizer's bytes at half its speed (busy 1.9-2.2 s for a 1.0-1.2 s floor: bench/results/
+streaming.md). Cut from one mapping, all but its last 2 MiB are huge pages.
 
 [Note: two sizes of buffer]
 A pool may have a second, smaller class of buffers (`small`): a request is served from the
@@ -130,9 +144,9 @@ class BufferPool:
         # ([Note: page-locked even without a GPU] in infinity/io/memory.py); only an explicit
         # pin=False leaves them pageable.
         self._buffers, self._free = [], {}
-        for count, size in classes:
+        for count, size in classes:  # [Note: one mapping a class]
             first = len(self._buffers)
-            self._buffers += [aligned_empty(size, pin=None if pin is not False else False) for _ in range(count)]
+            self._buffers += list(aligned_empty(count * size, pin=None if pin is not False else False).split(size))
             self._free[size] = list(range(first + count - 1, first - 1, -1))
         self._sizes = sorted(self._free)
         self._in_use = {}
