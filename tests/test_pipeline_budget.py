@@ -89,48 +89,6 @@ def test_a_state_within_deepspeeds_bytes_is_held_whole_across_pieces_of_unequal_
     assert buffers * _largest(shards, target) <= 4 * total  # within DeepSpeed's bytes
 
 
-def test_a_state_that_streams_is_cut_for_the_depth_of_its_update_mode():
-    """The 134M GPT's 403M elements through 12 x 2e6 (96 MB): cut for 16 pieces in flight when
-    the updates wait for each unit's next use, for 8 (pieces twice as large, requests the disk
-    serves at speed under backward) when they run in backward ([Note: the pool is a budget])."""
-    per_piece = 3
-    pieces = {}
-    for at_next_use in (True, False):
-        depth = sizing.stream_depth(at_next_use)
-        target, buffers = choose_pieces(GPT_134M, 2_000_000, 12, per_piece, depth=depth)
-        assert buffers >= per_piece * depth  # that many pieces in flight
-        assert buffers * _largest(GPT_134M, target) <= 12 * 2_000_000 * 1.01  # in the same bytes
-        pieces[at_next_use] = _largest(GPT_134M, target)
-    assert sizing.stream_depth(True) == 16 and sizing.stream_depth(False) == 8
-    assert 1.8 * pieces[True] <= pieces[False] <= 2.2 * pieces[True]
-
-
-def test_the_engine_cuts_for_the_update_mode_it_runs(tmp_path, monkeypatch):
-    """The same knobs, clipping 1.0 (updates at the next use) and 0 (in backward): the pool's
-    real buffers are cut for 16 and 8 pieces in flight, within the same bytes."""
-    for name in ("MIN_PIECE", "MIN_STREAMED_PIECE", "MIN_CACHED_PIECE"):
-        monkeypatch.setattr(sizing, name, 1024)
-    torch.manual_seed(0)
-    model = TinyGPT(layers=4, d=64)
-    pools = {}
-    for clip in (1.0, 0.0):
-        path = tmp_path / f"clip{clip}"
-        path.mkdir()
-        cfg = config(3, "cpu", "nvme", clip=clip, lr=3e-3)
-        cfg["zero_optimization"].update(sub_group_size=8192)
-        cfg["zero_optimization"]["offload_optimizer"].update(nvme_path=str(path), buffer_count=4)
-        engine, *_ = infinity.initialize(model=copy.deepcopy(model), config=cfg)
-        pool, chosen = engine.optim_state.pool, engine.chosen["offload_optimizer"]
-        assert chosen["pieces_held"] < chosen["pieces"] / 2  # the state mostly streams
-        pools[clip] = (pool.buffer_count, pool.buffer_size, chosen["stream_depth"])
-        engine.close()
-    (count16, size16, depth16), (count8, size8, depth8) = pools[1.0], pools[0.0]
-    assert (depth16, depth8) == (16, 8)
-    assert count16 >= 3 * 16 and count8 >= 3 * 8
-    assert size8 >= 1.8 * size16  # pieces twice as large in backward
-    assert abs(count16 * size16 - count8 * size8) <= 0.1 * count16 * size16  # the same budget
-
-
 def _nvme_config(path, **zero) -> dict:
     cfg = config(3, "nvme", "nvme", clip=1.0, lr=3e-3, **zero)
     z = cfg["zero_optimization"]

@@ -26,7 +26,10 @@ size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 // they depend on). So buffers of at least one huge page are mapped on a huge-page
 // boundary and advised MADV_HUGEPAGE before any page is touched; the kernel may still say no
 // (THP "never", fragmentation), and then the memory is simply ordinary pages. Smaller buffers
-// stay page-granular so that a pool of small shards does not cost 2 MiB each.
+// stay page-granular so that a pool of small shards does not cost 2 MiB each. Only whole 2 MiB
+// inside a mapping can be huge: a buffer of 4,096,000 bytes has one huge page and then ordinary
+// ones, so a pool cuts its buffers from one mapping ([Note: one mapping a class] in
+// infinity/offload/pool.py).
 AlignedBuffer::AlignedBuffer(size_t nbytes, size_t alignment, bool huge_pages) : size_(nbytes) {
   const size_t align = round_up(alignment < kPage ? kPage : alignment, kPage);
   capacity_ = round_up(nbytes == 0 ? 1 : nbytes, kPage);

@@ -117,9 +117,7 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
             self.optimizer.rule.bind(self.units, tiles)
         auto_budgets = [section for section in ("offload_param", "offload_optimizer")
                         if getattr(config.zero, section).max_in_cpu == "auto"]
-        # [Note: host memory before the disk]; the NVMe tier's updates can wait ([Note: update modes] in engine/step_policy.py)
-        self.config = config = resolve_max_in_cpu(config, self.units, rule=self.optimizer.rule,
-                                                  at_next_use=self._update_mode(True) is UpdateMode.AT_NEXT_USE)
+        self.config = config = resolve_max_in_cpu(config, self.units, rule=self.optimizer.rule)  # [Note: host memory before the disk]
         self.params = self._param_tier()
         self.optim_state, self.schedule = self._optimizer_tier()
         self.chosen = self._choices(measured, auto_budgets)

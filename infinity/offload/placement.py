@@ -40,8 +40,7 @@ import logging
 import psutil
 
 from infinity.config import InfinityConfig
-from infinity.offload.optimizer.sizing import (STREAM_DEPTH, host_elements, piece_buffers, pool_bytes, stream_depth,
-                                               streamed_elements)
+from infinity.offload.optimizer.sizing import host_elements, piece_buffers, pool_bytes, streamed_elements
 from infinity.optim.rules import AdamRule
 from infinity.offload.protocols import TierUnit
 
@@ -70,13 +69,13 @@ def _state_bytes(rule) -> float:
 
 
 def _margin(config: InfinityConfig, units: list[TierUnit], total_memory: int, available: int, *,
-            all_kept: bool = False, rule=None, depth: int = STREAM_DEPTH) -> int:
+            all_kept: bool = False, rule=None) -> int:
     """Bytes kept back from the memory available: the pools and gradient accumulators the tiers
     are about to allocate, plus the larger of 2 GiB and a tenth of the machine's memory.
     `all_kept`: every unit's optimizer state in host memory, so no optimizer pool and every
     gradient accumulator in memory. With optimizer max_in_cpu "auto" the optimizer's pool is not
     kept back: it takes what remains (`resolve_max_in_cpu`). `rule`: the optimizer's (AdamW's
-    with fp32 moments if None); `depth`: the pool's `stream_depth`."""
+    with fp32 moments if None)."""
     zero, rule = config.zero, rule or AdamRule()
     margin = max(MIN_MARGIN, total_memory // 10)
     largest = max((u.shard_numel for u in units), default=0)
@@ -91,12 +90,12 @@ def _margin(config: InfinityConfig, units: list[TierUnit], total_memory: int, av
         if not all_kept and offload.max_in_cpu != "auto":  # the knobs' pool, as the tier will size it
             piece = piece_buffers(len(rule.moments), rule.format.bytes_per_value(), grads < sum(trains))
             margin += pool_bytes(trains, zero.sub_group_size, offload.buffer_count, piece,
-                                 host_elements(available), depth=depth)
+                                 host_elements(available))
     return margin
 
 
 def _optimizer_in_memory(config: InfinityConfig, units: list[TierUnit], room: int, available: int,
-                         rule, depth: int) -> tuple[int, int | None]:
+                         rule) -> tuple[int, int | None]:
     """(max_in_cpu, pool_elements) for optimizer state larger than `room` bytes of host memory:
     whole units kept there beside the knobs' pool, or the room given to the pool; whichever
     leaves fewer elements to stream each step ([Note: host memory before the disk])."""
@@ -106,23 +105,21 @@ def _optimizer_in_memory(config: InfinityConfig, units: list[TierUnit], room: in
         return 0, None
     piece = piece_buffers(len(rule.moments), rule.format.bytes_per_value(), sum(shards) > offload.max_grad_in_cpu)
     host = host_elements(available)
-    knobs = pool_bytes(shards, zero.sub_group_size, offload.buffer_count, piece, host, depth=depth)
+    knobs = pool_bytes(shards, zero.sub_group_size, offload.buffer_count, piece, host)
     budget = int(max(0, room - knobs) // _state_bytes(rule))
     kept = units_in_memory([u for u in units if u.trainable], budget, [u.index for u in reversed(units)])
     rest = [u.train_shard_numel for u in units if u.trainable and u not in kept]
-    split = streamed_elements(rest, zero.sub_group_size, offload.buffer_count, piece, host, depth=depth)
+    split = streamed_elements(rest, zero.sub_group_size, offload.buffer_count, piece, host)
     pooled = streamed_elements(shards, zero.sub_group_size, offload.buffer_count, piece, host,
-                               planned=room // 4, depth=depth)
+                               planned=room // 4)
     return (budget, None) if kept and split < pooled else (0, room // 4)
 
 
 def resolve_max_in_cpu(config: InfinityConfig, units: list[TierUnit], *, available: int | None = None,
-                       total_memory: int | None = None, rule=None, at_next_use: bool = True) -> InfinityConfig:
+                       total_memory: int | None = None, rule=None) -> InfinityConfig:
     """`config` with "auto" in either `max_in_cpu` replaced by elements ([Note: host memory
     before the disk]); as it is when neither says "auto". `rule`: the optimizer's update rule,
-    whose moments' format sizes the state (AdamW's with fp32 moments if None); `at_next_use`:
-    whether the NVMe tier's updates would wait for each unit's next use (its pool's
-    `stream_depth`)."""
+    whose moments' format sizes the state (AdamW's with fp32 moments if None)."""
     zero, rule = config.zero, rule or AdamRule()
     param_auto = zero.offload_param.max_in_cpu == "auto"
     optim_auto = zero.offload_optimizer.max_in_cpu == "auto"
@@ -134,8 +131,7 @@ def resolve_max_in_cpu(config: InfinityConfig, units: list[TierUnit], *, availab
     offload_param, offload_optimizer = zero.offload_param, zero.offload_optimizer
     params_wanted = sum(u.shard_numel for u in units) if param_auto and offload_param.device == "nvme" else 0
     state_wanted = sum(u.train_shard_numel for u in units if u.trainable) if offload_optimizer.device == "nvme" else 0
-    depth = stream_depth(at_next_use)
-    margin = _margin(config, units, total_memory, available, rule=rule, depth=depth)
+    margin = _margin(config, units, total_memory, available, rule=rule)
     whole = False  # the whole optimizer state stays in host memory
     if optim_auto and state_wanted:
         lean = _margin(config, units, total_memory, available, all_kept=True, rule=rule)
@@ -151,7 +147,7 @@ def resolve_max_in_cpu(config: InfinityConfig, units: list[TierUnit], *, availab
         offload_param = dataclasses.replace(offload_param, max_in_cpu=elements)
     if optim_auto:
         kept, pool = (state_wanted, None) if whole else _optimizer_in_memory(config, units, room - param_bytes,
-                                                                             available, rule, depth)
+                                                                             available, rule)
         offload_optimizer = dataclasses.replace(offload_optimizer, max_in_cpu=kept, pool_elements=pool)
     log.info("infinity: max_in_cpu \"auto\": %.1f GiB of host memory available, %.1f GiB kept back (parameter "
              "pool, gradient accumulators, activations), so offload_param.max_in_cpu %s and "

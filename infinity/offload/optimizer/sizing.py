@@ -60,20 +60,17 @@ of them, for the most state the pool holds from one step to the next:
     pieces; a whole state may be cut down to `MIN_CACHED_PIECE`. Of the cuts that hold within 2%
     of the most, the one with the largest pieces (fewest transfers: each costs the step's thread
     a little work) wins, among pieces of at least `COARSE_PIECE`, unless the state mostly streams
-    through a pool of fewer than the mode's depth of pieces (`stream_depth`): then the largest cut
-    that gives that many (down to `MIN_STREAMED_PIECE`, an aio block), since a pool of three or
-    four pieces reads one piece ahead and the update waits for each. The depth depends on when
-    the updates run ([Note: update modes] in infinity/engine/step_policy.py). Updates at each
-    unit's next use (clipping, the default of users' configs) move the state between the norm and
-    the forward's use of it, with little compute to hide under: reads queued deep keep the disk
-    busy there. The 134M GPT's 1.6 GB of state through 96 MB (12 x 2e6 elements) waited 0.70 s a
-    step on reads with 2M-element pieces, 0.48 s with 0.5M (`STREAM_DEPTH` 16). Updates in
-    backward read each unit's state under the backward of the units before it, and there the
-    disk served 0.5M-element pieces (2 MiB requests a kind) at half speed (busy 2.23 s for bytes
-    it moves in 1.03 s alone; why is not found) where 1M-element pieces (`BACKWARD_STREAM_DEPTH`
-    8) kept it at speed (1.28 s). Side by side in one process (`bench/bench_stream_depth.py`,
-    bench/results/streaming.md), two runs each: unclipped, depth 8 took the step from 1.72x / 1.80x
-    its floors to 1.37x / 1.54x; clipped, it raised 1.40x / 1.70x to 1.46x / 1.83x.
+    through a pool of fewer than `STREAM_DEPTH` pieces: then the largest cut that gives that
+    many (down to `MIN_STREAMED_PIECE`, an aio block), since a pool of three or four pieces
+    reads one piece ahead and the update waits for each. The 134M GPT's 1.6 GB of state through
+    96 MB (12 x 2e6 elements) waited 0.70 s a step on reads with 2M-element pieces, 0.48 s with
+    0.5M (clipping 1.0). Unclipped, 0.5M-element pieces once ran the disk at half speed inside the
+    step, and 1M ones (8 in flight) looked better there; the cause was the pool's buffers, whose
+    pages were then mostly not huge ([Note: one mapping a class] in infinity/offload/pool.py), and
+    with that fixed, side by side (`bench/bench_stream_depth.py`, bench/results/streaming.md),
+    depth 16 is as fast as 8 at 96 MB unclipped (3.33 against 3.25 s, within the spread), faster
+    at 400 MB unclipped (2.25 against 2.50 s) and clipped (1.45x against 1.48x its floors): one
+    depth for both update modes.
   * The pool never takes more buffers than every piece and `PIPELINE_DEPTH` more of each kind:
     DeepSpeed's `buffer_count` sub-groups of a small model (a LoRA's adapters) would be several
     times its whole state.
@@ -97,8 +94,7 @@ from infinity.offload.pool import round_up
 STATE_KINDS = 3  # fp32 master, exp_avg, exp_avg_sq: the buffers one piece of Adam's state takes
 PIECE_ALIGN = 1024  # elements: 4 KiB of fp32, so every piece's extent is O_DIRECT-aligned
 PIPELINE_DEPTH = 16  # pieces the pool should hold at once ([Note: the pool is a budget])
-STREAM_DEPTH = 16  # pieces in flight a pool that mostly streams is cut for, updates at next use ([Note: the pool is a budget])
-BACKWARD_STREAM_DEPTH = 8  # the same with the updates in backward ([Note: the pool is a budget])
+STREAM_DEPTH = 16  # pieces in flight a pool that mostly streams is cut for, at the least ([Note: the pool is a budget])
 MIN_PIECE = 1 << 22  # elements: 16 MiB of fp32, two 8 MiB aio blocks per kind
 MIN_STREAMED_PIECE = 1 << 18  # elements: 1 MiB of fp32 (an aio block), the least piece a state that streams is cut into
 COARSE_PIECE = 1 << 21  # elements: 8 MiB of fp32, the least piece unless a streaming pool needs more pieces
@@ -135,22 +131,15 @@ def pool_classes(buffers: float, largest: int, moments: int,
     return count, (count * moments, moment_nbytes), 1 + moments * part / whole
 
 
-def stream_depth(at_next_use: bool) -> int:
-    """Pieces in flight a pool that mostly streams is cut for, by when the updates run: at each
-    unit's next use, or in backward ([Note: the pool is a budget])."""
-    return STREAM_DEPTH if at_next_use else BACKWARD_STREAM_DEPTH
-
-
 def choose_pieces(shards: list[int], sub_group_size: int, buffer_count: int, per_piece: float,
                   host_elements: int | None = None, kinds: float = STATE_KINDS,
-                  planned: int | None = None, depth: int = STREAM_DEPTH) -> tuple[int, float]:
+                  planned: int | None = None) -> tuple[int, float]:
     """(piece target in elements, buffers) for shards of these sizes ([Note: the pool is a budget]).
     `per_piece`, `kinds`: buffers a piece takes and keeps while held (`piece_buffers`; buffers
     are counted in the largest piece's fp32 size);
     `host_elements`: the most fp32 elements the pool may take of the host's free memory;
     `planned`: fp32 elements the placement plan gives the pool (max_in_cpu "auto"), taken beside
-    the knobs' budget and not capped by the host's share, which the plan has counted already;
-    `depth`: `stream_depth` of the update mode."""
+    the knobs' budget and not capped by the host's share, which the plan has counted already."""
     asked = max((n for numel in shards for _, n in cut_pieces(numel, sub_group_size)), default=1)
     total = sum(shards)
     # DeepSpeed's buffers: buffer_count sub-groups (a sub-group never larger than the state), and
@@ -180,10 +169,10 @@ def choose_pieces(shards: list[int], sub_group_size: int, buffer_count: int, per
 
     # Pieces of at least COARSE_PIECE where the cut allows (each costs the step's thread a little
     # work), but a state that mostly streams through a pool of few pieces is cut finer, for
-    # `depth` pieces in flight ([Note: the pool is a budget]).
+    # STREAM_DEPTH pieces in flight ([Note: the pool is a budget]).
     kept, cut, buffers = best([o for o in options if o[0] == total or o[1] >= COARSE_PIECE] or options)
-    if 2 * kept < total and buffers < per_piece * depth:
-        deep = [o for o in options if o[2] >= per_piece * depth]
+    if 2 * kept < total and buffers < per_piece * STREAM_DEPTH:
+        deep = [o for o in options if o[2] >= per_piece * STREAM_DEPTH]
         if deep:  # the largest pieces that keep the pipeline that deep
             kept, cut, buffers = max(deep, key=lambda o: o[1])
     return cut, buffers
@@ -249,29 +238,28 @@ def host_elements(available: int | None = None) -> int:
 
 
 def pool_size(shards: list[int], sub_group_size: int, buffer_count: int, piece: tuple[float, float],
-              host: int | None = None, planned: int | None = None, depth: int = STREAM_DEPTH) -> tuple[float, int]:
+              host: int | None = None, planned: int | None = None) -> tuple[float, int]:
     """(buffers, elements a buffer) of the pool of a tier over `shards`, as the tier sizes it
-    (`piece`: `piece_buffers`; buffers counted in fp32 ones of the largest piece; `depth`:
-    `stream_depth`): what the placement plan and `infinity estimate` count, never a formula of
-    their own."""
-    target, buffers = choose_pieces(shards, sub_group_size, buffer_count, piece[0], host, piece[1], planned, depth)
+    (`piece`: `piece_buffers`; buffers counted in fp32 ones of the largest piece): what the
+    placement plan and `infinity estimate` count, never a formula of their own."""
+    target, buffers = choose_pieces(shards, sub_group_size, buffer_count, piece[0], host, piece[1], planned)
     return buffers, max((n for numel in shards for _, n in cut_pieces(numel, target)), default=1)
 
 
 def pool_bytes(shards: list[int], sub_group_size: int, buffer_count: int, piece: tuple[float, float],
-               host: int | None = None, planned: int | None = None, depth: int = STREAM_DEPTH) -> int:
+               host: int | None = None, planned: int | None = None) -> int:
     """The host memory of that pool (`pool_size`), in bytes."""
-    buffers, elements = pool_size(shards, sub_group_size, buffer_count, piece, host, planned, depth)
+    buffers, elements = pool_size(shards, sub_group_size, buffer_count, piece, host, planned)
     return int(buffers * elements * 4)
 
 
 def streamed_elements(shards: list[int], sub_group_size: int, buffer_count: int, piece: tuple[float, float],
-                      host: int | None = None, planned: int | None = None, depth: int = STREAM_DEPTH) -> int:
+                      host: int | None = None, planned: int | None = None) -> int:
     """Elements of a tier's state over `shards` that its pool does not hold from one step to the
     next, so that each step reads and writes them: what the placement plan compares."""
     if not shards:
         return 0
-    target, buffers = choose_pieces(shards, sub_group_size, buffer_count, piece[0], host, piece[1], planned, depth)
+    target, buffers = choose_pieces(shards, sub_group_size, buffer_count, piece[0], host, piece[1], planned)
     cuts = [cut_pieces(numel, target) for numel in shards]
     held = held_pieces(sum(map(len, cuts)), buffers, piece[0], max(map(len, cuts)), piece[1])
     return sum(shards) * (sum(map(len, cuts)) - held) // sum(map(len, cuts))
