@@ -196,7 +196,7 @@ def run_rounds(args, gpt, model_cfg, work: str) -> tuple[dict, dict]:
             runs[case]["aio"] = {k: getattr(aio, k) for k in ("block_size", "queue_depth", "thread_count", "engine")}
             runs[case]["max_in_cpu"] = {"offload_param": zero.offload_param.max_in_cpu,
                                         "offload_optimizer": zero.offload_optimizer.max_in_cpu}
-            runs[case]["chosen"] = engines[case].chosen  # what the engine sized itself (pool, pieces, depth)
+            runs[case]["chosen"] = engines[case].chosen  # what the engine sized itself (its pool and pieces)
             print(f"{case}: built in {time.perf_counter() - t0:.1f} s; aio block_size {aio.block_size >> 10} KiB, "
                   f"queue_depth {aio.queue_depth}", flush=True)
         for r in range(args.rounds + 1):  # round 0 records the order and warms up
