@@ -61,7 +61,8 @@ def _record(job: Path, name: str, done: subprocess.CompletedProcess) -> dict:
     return json.loads((job / name).read_text())
 
 
-@pytest.mark.parametrize("stage,how", [(3, "flags"), pytest.param(2, "flags", marks=pytest.mark.slow), (3, "config_file")])
+@pytest.mark.parametrize("stage,how", [pytest.param(3, "flags", marks=pytest.mark.slow),
+                                       pytest.param(2, "flags", marks=pytest.mark.slow), (3, "config_file")])
 def test_accelerate_launch_with_deepspeed_matches_the_plain_launch(job, stage, how):
     """ZeRO-3 with parameters and optimizer state on NVMe (the model from `from_pretrained` under
     zero.Init, torch's AdamW turned into DeepSpeedCPUAdam by accelerate), and ZeRO-2 with the
