@@ -24,57 +24,71 @@ __m512 sign(__m512 x) {
   return _mm512_mask_mov_ps(s, negative, _mm512_set1_ps(-1.0f));
 }
 
+// A vector's moments in registers: the rule reads and updates `m` (Adam, Lion) and `v` (Adam,
+// Adagrad), and leaves in `root` the square root of the new `v` it took (the stored root of an
+// 8-bit exp_avg_sq, [Note: 8-bit moments in the kernels] in adam.h).
+struct Moments {
+  __m512 m, v, root;
+};
+
 // One vector of each rule, given the param p and scaled gradient g; returns the new param
 // ([Note: exact parity with torch], [Note: Adagrad and Lion arithmetic] in adam.h). Masked-off
 // lanes read zeros, which flow through without faults and are never stored.
-template <DType M, bool L2>
-__m512 adam(const StepConstants& c, const Buffers& b, size_t i, __mmask16 mask, __m512 p,
-            __m512 g) {
+template <bool L2>
+__m512 adam(const StepConstants& c, __m512 p, __m512 g, Moments& s) {
   p = _mm512_mul_ps(p, _mm512_set1_ps(c.decay));
   if constexpr (L2) g = _mm512_fmadd_ps(_mm512_set1_ps(c.l2), p, g);
-  const __m512 m = lerp(c.lerp1, load_floats<M>(b.exp_avg, i, mask), g);
-  __m512 v = _mm512_mul_ps(load_floats<M>(b.exp_avg_sq, i, mask), _mm512_set1_ps(c.beta2));
-  v = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(c.one_minus_beta2), g), g, v);
-  const __m512 denom = _mm512_add_ps(
-      _mm512_div_ps(_mm512_sqrt_ps(v), _mm512_set1_ps(c.bc2_sqrt)), _mm512_set1_ps(c.eps));
-  store_floats<M>(b.exp_avg, i, m, mask);
-  store_floats<M>(b.exp_avg_sq, i, v, mask);
-  return _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(c.neg_step), m), denom));
+  s.m = lerp(c.lerp1, s.m, g);
+  s.v = _mm512_mul_ps(s.v, _mm512_set1_ps(c.beta2));
+  s.v = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(c.one_minus_beta2), g), g, s.v);
+  s.root = _mm512_sqrt_ps(s.v);
+  const __m512 denom =
+      _mm512_add_ps(_mm512_div_ps(s.root, _mm512_set1_ps(c.bc2_sqrt)), _mm512_set1_ps(c.eps));
+  return _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(c.neg_step), s.m), denom));
 }
 
-template <DType M, bool L2>
-__m512 adagrad(const StepConstants& c, const Buffers& b, size_t i, __mmask16 mask, __m512 p,
-               __m512 g) {
+template <bool L2>
+__m512 adagrad(const StepConstants& c, __m512 p, __m512 g, Moments& s) {
   if constexpr (L2) g = _mm512_fmadd_ps(_mm512_set1_ps(c.l2), p, g);
-  const __m512 s = _mm512_fmadd_ps(g, g, load_floats<M>(b.exp_avg_sq, i, mask));
-  const __m512 std_dev = _mm512_add_ps(_mm512_sqrt_ps(s), _mm512_set1_ps(c.eps));
-  store_floats<M>(b.exp_avg_sq, i, s, mask);
+  s.v = _mm512_fmadd_ps(g, g, s.v);
+  s.root = _mm512_sqrt_ps(s.v);
+  const __m512 std_dev = _mm512_add_ps(s.root, _mm512_set1_ps(c.eps));
   return _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(c.neg_step), g), std_dev));
 }
 
-template <DType M>
-__m512 lion(const StepConstants& c, const Buffers& b, size_t i, __mmask16 mask, __m512 p,
-            __m512 g) {
-  const __m512 m = load_floats<M>(b.exp_avg, i, mask);
-  const __m512 direction = lerp(c.lerp1, m, g);
+__m512 lion(const StepConstants& c, __m512 p, __m512 g, Moments& s) {
+  const __m512 direction = lerp(c.lerp1, s.m, g);
   p = _mm512_mul_ps(p, _mm512_set1_ps(c.decay));
   p = _mm512_add_ps(p, _mm512_mul_ps(_mm512_set1_ps(c.neg_step), sign(direction)));
-  store_floats<M>(b.exp_avg, i, lerp(c.lerp2, m, g), mask);
+  s.m = lerp(c.lerp2, s.m, g);
   return p;
+}
+
+// The rule R's update of the vector at element i whose moments are in `s`: reads the gradient
+// and the param, writes the param and its half copy, updates `s`.
+template <Rule R, DType G, DType H, bool L2>
+inline __attribute__((always_inline)) void update_vector(const StepConstants& c, const Buffers& b,
+                                                         size_t i, __mmask16 mask, bool stream,
+                                                         Moments& s) {
+  const __m512 g = _mm512_mul_ps(load_floats<G>(b.grad, i, mask), _mm512_set1_ps(c.grad_scale));
+  __m512 p = _mm512_maskz_loadu_ps(mask, b.param + i);
+  if constexpr (R == Rule::kAdam) p = adam<L2>(c, p, g, s);
+  if constexpr (R == Rule::kAdagrad) p = adagrad<L2>(c, p, g, s);
+  if constexpr (R == Rule::kLion) p = lion(c, p, g, s);
+  _mm512_mask_storeu_ps(b.param + i, mask, p);
+  store_half<H>(b.half_out, i, p, mask, stream);
 }
 
 template <Rule R, DType G, DType H, DType M, bool L2>
 struct Avx512Loop {
   static inline __attribute__((always_inline)) void body(const StepConstants& c, const Buffers& b,
                                                          size_t i, __mmask16 mask, bool stream) {
-    const __m512 g =
-        _mm512_mul_ps(load_floats<G>(b.grad, i, mask), _mm512_set1_ps(c.grad_scale));
-    __m512 p = _mm512_maskz_loadu_ps(mask, b.param + i);
-    if constexpr (R == Rule::kAdam) p = adam<M, L2>(c, b, i, mask, p, g);
-    if constexpr (R == Rule::kAdagrad) p = adagrad<M, L2>(c, b, i, mask, p, g);
-    if constexpr (R == Rule::kLion) p = lion<M>(c, b, i, mask, p, g);
-    _mm512_mask_storeu_ps(b.param + i, mask, p);
-    store_half<H>(b.half_out, i, p, mask, stream);
+    Moments s{};
+    if constexpr (kHasExpAvg<R>) s.m = load_floats<M>(b.exp_avg, i, mask);
+    if constexpr (kHasExpAvgSq<R>) s.v = load_floats<M>(b.exp_avg_sq, i, mask);
+    update_vector<R, G, H, L2>(c, b, i, mask, stream, s);
+    if constexpr (kHasExpAvg<R>) store_floats<M>(b.exp_avg, i, s.m, mask);
+    if constexpr (kHasExpAvgSq<R>) store_floats<M>(b.exp_avg_sq, i, s.v, mask);
   }
 
   // The update of [begin, end); returns whether it used streaming stores, which the caller
@@ -129,9 +143,9 @@ __m512 e4m3_to_floats(const uint8_t* codes, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_or_si512(bits, sign));
 }
 
-// Sixteen floats as codes: torch's `.to(torch.float8_e4m3fn)` (nearest even, saturating at 448,
-// a NaN to 0x7F | sign).
-__m128i floats_to_e4m3(__m512 x) {
+// Sixteen floats as codes, one in the low byte of each 32-bit lane: torch's
+// `.to(torch.float8_e4m3fn)` (nearest even, saturating at 448, a NaN to 0x7F | sign).
+__m512i floats_to_e4m3(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i sign = _mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
   const __m512i a = _mm512_xor_si512(u, sign);
@@ -148,47 +162,54 @@ __m128i floats_to_e4m3(__m512 x) {
                                  _mm512_set1_epi32(0x7E));
   code = _mm512_mask_blend_epi32(_mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000)), code,
                                  _mm512_set1_epi32(0x7F));
-  return _mm512_cvtepi32_epi8(_mm512_or_si512(code, _mm512_srli_epi32(sign, 24)));
+  return _mm512_or_si512(code, _mm512_srli_epi32(sign, 24));
 }
 
-// The fp32 values of the n moments of the block at element i (formats.py's decode), into `out`
-// rounded up to whole vectors (the lanes past n are zeros).
-void decode_block(const void* codes, const float* scales, size_t i, size_t n, bool square,
-                  float* out) {
-  const uint8_t* c = static_cast<const uint8_t*>(codes) + i;
-  const __m512 scale = _mm512_set1_ps(scales[i / kBlock]);
-  for (size_t k = 0; k < n; k += 16) {
-    __m512 x = _mm512_mul_ps(e4m3_to_floats(c + k, first_lanes(n - k)), scale);
-    if (square) x = _mm512_mul_ps(x, x);
-    _mm512_store_ps(out + k, x);
-  }
-}
-
-// The block's new values (n of them in `values`, 64-byte aligned, roots taken in place) as
-// codes and a scale.
-void encode_block(float* values, size_t n, bool root, void* codes, float* scales, size_t i) {
+// The running max of |x| over a block's new values and whether one is a NaN (a NaN lane keeps
+// `top`): what e4m3_block_scale reads.
+struct BlockTop {
   __m512 top = _mm512_setzero_ps();
   __mmask16 nan = 0;
-  for (size_t k = 0; k < n; k += 16) {
-    __m512 x = _mm512_maskz_load_ps(first_lanes(n - k), values + k);
-    if (root) {
-      x = _mm512_sqrt_ps(x);
-      _mm512_store_ps(values + k, x);
-    }
+  void add(__m512 x) {
     nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    top = _mm512_max_ps(_mm512_abs_ps(x), top);  // a NaN lane keeps top
+    top = _mm512_max_ps(_mm512_abs_ps(x), top);
   }
-  const float scale = e4m3_block_scale(_mm512_reduce_max_ps(top), nan != 0);
+  float scale() const { return e4m3_block_scale(_mm512_reduce_max_ps(top), nan != 0); }
+};
+
+// The codes of the 16 values at `values` under `inverse` (1 / the block's scale), in 32-bit lanes.
+__m512i block_codes(const float* values, __m512 inverse, bool root) {
+  __m512 y = _mm512_mul_ps(_mm512_load_ps(values), inverse);
+  if (root) {  // a positive root never rounds to zero
+    const __mmask16 positive = _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_GT_OQ);
+    y = _mm512_mask_max_ps(y, positive, y, _mm512_set1_ps(kLeastE4M3));
+  }
+  return floats_to_e4m3(y);
+}
+
+// The block's n new values (in `values`, 64-byte aligned, roots already taken) as codes at
+// element i, under `scale`, their BlockTop's. Sixty-four codes are packed into one vector and
+// stored at once: narrowing stores (vpmovdb to memory) cost several cycles each on Zen 4.
+void encode_block(const float* values, size_t n, bool root, float scale, void* codes,
+                  float* scales, size_t i) {
   const __m512 inverse = _mm512_set1_ps(1.0f / scale);  // a power of two (or 0): exact
   uint8_t* c = static_cast<uint8_t*>(codes) + i;
-  for (size_t k = 0; k < n; k += 16) {
-    const __mmask16 mask = first_lanes(n - k);
-    __m512 y = _mm512_mul_ps(_mm512_maskz_load_ps(mask, values + k), inverse);
-    if (root) {  // a positive root never rounds to zero
-      const __mmask16 positive = _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_GT_OQ);
-      y = _mm512_mask_max_ps(y, positive, y, _mm512_set1_ps(kLeastE4M3));
-    }
-    _mm_mask_storeu_epi8(c + k, mask, floats_to_e4m3(y));
+  size_t k = 0;
+  for (; k + 64 <= n; k += 64) {
+    // Codes fit 8 bits, so the saturating packs keep them; the packs interleave the 128-bit
+    // lanes of their inputs, which the permute puts back in order.
+    const __m512i low = _mm512_packus_epi32(block_codes(values + k, inverse, root),
+                                            block_codes(values + k + 16, inverse, root));
+    const __m512i high = _mm512_packus_epi32(block_codes(values + k + 32, inverse, root),
+                                             block_codes(values + k + 48, inverse, root));
+    const __m512i packed = _mm512_permutexvar_epi32(
+        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
+        _mm512_packus_epi16(low, high));
+    _mm512_storeu_si512(c + k, packed);
+  }
+  for (; k < n; k += 16) {
+    _mm_mask_storeu_epi8(c + k, first_lanes(n - k),
+                         _mm512_cvtepi32_epi8(block_codes(values + k, inverse, root)));
   }
   scales[i / kBlock] = scale;
 }
@@ -208,7 +229,12 @@ void prefetch_codes(const Buffers& b, size_t i) {
   }
 }
 
-// 8-bit moments, a block at a time: decode into the stack, the fp32 loop, encode.
+// 8-bit moments, a block at a time, in two passes over its vectors: the first decodes a
+// vector's codes into registers, updates it, and keeps the new values (roots for exp_avg_sq,
+// the one the rule took) in the stack and their running max; the second encodes them under the
+// block's new scale. Whole in registers, the integer decode of one vector overlaps the square
+// root and divisions of the ones before it (a round trip through memory there would wait on
+// the masked stores, which do not forward to loads).
 template <Rule R, DType G, DType H, bool L2>
 struct Avx512Loop<R, G, H, DType::kE4M3Block, L2> {
   static void run(const StepConstants& c, const Buffers& b, size_t begin, size_t end) {
@@ -217,11 +243,46 @@ struct Avx512Loop<R, G, H, DType::kE4M3Block, L2> {
       const size_t n = end - i < kBlock ? end - i : kBlock;
       alignas(64) float m[kBlock], v[kBlock];
       prefetch_codes<R>(b, i);
-      if constexpr (kHasExpAvg<R>) decode_block(b.exp_avg, b.exp_avg_scales, i, n, false, m);
-      if constexpr (kHasExpAvgSq<R>) decode_block(b.exp_avg_sq, b.exp_avg_sq_scales, i, n, true, v);
-      stream |= Avx512Loop<R, G, H, DType::kF32, L2>::sweep(c, block_buffers(b, i, m, v), 0, n);
-      if constexpr (kHasExpAvg<R>) encode_block(m, n, false, b.exp_avg, b.exp_avg_scales, i);
-      if constexpr (kHasExpAvgSq<R>) encode_block(v, n, true, b.exp_avg_sq, b.exp_avg_sq_scales, i);
+      const Buffers block = block_buffers(b, i, m, v);
+      // A block keeps its first vector's alignment: whole vectors of the half copy go out as
+      // streaming stores where that is 32 bytes.
+      const bool aligned =
+          H != DType::kNone && reinterpret_cast<uintptr_t>(block.half_out) % 32 == 0;
+      const uint8_t* m_codes = static_cast<const uint8_t*>(b.exp_avg) + i;
+      const uint8_t* v_codes = static_cast<const uint8_t*>(b.exp_avg_sq) + i;
+      const float* m_scale = b.exp_avg_scales + i / kBlock;
+      const float* v_scale = b.exp_avg_sq_scales + i / kBlock;
+      BlockTop m_top, v_top;
+      for (size_t k = 0; k < n; k += 16) {
+        const __mmask16 mask = first_lanes(n - k);
+        const bool whole = aligned && mask == 0xFFFF;
+        prefetch_streams<G, DType::kF32, false, false>(block, k);
+        Moments s{};
+        if constexpr (kHasExpAvg<R>) {
+          s.m = _mm512_mul_ps(e4m3_to_floats(m_codes + k, mask), _mm512_set1_ps(*m_scale));
+        }
+        if constexpr (kHasExpAvgSq<R>) {
+          const __m512 x = _mm512_mul_ps(e4m3_to_floats(v_codes + k, mask), _mm512_set1_ps(*v_scale));
+          s.v = _mm512_mul_ps(x, x);
+        }
+        update_vector<R, G, H, L2>(c, block, k, mask, whole, s);
+        stream |= whole;
+        // Lanes past n hold what zero codes update to; they are never encoded or counted.
+        if constexpr (kHasExpAvg<R>) {
+          _mm512_store_ps(m + k, s.m);
+          m_top.add(_mm512_maskz_mov_ps(mask, s.m));
+        }
+        if constexpr (kHasExpAvgSq<R>) {
+          _mm512_store_ps(v + k, s.root);
+          v_top.add(_mm512_maskz_mov_ps(mask, s.root));
+        }
+      }
+      if constexpr (kHasExpAvg<R>) {
+        encode_block(m, n, false, m_top.scale(), b.exp_avg, b.exp_avg_scales, i);
+      }
+      if constexpr (kHasExpAvgSq<R>) {
+        encode_block(v, n, true, v_top.scale(), b.exp_avg_sq, b.exp_avg_sq_scales, i);
+      }
     }
     if (stream) _mm_sfence();
   }
