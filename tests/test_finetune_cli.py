@@ -29,6 +29,29 @@ def test_default_job_runs_and_shows_the_table(capsys, tmp_path):
     assert not list(tmp_path.iterdir())  # the offload files went with the run
 
 
+def _proc_io() -> dict[str, int]:
+    with open("/proc/self/io") as f:
+        return {k: int(v) for k, v in (line.split(": ") for line in f)}
+
+
+def test_metrics_split_each_step_into_reads_writes_and_waits(tmp_path):
+    """--metrics: per step the NVMe bytes read and written (their sum is `nvme_bytes`) and the
+    compute thread's waits; what the steps claim to have read and written is no more than the
+    kernel counted for the process (/proc/self/io), which also saw the model's first write."""
+    metrics = tmp_path / "m.json"
+    before = _proc_io()
+    assert main(["finetune", "--steps", "3", "--sample-tokens", "0", "--nvme-path", str(tmp_path),
+                 "--metrics", str(metrics)]) == 0
+    after = _proc_io()
+    m = json.loads(metrics.read_text())
+    assert len(m["nvme_read_bytes"]) == len(m["nvme_write_bytes"]) == len(m["io_wait_s"]) == 3
+    assert [r + w for r, w in zip(m["nvme_read_bytes"], m["nvme_write_bytes"])] == m["nvme_bytes"]
+    assert all(r > 0 for r in m["nvme_read_bytes"]) and all(w > 0 for w in m["nvme_write_bytes"])
+    assert all(0 <= s <= t for s, t in zip(m["io_wait_s"], m["step_s"]))
+    assert sum(m["nvme_read_bytes"]) <= after["read_bytes"] - before["read_bytes"]
+    assert sum(m["nvme_write_bytes"]) <= after["write_bytes"] - before["write_bytes"]
+
+
 def test_trace_writes_a_timeline_of_the_steps(tmp_path):
     """--trace: a Chrome trace whose compute-thread slices and NVMe transfers lie in steps 2-4, with a
     forward and a backward phase per step, the optimizer state's reads (the first updates run in

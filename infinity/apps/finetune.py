@@ -62,7 +62,7 @@ def _loss(out):
     return getattr(out, "loss", out)
 
 
-def _table(engine, steps_s: list[float], moved: list[int]) -> str:
+def _table(engine, steps_s: list[float], moved: list[dict]) -> str:
     from infinity.offload._messages import human_bytes
     device = engine.peak_gathered_bytes()
     host = sum(p.buffer_count * p.buffer_size for p in (getattr(engine.params, "pool", None),
@@ -72,12 +72,13 @@ def _table(engine, steps_s: list[float], moved: list[int]) -> str:
         store = getattr(tier, "store", None)
         for root, _, files in os.walk(store.directory) if store is not None else ():
             nvme += sum(os.stat(os.path.join(root, f)).st_blocks * 512 for f in files)
+    total = sorted(m["read"] + m["write"] for m in moved)
     last = engine.report.last
     read_gbps = last.get("nvme_read_gbps", 0.0) + last.get("optimizer_nvme_read_gbps", 0.0)
     rows = [("device (gathered units, peak)", human_bytes(device)),
             ("host (pinned pools)", human_bytes(host)),
             ("NVMe (parameter and optimizer files)", human_bytes(nvme)),
-            ("moved per step (NVMe read + write, median)", human_bytes(sorted(moved)[len(moved) // 2]) if moved else "-"),
+            ("moved per step (NVMe read + write, median)", human_bytes(total[len(total) // 2]) if total else "-"),
             ("NVMe read / write GB/s (last step)",
              f"{read_gbps:.2f} / {last.get('optimizer_nvme_write_gbps', 0.0):.2f}"),
             ("I/O hidden behind compute (last step)", f"{last.get('overlap_fraction', 1.0):.0%}"),
@@ -86,9 +87,17 @@ def _table(engine, steps_s: list[float], moved: list[int]) -> str:
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
-def _train(engine, rows: torch.Tensor, start: int, args) -> tuple[list[float], list[float], list[int]]:
+def _moved(last: dict) -> dict:
+    """A step's NVMe bytes read and written (parameters and optimizer state) and the seconds the
+    compute thread waited on transfers, from the engine's report of it."""
+    return {"read": last.get("nvme_read_bytes", 0) + last.get("optimizer_nvme_read_bytes", 0),
+            "write": last.get("nvme_write_bytes", 0) + last.get("optimizer_nvme_write_bytes", 0),
+            "wait_s": sum(last.get("waits", {}).values())}
+
+
+def _train(engine, rows: torch.Tensor, start: int, args) -> tuple[list[float], list[float], list[dict]]:
     """Steps `start` to `args.steps`, checkpointing every `--save-every` and after the last step;
-    returns per-step losses, seconds and NVMe bytes moved."""
+    returns per-step losses, seconds and what moved (`_moved`)."""
     from infinity.apps.data import batch
 
     size = engine.config.batch.train_micro_batch_size_per_gpu * engine.config.batch.gradient_accumulation_steps
@@ -107,12 +116,9 @@ def _train(engine, rows: torch.Tensor, start: int, args) -> tuple[list[float], l
             engine.step()
             total += loss.item() / gas
         dt = time.perf_counter() - t0
-        last = engine.report.last
-        io = sum(last.get(k, 0) for k in ("nvme_read_bytes", "nvme_write_bytes", "optimizer_nvme_read_bytes",
-                                          "optimizer_nvme_write_bytes"))
         losses.append(total)
         steps_s.append(dt)
-        moved.append(io)
+        moved.append(_moved(engine.report.last))
         bar.set_postfix(loss=f"{total:.3f}", tok_s=f"{ids.numel() / dt:.0f}", step_s=f"{dt:.2f}")
         if args.save and (engine.global_steps % args.save_every == 0 or step == args.steps - 1):
             engine.save_checkpoint(args.save, client_state={"next_step": engine.global_steps})
@@ -205,7 +211,10 @@ def run(args) -> int:
         if args.metrics:
             with open(args.metrics, "w", encoding="utf-8") as f:
                 json.dump({"steps": list(range(start, start + len(losses))), "loss": losses, "step_s": steps_s,
-                           "nvme_bytes": moved, "optimizer": engine.optimizer.rule.describe(),
+                           "nvme_bytes": [m["read"] + m["write"] for m in moved],
+                           "nvme_read_bytes": [m["read"] for m in moved],
+                           "nvme_write_bytes": [m["write"] for m in moved],
+                           "io_wait_s": [m["wait_s"] for m in moved], "optimizer": engine.optimizer.rule.describe(),
                            "peak_rss_bytes": _peak_rss()}, f)
         if args.export:
             export_model(engine, args.export, lora, tokenizer)
@@ -223,7 +232,7 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _plot(path: str, steps: list[int], losses: list[float], moved: list[int]) -> None:
+def _plot(path: str, steps: list[int], losses: list[float], moved: list[dict]) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -234,7 +243,7 @@ def _plot(path: str, steps: list[int], losses: list[float], moved: list[int]) ->
     fig, (a, b) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     a.plot(steps, losses)
     a.set_ylabel("loss")
-    b.bar(steps, [m / 2 ** 20 for m in moved])
+    b.bar(steps, [(m["read"] + m["write"]) / 2 ** 20 for m in moved])
     b.set_ylabel("NVMe MiB per step")
     b.set_xlabel("step")
     fig.tight_layout()

@@ -1,0 +1,119 @@
+"""A model whose training state exceeds this machine's memory, through `infinity finetune`'s
+built-in config, against its two floors (issue [3/7]):
+
+    python bench/bench_3b.py --nvme-path /work --output bench/results/finetune_3b_floors.json
+    python bench/bench_3b.py --model llama-tiny --layers 2 4 --steps 3 --nvme-path /tmp  # a smoke run
+
+The step: `infinity finetune --model MODEL --steps S --seq-len L --sample-tokens 0 --nvme-path DIR
+--metrics M` (its built-in config: parameters and optimizer state on NVMe, gradient clipping 1.0,
+batch 4), steps 2 and later (the first step's update runs inside the second step's forward).
+Its bytes read and written and its waits are the engine's per-step report (`--metrics`).
+
+The read + write floor: each step's bytes over the disk measured before and after the run
+(bench_user_configs.disk_gbps, 8 MiB at queue depth 32): reads at the read rate plus writes at the
+write rate, or both at once, whichever is less.
+
+The compute floor: the same engine with everything in CPU memory (`--offload cpu`), which the
+whole model cannot have here. It is measured on the model's shapes with fewer layers (--layers,
+two counts) and carried to the full count along the line through them (a step's compute is a
+fixed part, embedding, head and loss, plus the same work per layer), from the median of each
+run's steps 2 and later.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import bench_user_configs as user  # noqa: E402
+
+# Runs `infinity finetune` on a preset with its layer count replaced (argv: preset, layers, the rest).
+WITH_LAYERS = """
+import sys
+from infinity.apps.cli import main
+from infinity.apps.models.presets import PRESETS
+name, layers = sys.argv[1], int(sys.argv[2])
+PRESETS[f"{name}@{layers}"] = dict(PRESETS[name], num_hidden_layers=layers)
+sys.exit(main(["finetune", "--model", f"{name}@{layers}", *sys.argv[3:]]))
+"""
+
+
+def finetune(argv: list[str], metrics: str, layers: int | None = None, model: str = "") -> dict:
+    """One `infinity finetune` in its own process; its --metrics."""
+    if layers is None:
+        cmd = [sys.executable, "-m", "infinity.apps.cli", "finetune", "--model", model, *argv]
+    else:
+        cmd = [sys.executable, "-c", WITH_LAYERS, model, str(layers), *argv]
+    print("$ " + " ".join(cmd if layers is None else ["infinity finetune", f"--model {model}@{layers}", *argv]),
+          flush=True)
+    subprocess.run(cmd + ["--metrics", metrics], check=True, stdout=subprocess.DEVNULL)
+    with open(metrics, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def later(xs: list[float]) -> float:
+    return statistics.median(xs[1:] if len(xs) > 1 else xs)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-3b")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--layers", type=int, nargs=2, default=[2, 4], help="layer counts of the compute floor runs")
+    parser.add_argument("--nvme-path", required=True)
+    parser.add_argument("--disk-bytes", type=int, default=1 << 30)
+    parser.add_argument("--output")
+    args = parser.parse_args()
+    from infinity.apps.models.presets import param_count, preset
+
+    cfg = preset(args.model)
+    work = tempfile.mkdtemp(prefix="bench-3b-", dir=args.nvme_path)
+    common = ["--steps", str(args.steps), "--seq-len", str(args.seq_len), "--sample-tokens", "0"]
+    try:
+        disks = [user.disk_gbps(work, args.disk_bytes)]
+        nvme = finetune(common + ["--nvme-path", work], os.path.join(work, "nvme.json"), model=args.model)
+        disks.append(user.disk_gbps(work, args.disk_bytes))
+        small = {n: finetune(common + ["--offload", "cpu"], os.path.join(work, f"cpu{n}.json"), n, args.model)
+                 for n in args.layers}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    (a, b), full = args.layers, cfg["num_hidden_layers"]
+    ta, tb = later(small[a]["step_s"]), later(small[b]["step_s"])
+    compute = ta + (tb - ta) / (b - a) * (full - a)
+    med = lambda key: statistics.median(d[key] for d in disks)  # noqa: E731
+    steps = []
+    for s, r, w, wait in zip(nvme["step_s"], nvme["nvme_read_bytes"], nvme["nvme_write_bytes"], nvme["io_wait_s"]):
+        io = min(r / 1e9 * med("read_s_per_gb") + w / 1e9 * med("write_s_per_gb"), max(r, w) / 1e9 * med("both_s_per_gb"))
+        steps.append({"step_s": s, "read_gb": r / 1e9, "write_gb": w / 1e9, "wait_s": wait, "io_floor_s": io,
+                      "over_max_floors": s / max(io, compute)})
+    ratio = later([x["over_max_floors"] for x in steps])
+    print(f"{args.model}: {param_count(cfg) / 1e9:.2f}B parameters, {full} layers, batch 4 x {args.seq_len}")
+    for k, x in enumerate(steps):
+        print(f"  step {k}: {x['step_s']:.1f} s, read {x['read_gb']:.1f} / write {x['write_gb']:.1f} GB, "
+              f"waited {x['wait_s']:.1f} s, I/O floor {x['io_floor_s']:.1f} s, / max(floors) {x['over_max_floors']:.2f}")
+    print(f"  compute floor {compute:.1f} s (in CPU memory: {a} layers {ta:.2f} s, {b} layers {tb:.2f} s a step)")
+    print(f"  steps 1-: step / max(floors) median {ratio:.2f}; peak RSS {nvme['peak_rss_bytes'] / 1e9:.2f} GB")
+    if args.output:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=HERE).stdout.strip()
+        with open(args.output, "w", encoding="utf-8") as f:
+            json.dump({"command": "python " + " ".join(sys.argv), "commit": commit,
+                       "date": datetime.datetime.now().isoformat(timespec="seconds"), "model": args.model,
+                       "params": param_count(cfg), "disk": disks, "compute_floor_s": compute,
+                       "compute_runs": {str(n): small[n] for n in small}, "nvme_run": nvme, "steps": steps,
+                       "over_max_floors": ratio}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
