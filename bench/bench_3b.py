@@ -2,6 +2,7 @@
 built-in config, against its two floors (issue [3/7]):
 
     python bench/bench_3b.py --nvme-path /work --output bench/results/finetune_3b_floors.json
+    python bench/bench_3b.py --clip 0 --nvme-path /work --output ...   # the built-in config, unclipped
     python bench/bench_3b.py --model llama-tiny --layers 2 4 --steps 3 --nvme-path /tmp  # a smoke run
 
 The step: `infinity finetune --model MODEL --steps S --seq-len L --sample-tokens 0 --nvme-path DIR
@@ -36,25 +37,33 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_user_configs as user  # noqa: E402
 
-# Runs `infinity finetune` on a preset with its layer count replaced (argv: preset, layers, the rest).
-WITH_LAYERS = """
+# Runs `infinity finetune` (argv: preset, layers, clipping, the rest) on a preset with its layer
+# count replaced (layers > 0) and the built-in config's gradient clipping replaced (clipping >= 0).
+PATCHED = """
 import sys
+import infinity.apps.finetune as finetune
 from infinity.apps.cli import main
 from infinity.apps.models.presets import PRESETS
-name, layers = sys.argv[1], int(sys.argv[2])
-PRESETS[f"{name}@{layers}"] = dict(PRESETS[name], num_hidden_layers=layers)
-sys.exit(main(["finetune", "--model", f"{name}@{layers}", *sys.argv[3:]]))
+name, layers, clip = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+if layers > 0:
+    name = f"{name}@{layers}"
+    PRESETS[name] = dict(PRESETS[sys.argv[1]], num_hidden_layers=layers)
+if clip >= 0:
+    built_in = finetune._default_config
+    def with_clip(*a, **k):
+        config, chose = built_in(*a, **k)
+        return {**config, "gradient_clipping": clip}, chose + f"; gradient_clipping {clip} (bench_3b.py --clip)"
+    finetune._default_config = with_clip
+sys.exit(main(["finetune", "--model", name, *sys.argv[4:]]))
 """
 
 
-def finetune(argv: list[str], metrics: str, layers: int | None = None, model: str = "") -> dict:
+def finetune(argv: list[str], metrics: str, model: str, layers: int = 0, clip: float = -1.0) -> dict:
     """One `infinity finetune` in its own process; its --metrics."""
-    if layers is None:
-        cmd = [sys.executable, "-m", "infinity.apps.cli", "finetune", "--model", model, *argv]
-    else:
-        cmd = [sys.executable, "-c", WITH_LAYERS, model, str(layers), *argv]
-    print("$ " + " ".join(cmd if layers is None else ["infinity finetune", f"--model {model}@{layers}", *argv]),
-          flush=True)
+    cmd = [sys.executable, "-c", PATCHED, model, str(layers), str(clip), *argv]
+    shown = f"{model}@{layers}" if layers else model
+    print(f"$ infinity finetune --model {shown} " + " ".join(argv) +
+          (f"  # built-in config with gradient_clipping {clip}" if clip >= 0 else ""), flush=True)
     subprocess.run(cmd + ["--metrics", metrics], check=True, stdout=subprocess.DEVNULL)
     with open(metrics, encoding="utf-8") as f:
         return json.load(f)
@@ -72,6 +81,8 @@ def main() -> int:
     parser.add_argument("--layers", type=int, nargs=2, default=[2, 4], help="layer counts of the compute floor runs")
     parser.add_argument("--nvme-path", required=True)
     parser.add_argument("--disk-bytes", type=int, default=1 << 30)
+    parser.add_argument("--clip", type=float, default=-1.0,
+                        help="replace the built-in config's gradient_clipping (1.0) by this (0: none)")
     parser.add_argument("--output")
     args = parser.parse_args()
     from infinity.apps.models.presets import param_count, preset
@@ -81,10 +92,10 @@ def main() -> int:
     common = ["--steps", str(args.steps), "--seq-len", str(args.seq_len), "--sample-tokens", "0"]
     try:
         disks = [user.disk_gbps(work, args.disk_bytes)]
-        nvme = finetune(common + ["--nvme-path", work], os.path.join(work, "nvme.json"), model=args.model)
+        nvme = finetune(common + ["--nvme-path", work], os.path.join(work, "nvme.json"), args.model, clip=args.clip)
         disks.append(user.disk_gbps(work, args.disk_bytes))
-        small = {n: finetune(common + ["--offload", "cpu"], os.path.join(work, f"cpu{n}.json"), n, args.model)
-                 for n in args.layers}
+        small = {n: finetune(common + ["--offload", "cpu"], os.path.join(work, f"cpu{n}.json"), args.model, n,
+                             args.clip) for n in args.layers}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     (a, b), full = args.layers, cfg["num_hidden_layers"]
@@ -97,7 +108,8 @@ def main() -> int:
         steps.append({"step_s": s, "read_gb": r / 1e9, "write_gb": w / 1e9, "wait_s": wait, "io_floor_s": io,
                       "over_max_floors": s / max(io, compute)})
     ratio = later([x["over_max_floors"] for x in steps])
-    print(f"{args.model}: {param_count(cfg) / 1e9:.2f}B parameters, {full} layers, batch 4 x {args.seq_len}")
+    print(f"{args.model}: {param_count(cfg) / 1e9:.2f}B parameters, {full} layers, batch 4 x {args.seq_len}"
+          + (f", gradient_clipping {args.clip}" if args.clip >= 0 else ""))
     for k, x in enumerate(steps):
         print(f"  step {k}: {x['step_s']:.1f} s, read {x['read_gb']:.1f} / write {x['write_gb']:.1f} GB, "
               f"waited {x['wait_s']:.1f} s, I/O floor {x['io_floor_s']:.1f} s, / max(floors) {x['over_max_floors']:.2f}")
@@ -109,7 +121,7 @@ def main() -> int:
         with open(args.output, "w", encoding="utf-8") as f:
             json.dump({"command": "python " + " ".join(sys.argv), "commit": commit,
                        "date": datetime.datetime.now().isoformat(timespec="seconds"), "model": args.model,
-                       "params": param_count(cfg), "disk": disks, "compute_floor_s": compute,
+                       "params": param_count(cfg), "clip": args.clip, "disk": disks, "compute_floor_s": compute,
                        "compute_runs": {str(n): small[n] for n in small}, "nvme_run": nvme, "steps": steps,
                        "over_max_floors": ratio}, f, indent=1)
     return 0
