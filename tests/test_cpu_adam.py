@@ -6,7 +6,11 @@
 from __future__ import annotations
 
 import io
+import os
 import pickle
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -734,3 +738,70 @@ def test_rollback_subgroup_refuses_what_it_cannot_undo():
     shared = DeepSpeedCPUAdam(two, lr=1e-2)
     with pytest.raises(ValueError, match="expected exactly one parameter with a gradient"):
         shared.step_subgroup(0)
+
+
+def _threads_named(name: str) -> list[int]:
+    tids = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() == name:
+                    tids.append(int(tid))
+        except FileNotFoundError:  # the thread ended
+            pass
+    return tids
+
+
+# Spins for at most 20 s, so that a test that dies leaves no spinning process behind for long.
+SPIN = "import time\nend = time.monotonic() + 20\nwhile time.monotonic() < end:\n    pass\n"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and two CPUs")
+def test_an_update_does_not_wait_for_a_worker_whose_core_is_busy():
+    """[Note: late workers are not waited for]: the pool's worker is pinned to a core that a
+    real-time process spins on, where the kernel runs ordinary threads only in the 5% of each
+    second it keeps back from real-time ones (or never), and the caller to another core. For a
+    second and a half of back-to-back updates, each finishes on the caller's thread with the
+    right bits in milliseconds; the pool waited for the worker before (up to 0.95 s for one)."""
+    caller_cpu, busy_cpu = sorted(os.sched_getaffinity(0))[:2]
+    n = 1 << 20
+    gen = torch.Generator().manual_seed(0)
+    p0, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    hyper = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    adam_update(p0.clone(), g, torch.zeros(n), torch.zeros(n), **hyper, num_threads=2)  # starts the worker
+    deadline = time.monotonic() + 10
+    while not (workers := _threads_named("infinity-adam")) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the thread names itself once it first runs
+    assert workers
+    reference = p0.clone()
+    adam_update(reference, g, torch.zeros(n), torch.zeros(n), **hyper, num_threads=1)
+    everywhere = os.sched_getaffinity(0)
+    p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+    hog = subprocess.Popen([sys.executable, "-c", SPIN])
+    try:
+        os.sched_setaffinity(hog.pid, {busy_cpu})
+        try:
+            os.sched_setscheduler(hog.pid, os.SCHED_FIFO, os.sched_param(1))
+        except PermissionError:
+            pytest.skip("cannot give a process a real-time policy here")
+        for tid in workers:
+            os.sched_setaffinity(tid, {busy_cpu})
+        os.sched_setaffinity(0, {caller_cpu})
+        updates, exact, longest = 0, True, 0.0
+        start = time.monotonic()
+        while time.monotonic() - start < 1.5:
+            p.copy_(p0), m.zero_(), v.zero_()
+            t = time.monotonic()
+            adam_update(p, g, m, v, **hyper, num_threads=2)
+            longest = max(longest, time.monotonic() - t)
+            updates, exact = updates + 1, exact and torch.equal(p, reference)
+    finally:
+        hog.kill()
+        hog.wait()
+        os.sched_setaffinity(0, everywhere)
+        for tid in _threads_named("infinity-adam"):
+            os.sched_setaffinity(tid, everywhere)
+    assert updates > 0 and exact
+    # An update of 1M elements on one thread takes about a millisecond here.
+    assert longest < 0.3, f"an update took {longest:.2f} s: the caller waited for the starved worker"

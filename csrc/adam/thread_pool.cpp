@@ -19,7 +19,8 @@ void ThreadPool::forget_workers_after_fork() {
   new (&start_) std::condition_variable();
   new (&done_) std::condition_variable();
   task_ = nullptr;
-  num_pending_ = 0;
+  num_running_ = 0;
+  open_ = false;
   stop_ = false;
 }
 
@@ -38,9 +39,18 @@ int ThreadPool::num_workers() {
   return static_cast<int>(workers_.size());
 }
 
-void ThreadPool::run(int num_tasks, const std::function<void(int)>& task) {
-  if (num_tasks <= 1) {
-    if (num_tasks == 1) task(0);
+// [Note: late workers are not waited for]
+// On a machine with as many cores as update threads, a worker's core is often busy for a moment
+// when the batch starts (the aio threads, the kernel completing I/O), and the scheduler may not
+// run the worker for a time slice, milliseconds. A task that shares its work out (the updater's
+// chunks, LAMB's tasks) is then done by the threads that did run, but a pool that waited for
+// every worker would still wait for the late one to wake, find nothing left and return: 1 ms
+// updates of a piece took 3-4 ms in the streaming step's timelines. So a batch closes once the
+// caller's own call returns, which is when no work is left to take: workers that start it from
+// then on skip it, and the caller waits only for those already inside.
+void ThreadPool::run(int num_threads, const std::function<void()>& task) {
+  if (num_threads <= 1) {
+    task();
     return;
   }
   forget_workers_after_fork();
@@ -48,42 +58,44 @@ void ThreadPool::run(int num_tasks, const std::function<void(int)>& task) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     owner_pid_ = getpid();
-    while (static_cast<int>(workers_.size()) < num_tasks - 1) {
+    while (static_cast<int>(workers_.size()) < num_threads - 1) {
       const int index = static_cast<int>(workers_.size()) + 1;
       workers_.push_back(start_quiet_thread("infinity-adam", [this, index] { work(index); }));
     }
     task_ = &task;
-    num_tasks_ = num_tasks;
-    num_pending_ = num_tasks - 1;
+    num_threads_ = num_threads;
+    open_ = true;
     ++generation_;
   }
   start_.notify_all();
-  task(0);
+  task();
   std::unique_lock<std::mutex> lock(mutex_);
-  done_.wait(lock, [this] { return num_pending_ == 0; });
+  open_ = false;
+  done_.wait(lock, [this] { return num_running_ == 0; });
   task_ = nullptr;
 }
 
 void ThreadPool::work(int index) {
   uint64_t seen = 0;
   {
-    // A worker started during a run must take part in that run, not wait for the next one.
+    // A worker started during a run joins that run (if it is still open), not only the next one.
     std::lock_guard<std::mutex> lock(mutex_);
     seen = generation_ - 1;
   }
   for (;;) {
-    const std::function<void(int)>* task;
+    const std::function<void()>* task;
     {
       std::unique_lock<std::mutex> lock(mutex_);
       start_.wait(lock, [&] { return stop_ || generation_ != seen; });
       if (stop_) return;
       seen = generation_;
-      if (index >= num_tasks_) continue;  // this batch needs fewer workers
+      if (index >= num_threads_ || !open_) continue;  // this batch needs fewer workers, or is done
       task = task_;
+      ++num_running_;
     }
-    (*task)(index);
+    (*task)();
     std::lock_guard<std::mutex> lock(mutex_);
-    if (--num_pending_ == 0) done_.notify_one();
+    if (--num_running_ == 0 && !open_) done_.notify_one();
   }
 }
 

@@ -24,15 +24,17 @@ class ThreadPool {
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
-  // Calls task(i) for every i in [0, num_tasks): task 0 on the calling thread, the others on
-  // workers (started the first time they are needed), and returns once all have returned.
-  // Calls from several threads are served one after the other.
-  void run(int num_tasks, const std::function<void(int)>& task);
+  // Calls task() on the calling thread and on up to num_threads - 1 workers (started the first
+  // time they are needed), for a task that takes its work from a shared source until none is
+  // left, so that any one call finishes it: returns once the caller's call has and every worker
+  // that started it has; workers that start later skip it ([Note: late workers are not waited
+  // for] in thread_pool.cpp). Calls from several threads are served one after the other.
+  void run(int num_threads, const std::function<void()>& task);
 
   int num_workers();
 
  private:
-  void work(int index);  // worker `index` runs task `index` (1-based: task 0 is the caller's)
+  void work(int index);  // worker `index` (1-based: the caller is 0) joins the batches that ask for it
   // In a child made by fork() the workers do not exist: forget them (never join them) and
   // start afresh, so the child can run updates and exit.
   void forget_workers_after_fork();
@@ -41,9 +43,10 @@ class ThreadPool {
   std::mutex mutex_;      // guards everything below
   std::condition_variable start_;
   std::condition_variable done_;
-  const std::function<void(int)>* task_ = nullptr;
-  int num_tasks_ = 0;
-  int num_pending_ = 0;       // workers that still have to finish the current batch
+  const std::function<void()>* task_ = nullptr;
+  int num_threads_ = 0;
+  int num_running_ = 0;       // workers inside the current batch's task
+  bool open_ = false;         // workers may still start the current batch
   uint64_t generation_ = 0;   // bumped per batch, so a worker runs each batch once
   bool stop_ = false;
   std::vector<std::thread> workers_;

@@ -71,7 +71,7 @@ void Updater::run_parallel(int num_threads, const std::function<void()>& task) {
     team->run(num_threads, [](void* f) { (*static_cast<const Task*>(f))(); },
               const_cast<Task*>(&task));
   } else {
-    pool_.run(num_threads, [&](int) { task(); });
+    pool_.run(num_threads, task);
   }
 }
 

@@ -50,9 +50,11 @@ class Updater {
   // The roofline kernel (adam.h) over [0, count), split the same way as update().
   void stream(const Buffers& buffers, size_t count, int num_threads, Simd simd);
 
-  // Calls task() on num_threads threads (the calling one among them) of the OpenMP team or
-  // this Updater's pool, as the updates run, and returns once all have returned; the team may
-  // give fewer. For kernels that cut their work themselves (lamb.h).
+  // Calls task() on up to num_threads threads (the calling one among them) of the OpenMP team
+  // or this Updater's pool, as the updates run; task() must take its work from a shared source
+  // until none is left: a pool worker that starts after the caller's call returned skips it
+  // ([Note: late workers are not waited for] in thread_pool.cpp), and the team may give fewer
+  // threads. For kernels that cut their work themselves (lamb.h).
   void run_parallel(int num_threads, const std::function<void()>& task);
 
  private:
