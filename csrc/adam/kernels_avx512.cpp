@@ -248,10 +248,18 @@ struct Avx512Loop<R, G, H, DType::kE4M3Block, L2> {
       // streaming stores where that is 32 bytes.
       const bool aligned =
           H != DType::kNone && reinterpret_cast<uintptr_t>(block.half_out) % 32 == 0;
-      const uint8_t* m_codes = static_cast<const uint8_t*>(b.exp_avg) + i;
-      const uint8_t* v_codes = static_cast<const uint8_t*>(b.exp_avg_sq) + i;
-      const float* m_scale = b.exp_avg_scales + i / kBlock;
-      const float* v_scale = b.exp_avg_sq_scales + i / kBlock;
+      // The block's codes and scales of each moment the rule has (the others' pointers are null).
+      const uint8_t* m_codes = nullptr;
+      const uint8_t* v_codes = nullptr;
+      __m512 m_scale = _mm512_setzero_ps(), v_scale = _mm512_setzero_ps();
+      if constexpr (kHasExpAvg<R>) {
+        m_codes = static_cast<const uint8_t*>(b.exp_avg) + i;
+        m_scale = _mm512_set1_ps(b.exp_avg_scales[i / kBlock]);
+      }
+      if constexpr (kHasExpAvgSq<R>) {
+        v_codes = static_cast<const uint8_t*>(b.exp_avg_sq) + i;
+        v_scale = _mm512_set1_ps(b.exp_avg_sq_scales[i / kBlock]);
+      }
       BlockTop m_top, v_top;
       for (size_t k = 0; k < n; k += 16) {
         const __mmask16 mask = first_lanes(n - k);
@@ -259,10 +267,10 @@ struct Avx512Loop<R, G, H, DType::kE4M3Block, L2> {
         prefetch_streams<G, DType::kF32, false, false>(block, k);
         Moments s{};
         if constexpr (kHasExpAvg<R>) {
-          s.m = _mm512_mul_ps(e4m3_to_floats(m_codes + k, mask), _mm512_set1_ps(*m_scale));
+          s.m = _mm512_mul_ps(e4m3_to_floats(m_codes + k, mask), m_scale);
         }
         if constexpr (kHasExpAvgSq<R>) {
-          const __m512 x = _mm512_mul_ps(e4m3_to_floats(v_codes + k, mask), _mm512_set1_ps(*v_scale));
+          const __m512 x = _mm512_mul_ps(e4m3_to_floats(v_codes + k, mask), v_scale);
           s.v = _mm512_mul_ps(x, x);
         }
         update_vector<R, G, H, L2>(c, block, k, mask, whole, s);
