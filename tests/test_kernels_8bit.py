@@ -122,7 +122,7 @@ CONFIGS = {
 
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("n", [1, 255, 256, 257, 4099])
+@pytest.mark.parametrize("n", [1, 255, 256, 257, 296, 4099])
 def test_fused_update_is_decode_kernel_encode(simd, rule, config, n):
     c = CONFIGS[config]
     kw = dict(c["kw"])
@@ -136,6 +136,27 @@ def test_fused_update_is_decode_kernel_encode(simd, rule, config, n):
         fused, ref = both(rule, p, g, stored, step=step, half_out=half, simd=simd, **kw)
         assert same(fused, ref), (rule, config, n, step)
         p, stored = fused[0], fused[1:1 + len(stored)]
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_a_half_copy_off_its_vector_alignment(simd, rule):
+    """The half copy one element past an aligned address, so that none of its vectors may take a
+    streaming store, and a last block of whole vectors short of a block (the encode's remainder):
+    the composition's bits."""
+    n = 4 * BLOCK + 40
+    gen = torch.Generator().manual_seed(7)
+    p, stored = torch.randn(n, generator=gen), state(rule, n, gen)
+    g = wide(n, gen, -30, 3).to(torch.bfloat16)
+    out = []
+    for fused in (True, False):
+        p2, s2 = p.clone(), [s.clone() for s in stored]
+        h2 = torch.zeros(n + 1, dtype=torch.bfloat16)[1:]
+        if fused:
+            update(rule, p2, g, s2, half_out=h2, moment_format="8bit", simd=simd, step=2)
+        else:
+            composed(rule, p2, g, s2, half_out=h2, simd=simd, step=2)
+        out.append([p2, *s2, h2])
+    assert same(*out)
 
 
 @pytest.mark.parametrize("rule", RULES)

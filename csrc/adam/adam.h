@@ -90,12 +90,14 @@
 // arithmetic, compared with torch's for every float; an e4m3 NaN decodes to 0x7FF00000 | sign,
 // as torch's `.float()` does. The loop runs over one block at a time: its values stay in the L1
 // cache from decode through update to encode, so the moments cross memory once, a byte a value.
-// That makes the update bound by arithmetic rather than memory, so the AVX-512 loop decodes,
-// updates and measures each vector in registers in one pass and encodes in a second (the root
-// the rule took is the one stored; the AVX2 and scalar loops keep a pass per stage): on the
-// 2-core development machine (bench/bench_8bit_moments.py, Adam over 16M values, 2 threads) it
-// takes 10.9 ms where the fp32 kernel on fp32 moments takes 9.0 ms in the same rounds, against
-// 13.5 ms with a pass per stage, and 444 ms for the torch-op decode, kernel, encode it replaces.
+// That makes the update bound by arithmetic rather than memory, so the AVX-512 and AVX2 loops
+// decode, update and measure each vector in registers in one pass and encode in a second (the
+// root the rule took is the one stored; the scalar loop, and an AVX2 block that ends inside a
+// vector, keep a pass per stage). On the 2-core development machine
+// (bench/bench_8bit_moments.py, Adam over 16M values, 2 threads) AVX-512 takes 10.9 ms where the
+// fp32 kernel on fp32 moments takes 9.0 ms in the same rounds, against 13.5 ms with a pass per
+// stage, and 444 ms for the torch-op decode, kernel, encode it replaces; AVX2 (INFINITY_SIMD=avx2)
+// takes 13.6 ms against 16.2-17.2 ms with a pass per stage.
 //
 // [Note: one definition per instruction set]
 // kernels_avx2.cpp and kernels_avx512.cpp are compiled with -mavx2 / -mavx512f. An inline function

@@ -27,39 +27,57 @@ __m256 sign(__m256 x) {
   return _mm256_or_ps(positive, negative);
 }
 
+// A vector's moments in registers: the rule reads and updates `m` (Adam, Lion) and `v` (Adam,
+// Adagrad), and leaves in `root` the square root of the new `v` it took (the stored root of an
+// 8-bit exp_avg_sq, [Note: 8-bit moments in the kernels] in adam.h).
+struct Moments {
+  __m256 m, v, root;
+};
+
 // One vector of each rule, given the param p and scaled gradient g; returns the new param
 // ([Note: exact parity with torch], [Note: Adagrad and Lion arithmetic] in adam.h).
-template <DType M, bool L2>
-__m256 adam(const StepConstants& c, const Buffers& b, size_t i, __m256 p, __m256 g) {
+template <bool L2>
+__m256 adam(const StepConstants& c, __m256 p, __m256 g, Moments& s) {
   p = _mm256_mul_ps(p, _mm256_set1_ps(c.decay));
   if constexpr (L2) g = _mm256_fmadd_ps(_mm256_set1_ps(c.l2), p, g);
-  const __m256 m = lerp(c.lerp1, load_floats<M>(b.exp_avg, i), g);
-  __m256 v = _mm256_mul_ps(load_floats<M>(b.exp_avg_sq, i), _mm256_set1_ps(c.beta2));
-  v = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(c.one_minus_beta2), g), g, v);
-  const __m256 denom = _mm256_add_ps(
-      _mm256_div_ps(_mm256_sqrt_ps(v), _mm256_set1_ps(c.bc2_sqrt)), _mm256_set1_ps(c.eps));
-  store_floats<M>(b.exp_avg, i, m);
-  store_floats<M>(b.exp_avg_sq, i, v);
-  return _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(c.neg_step), m), denom));
+  s.m = lerp(c.lerp1, s.m, g);
+  s.v = _mm256_mul_ps(s.v, _mm256_set1_ps(c.beta2));
+  s.v = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(c.one_minus_beta2), g), g, s.v);
+  s.root = _mm256_sqrt_ps(s.v);
+  const __m256 denom =
+      _mm256_add_ps(_mm256_div_ps(s.root, _mm256_set1_ps(c.bc2_sqrt)), _mm256_set1_ps(c.eps));
+  return _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(c.neg_step), s.m), denom));
 }
 
-template <DType M, bool L2>
-__m256 adagrad(const StepConstants& c, const Buffers& b, size_t i, __m256 p, __m256 g) {
+template <bool L2>
+__m256 adagrad(const StepConstants& c, __m256 p, __m256 g, Moments& s) {
   if constexpr (L2) g = _mm256_fmadd_ps(_mm256_set1_ps(c.l2), p, g);
-  const __m256 s = _mm256_fmadd_ps(g, g, load_floats<M>(b.exp_avg_sq, i));
-  const __m256 std_dev = _mm256_add_ps(_mm256_sqrt_ps(s), _mm256_set1_ps(c.eps));
-  store_floats<M>(b.exp_avg_sq, i, s);
+  s.v = _mm256_fmadd_ps(g, g, s.v);
+  s.root = _mm256_sqrt_ps(s.v);
+  const __m256 std_dev = _mm256_add_ps(s.root, _mm256_set1_ps(c.eps));
   return _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(c.neg_step), g), std_dev));
 }
 
-template <DType M>
-__m256 lion(const StepConstants& c, const Buffers& b, size_t i, __m256 p, __m256 g) {
-  const __m256 m = load_floats<M>(b.exp_avg, i);
-  const __m256 direction = lerp(c.lerp1, m, g);
+__m256 lion(const StepConstants& c, __m256 p, __m256 g, Moments& s) {
+  const __m256 direction = lerp(c.lerp1, s.m, g);
   p = _mm256_mul_ps(p, _mm256_set1_ps(c.decay));
   p = _mm256_add_ps(p, _mm256_mul_ps(_mm256_set1_ps(c.neg_step), sign(direction)));
-  store_floats<M>(b.exp_avg, i, lerp(c.lerp2, m, g));
+  s.m = lerp(c.lerp2, s.m, g);
   return p;
+}
+
+// The rule R's update of the vector at element i whose moments are in `s`: reads the gradient
+// and the param, writes the param and its half copy, updates `s`.
+template <Rule R, DType G, DType H, bool L2>
+inline __attribute__((always_inline)) void update_vector(const StepConstants& c, const Buffers& b,
+                                                         size_t i, bool stream, Moments& s) {
+  const __m256 g = _mm256_mul_ps(load_floats<G>(b.grad, i), _mm256_set1_ps(c.grad_scale));
+  __m256 p = _mm256_loadu_ps(b.param + i);
+  if constexpr (R == Rule::kAdam) p = adam<L2>(c, p, g, s);
+  if constexpr (R == Rule::kAdagrad) p = adagrad<L2>(c, p, g, s);
+  if constexpr (R == Rule::kLion) p = lion(c, p, g, s);
+  _mm256_storeu_ps(b.param + i, p);
+  store_half<H>(b.half_out, i, p, stream);
 }
 
 template <Rule R, DType G, DType H, DType M, bool L2>
@@ -69,13 +87,12 @@ struct Avx2Loop {
 
   static inline __attribute__((always_inline)) void body(const StepConstants& c, const Buffers& b,
                                                          size_t i, bool stream) {
-    const __m256 g = _mm256_mul_ps(load_floats<G>(b.grad, i), _mm256_set1_ps(c.grad_scale));
-    __m256 p = _mm256_loadu_ps(b.param + i);
-    if constexpr (R == Rule::kAdam) p = adam<M, L2>(c, b, i, p, g);
-    if constexpr (R == Rule::kAdagrad) p = adagrad<M, L2>(c, b, i, p, g);
-    if constexpr (R == Rule::kLion) p = lion<M>(c, b, i, p, g);
-    _mm256_storeu_ps(b.param + i, p);
-    store_half<H>(b.half_out, i, p, stream);
+    Moments s{};
+    if constexpr (kHasExpAvg<R>) s.m = load_floats<M>(b.exp_avg, i);
+    if constexpr (kHasExpAvgSq<R>) s.v = load_floats<M>(b.exp_avg_sq, i);
+    update_vector<R, G, H, L2>(c, b, i, stream, s);
+    if constexpr (kHasExpAvg<R>) store_floats<M>(b.exp_avg, i, s.m);
+    if constexpr (kHasExpAvgSq<R>) store_floats<M>(b.exp_avg_sq, i, s.v);
   }
 
   // Fewer than kWidth elements at `i`: zeroed lanes run through the same code (no fault: the
@@ -150,9 +167,10 @@ __m256 e4m3_to_floats(const uint8_t* codes) {
   return _mm256_castsi256_ps(_mm256_or_si256(bits, sign));
 }
 
-// Eight floats as codes in the low 8 bytes: torch's `.to(torch.float8_e4m3fn)` (nearest even,
-// saturating at 448, a NaN to 0x7F | sign). All compares are of magnitudes below 2^31.
-__m128i floats_to_e4m3(__m256 x) {
+// Eight floats as codes, one in the low byte of each 32-bit lane: torch's
+// `.to(torch.float8_e4m3fn)` (nearest even, saturating at 448, a NaN to 0x7F | sign). All
+// compares are of magnitudes below 2^31.
+__m256i e4m3_lanes(__m256 x) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i sign = _mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
   const __m256i a = _mm256_xor_si256(u, sign);
@@ -168,7 +186,12 @@ __m128i floats_to_e4m3(__m256 x) {
                             _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x43E80000)));
   code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7F),
                             _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000)));
-  code = _mm256_or_si256(code, _mm256_srli_epi32(sign, 24));
+  return _mm256_or_si256(code, _mm256_srli_epi32(sign, 24));
+}
+
+// The same eight codes in the low 8 bytes.
+__m128i floats_to_e4m3(__m256 x) {
+  const __m256i code = e4m3_lanes(x);
   const __m128i words =
       _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
   return _mm_packus_epi16(words, words);
@@ -248,7 +271,66 @@ void prefetch_codes(const Buffers& b, size_t i) {
   }
 }
 
-// 8-bit moments, a block at a time: decode into the stack, the fp32 loop, encode.
+// The running max of |x| over a block's new values and whether one is a NaN (a NaN lane keeps
+// `top`): what e4m3_block_scale reads.
+struct BlockTop {
+  __m256 top = _mm256_setzero_ps();
+  __m256 nan = _mm256_setzero_ps();
+  void add(__m256 x) {
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    top = _mm256_max_ps(_mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))), top);
+  }
+  float scale() const {
+    __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    half = _mm_max_ss(half, _mm_movehdup_ps(half));
+    return e4m3_block_scale(_mm_cvtss_f32(half), _mm256_movemask_ps(nan) != 0);
+  }
+};
+
+// The codes of the 8 values at `values` under `inverse` (1 / the block's scale), in 32-bit lanes.
+__m256i block_codes(const float* values, __m256 inverse, bool root) {
+  __m256 y = _mm256_mul_ps(_mm256_load_ps(values), inverse);
+  if (root) {  // a positive root never rounds to zero
+    const __m256 positive = _mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ);
+    y = _mm256_blendv_ps(y, _mm256_max_ps(y, _mm256_set1_ps(kLeastE4M3)), positive);
+  }
+  return e4m3_lanes(y);
+}
+
+// The block's n new values (n a multiple of kWidth, in `values`, 32-byte aligned, roots already
+// taken) as codes at element i under `scale`, their BlockTop's. Thirty-two codes leave in one
+// store: the packs interleave the 128-bit lanes of their inputs, which the permute puts back in
+// order (codes fit 8 bits, so the saturating packs keep them).
+void encode_vectors(const float* values, size_t n, bool root, float scale, void* codes,
+                    float* scales, size_t i) {
+  const __m256 inverse = _mm256_set1_ps(1.0f / scale);  // a power of two (or 0): exact
+  uint8_t* c = static_cast<uint8_t*>(codes) + i;
+  size_t k = 0;
+  for (; k + 4 * kWidth <= n; k += 4 * kWidth) {
+    const __m256i low = _mm256_packus_epi32(block_codes(values + k, inverse, root),
+                                            block_codes(values + k + 8, inverse, root));
+    const __m256i high = _mm256_packus_epi32(block_codes(values + k + 16, inverse, root),
+                                             block_codes(values + k + 24, inverse, root));
+    const __m256i packed = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(low, high),
+                                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + k), packed);
+  }
+  for (; k < n; k += kWidth) {
+    const __m256i code = block_codes(values + k, inverse, root);
+    const __m128i words =
+        _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(c + k), _mm_packus_epi16(words, words));
+  }
+  scales[i / kBlock] = scale;
+}
+
+// 8-bit moments, a block at a time. A block of whole vectors (every block but, maybe, a buffer's
+// last) goes in two passes, as on AVX-512: the first decodes a vector's codes into registers,
+// updates it, and keeps the new values (roots for exp_avg_sq, the one the rule took) in the
+// stack and their running max; the second encodes them under the block's new scale. A block
+// that ends inside a vector takes a pass per stage instead (decode into the stack, the fp32
+// loop, whose tail handles the partial vector, encode), which gives the same bits.
 template <Rule R, DType G, DType H, bool L2>
 struct Avx2Loop<R, G, H, DType::kE4M3Block, L2> {
   static void run(const StepConstants& c, const Buffers& b, size_t begin, size_t end) {
@@ -257,11 +339,57 @@ struct Avx2Loop<R, G, H, DType::kE4M3Block, L2> {
       const size_t n = std::min(kBlock, end - i);
       alignas(32) float m[kBlock], v[kBlock];
       prefetch_codes<R>(b, i);
-      if constexpr (kHasExpAvg<R>) decode_block(b.exp_avg, b.exp_avg_scales, i, n, false, m);
-      if constexpr (kHasExpAvgSq<R>) decode_block(b.exp_avg_sq, b.exp_avg_sq_scales, i, n, true, v);
-      stream |= Avx2Loop<R, G, H, DType::kF32, L2>::sweep(c, block_buffers(b, i, m, v), 0, n);
-      if constexpr (kHasExpAvg<R>) encode_block(m, n, false, b.exp_avg, b.exp_avg_scales, i);
-      if constexpr (kHasExpAvgSq<R>) encode_block(v, n, true, b.exp_avg_sq, b.exp_avg_sq_scales, i);
+      if (n % kWidth != 0) {
+        if constexpr (kHasExpAvg<R>) decode_block(b.exp_avg, b.exp_avg_scales, i, n, false, m);
+        if constexpr (kHasExpAvgSq<R>) decode_block(b.exp_avg_sq, b.exp_avg_sq_scales, i, n, true, v);
+        stream |= Avx2Loop<R, G, H, DType::kF32, L2>::sweep(c, block_buffers(b, i, m, v), 0, n);
+        if constexpr (kHasExpAvg<R>) encode_block(m, n, false, b.exp_avg, b.exp_avg_scales, i);
+        if constexpr (kHasExpAvgSq<R>) encode_block(v, n, true, b.exp_avg_sq, b.exp_avg_sq_scales, i);
+        continue;
+      }
+      const Buffers block = block_buffers(b, i, m, v);
+      // Whole vectors of the half copy go out as streaming stores where the block's first is
+      // 16-byte aligned (then so is every one).
+      const bool aligned =
+          H != DType::kNone && reinterpret_cast<uintptr_t>(block.half_out) % 16 == 0;
+      stream |= aligned;
+      // The block's codes and scales of each moment the rule has (the others' pointers are null).
+      const uint8_t* m_codes = nullptr;
+      const uint8_t* v_codes = nullptr;
+      __m256 m_scale = _mm256_setzero_ps(), v_scale = _mm256_setzero_ps();
+      if constexpr (kHasExpAvg<R>) {
+        m_codes = static_cast<const uint8_t*>(b.exp_avg) + i;
+        m_scale = _mm256_set1_ps(b.exp_avg_scales[i / kBlock]);
+      }
+      if constexpr (kHasExpAvgSq<R>) {
+        v_codes = static_cast<const uint8_t*>(b.exp_avg_sq) + i;
+        v_scale = _mm256_set1_ps(b.exp_avg_sq_scales[i / kBlock]);
+      }
+      BlockTop m_top, v_top;
+      for (size_t k = 0; k < n; k += kWidth) {
+        if (k % (2 * kWidth) == 0) prefetch_streams<G, DType::kF32, false, false>(block, k);
+        Moments s{};
+        if constexpr (kHasExpAvg<R>) s.m = _mm256_mul_ps(e4m3_to_floats(m_codes + k), m_scale);
+        if constexpr (kHasExpAvgSq<R>) {
+          const __m256 x = _mm256_mul_ps(e4m3_to_floats(v_codes + k), v_scale);
+          s.v = _mm256_mul_ps(x, x);
+        }
+        update_vector<R, G, H, L2>(c, block, k, aligned, s);
+        if constexpr (kHasExpAvg<R>) {
+          _mm256_store_ps(m + k, s.m);
+          m_top.add(s.m);
+        }
+        if constexpr (kHasExpAvgSq<R>) {
+          _mm256_store_ps(v + k, s.root);
+          v_top.add(s.root);
+        }
+      }
+      if constexpr (kHasExpAvg<R>) {
+        encode_vectors(m, n, false, m_top.scale(), b.exp_avg, b.exp_avg_scales, i);
+      }
+      if constexpr (kHasExpAvgSq<R>) {
+        encode_vectors(v, n, true, v_top.scale(), b.exp_avg_sq, b.exp_avg_sq_scales, i);
+      }
     }
     if (stream) _mm_sfence();
   }
