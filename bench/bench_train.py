@@ -288,7 +288,7 @@ def summarize(args, commit: str, ours: dict, floor_c: dict, floor_io: dict, ds: 
     return floor, ratios
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=20)
     p.add_argument("--dim", type=int, default=2048)
@@ -314,7 +314,21 @@ def main() -> int:
                    help="run DeepSpeed alone (at sizes where both do not fit in memory at once)")
     p.add_argument("--output")
     p.add_argument("--phase", help=argparse.SUPPRESS)  # PLACE:LAYERS, one engine's run (run_apart)
-    args = p.parse_args()
+    return p
+
+
+def _print_auto(auto: dict, ours: dict, floor_c: dict, ds: dict | None) -> None:
+    """--auto's line: the max_in_cpu 'auto' step against the compute floor, all-NVMe and DeepSpeed."""
+    moved = {k: v for k, v in auto["report"].items() if "bytes" in k}
+    print(f"infinity with max_in_cpu 'auto', median of {len(auto['times'])}: {auto['step_s']:.2f} s "
+          f"({min(auto['times']):.2f}-{max(auto['times']):.2f}) = {auto['step_s'] / floor_c['step_s']:.2f}x the "
+          f"compute floor, {auto['step_s'] / ours['step_s']:.2f}x all-NVMe"
+          + (f", {ds['step_s'] / auto['step_s']:.2f}x faster than DeepSpeed" if ds and "step_s" in ds else "")
+          + f"; last step moved {moved}")
+
+
+def main() -> int:
+    args = _parser().parse_args()
     gpt = load_gpt()
     if args.phase:
         place, layers = args.phase.split(":")
@@ -357,12 +371,7 @@ def main() -> int:
 
     floor, ratios = summarize(args, commit, ours, floor_c, floor_io, ds)
     if auto is not None:
-        moved = {k: v for k, v in auto["report"].items() if "bytes" in k}
-        print(f"infinity with max_in_cpu 'auto', median of {len(auto['times'])}: {auto['step_s']:.2f} s "
-              f"({min(auto['times']):.2f}-{max(auto['times']):.2f}) = {auto['step_s'] / floor_c['step_s']:.2f}x the "
-              f"compute floor, {auto['step_s'] / ours['step_s']:.2f}x all-NVMe"
-              + (f", {ds['step_s'] / auto['step_s']:.2f}x faster than DeepSpeed" if ds and "step_s" in ds else "")
-              + f"; last step moved {moved}")
+        _print_auto(auto, ours, floor_c, ds)
     if args.output:
         with open(args.output, "w") as f:
             json.dump({**meta, "infinity": ours, "infinity_auto": auto, "compute_floor": floor_c, "io_floor": floor_io,

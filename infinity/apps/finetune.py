@@ -152,25 +152,7 @@ def run(args) -> int:
         _gradient_checkpointing(model)
     lora = add_lora(model, args.lora) if args.lora else []
     lr = args.lr if args.lr is not None else (1e-4 if pretrained else 3e-3)
-    # The stores go straight under --nvme-path, where the next run and `infinity clean` look for
-    # what a killed run left ([Note: cleanup on exit] in infinity/offload/store.py).
-    config = args.config
-    if config is None:
-        config, chose = _default_config(args.nvme_path, args.offload or "nvme", args.batch or DEFAULT_BATCH, lr,
-                                        model, checkpointing=args.gradient_checkpointing)
-        if args.moment_format:
-            config["optimizer"]["params"]["moment_format"] = args.moment_format
-            chose += f"; {args.moment_format} moments"
-        print(chose)
-    if args.trace or args.save_total_limit:
-        if not isinstance(config, dict):
-            with open(config, encoding="utf-8") as f:
-                config = json.load(f)
-    if args.trace:
-        config = {**config, "trace": {**config.get("trace", {}), "path": args.trace}}
-    if args.save_total_limit:
-        config = {**config, "checkpoint": {**config.get("checkpoint", {}), "save_total_limit": args.save_total_limit}}
-    engine, *_ = infinity.initialize(model=model, config=config)
+    engine, *_ = infinity.initialize(model=model, config=_engine_config(args, model, lr))
     if engine.chosen:
         print("the engine chose: " + describe_choices(engine.chosen))
     previous = signal.getsignal(signal.SIGTERM)
@@ -180,20 +162,9 @@ def run(args) -> int:
         print(f"model: {engine.trainable_numel / 1e6:.2f}M trainable and {engine.frozen_numel / 1e6:.2f}M frozen "
               f"parameters in {len(engine.units)} units; offload param={engine.config.zero.offload_param.device}, "
               f"optimizer={engine.config.zero.offload_optimizer.device}; data: {rows.numel() / 1e6:.2f}M tokens")
-        start = 0
-        if args.resume:
-            _, client = engine.load_checkpoint(args.resume)
-            start = client.get("next_step", engine.global_steps)  # saved through the API: its step count
-            print(f"resumed from {args.resume} at step {start}")
-            if start >= args.steps:
-                print(f"--steps {args.steps}: the checkpoint is at step {start} already; nothing to train")
+        start = _resume(engine, args) if args.resume else 0
         if args.save:
-            def preempted(signum, frame):  # runs at the end of the step it arrived in
-                engine.save_checkpoint(args.save, client_state={"next_step": engine.global_steps})
-                print(f"\nsignal {signum}: saved {engine.last_checkpoint['path']}; exiting", flush=True)
-                engine.close()
-                sys.exit(128 + signum)
-            signal.signal(signal.SIGTERM, preempted)
+            signal.signal(signal.SIGTERM, _save_and_exit(engine, args.save))
         if args.sample_tokens:
             print(f"sample before: {generate(engine, tokenizer, PROMPT, args.sample_tokens)!r}")
         losses, steps_s, moved = _train(engine, rows, start, args) if start < args.steps else ([], [], [])
@@ -209,13 +180,7 @@ def run(args) -> int:
         if args.plot and losses:
             _plot(args.plot, list(range(start, start + len(losses))), losses, moved)
         if args.metrics:
-            with open(args.metrics, "w", encoding="utf-8") as f:
-                json.dump({"steps": list(range(start, start + len(losses))), "loss": losses, "step_s": steps_s,
-                           "nvme_bytes": [m["read"] + m["write"] for m in moved],
-                           "nvme_read_bytes": [m["read"] for m in moved],
-                           "nvme_write_bytes": [m["write"] for m in moved],
-                           "io_wait_s": [m["wait_s"] for m in moved], "optimizer": engine.optimizer.rule.describe(),
-                           "peak_rss_bytes": _peak_rss()}, f)
+            _write_metrics(args.metrics, engine, start, losses, steps_s, moved)
         if args.export:
             export_model(engine, args.export, lora, tokenizer)
             print(f"exported to {args.export}")
@@ -224,6 +189,62 @@ def run(args) -> int:
             signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)  # None: not set from Python
         engine.close()
     return 0
+
+
+def _engine_config(args, model, lr: float) -> dict | str:
+    """The config the engine gets: --config as given, else the built-in one for this model (its
+    choices printed), with --trace and --save-total-limit added. The stores go straight under
+    --nvme-path, where the next run and `infinity clean` look for what a killed run left ([Note:
+    cleanup on exit] in infinity/offload/store.py)."""
+    config = args.config
+    if config is None:
+        config, chose = _default_config(args.nvme_path, args.offload or "nvme", args.batch or DEFAULT_BATCH, lr,
+                                        model, checkpointing=args.gradient_checkpointing)
+        if args.moment_format:
+            config["optimizer"]["params"]["moment_format"] = args.moment_format
+            chose += f"; {args.moment_format} moments"
+        print(chose)
+    if (args.trace or args.save_total_limit) and not isinstance(config, dict):
+        with open(config, encoding="utf-8") as f:
+            config = json.load(f)
+    if args.trace:
+        config = {**config, "trace": {**config.get("trace", {}), "path": args.trace}}
+    if args.save_total_limit:
+        config = {**config, "checkpoint": {**config.get("checkpoint", {}), "save_total_limit": args.save_total_limit}}
+    return config
+
+
+def _resume(engine, args) -> int:
+    """--resume: loads the checkpoint; returns the step to go on from."""
+    _, client = engine.load_checkpoint(args.resume)
+    start = client.get("next_step", engine.global_steps)  # saved through the API: its step count
+    print(f"resumed from {args.resume} at step {start}")
+    if start >= args.steps:
+        print(f"--steps {args.steps}: the checkpoint is at step {start} already; nothing to train")
+    return start
+
+
+def _save_and_exit(engine, save_dir: str):
+    """The SIGTERM handler of a run that saves: a checkpoint at the end of the step the signal
+    arrived in, then exit 128 + the signal."""
+    def preempted(signum, frame):
+        engine.save_checkpoint(save_dir, client_state={"next_step": engine.global_steps})
+        print(f"\nsignal {signum}: saved {engine.last_checkpoint['path']}; exiting", flush=True)
+        engine.close()
+        sys.exit(128 + signum)
+    return preempted
+
+
+def _write_metrics(path: str, engine, start: int, losses: list[float], steps_s: list[float],
+                   moved: list[dict]) -> None:
+    """--metrics: each step's loss, time and NVMe traffic, the optimizer and the peak RSS, as JSON."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"steps": list(range(start, start + len(losses))), "loss": losses, "step_s": steps_s,
+                   "nvme_bytes": [m["read"] + m["write"] for m in moved],
+                   "nvme_read_bytes": [m["read"] for m in moved],
+                   "nvme_write_bytes": [m["write"] for m in moved],
+                   "io_wait_s": [m["wait_s"] for m in moved], "optimizer": engine.optimizer.rule.describe(),
+                   "peak_rss_bytes": _peak_rss()}, f)
 
 
 def _peak_rss() -> int:

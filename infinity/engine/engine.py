@@ -82,34 +82,12 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         self.device = self.accelerator.compute
         self.module = model
         self.dtype = config.compute_dtype
-        self.global_steps = 0
-        self.skipped_steps = 0
-        self._grad_norm: float | None = None
-        self._step_applied = False
-        self.global_samples = 0  # samples over all ranks in the steps taken (DeepSpeed's counter)
-        self.training_dataloader: Any = None  # initialize(training_data=...)'s loader
-        self._values_cache: dict[int, torch.Tensor] | None = None  # [Note: state dict values]
+        self._init_counters()
         # [Note: engine lifecycle] in infinity/engine/lifecycle.py; [Note: signals at step boundaries] in infinity/engine/signals.py
         many = zdist.world_size(everyone=True) > 1  # signals are agreed over the whole job
         self.lifecycle = Lifecycle(SignalGate(agree=self._agree_on_signals if many else None))
         self.accumulation = Accumulation(config.batch.gradient_accumulation_steps, self.lifecycle)
-        self.last_checkpoint: dict[str, Any] | None = None  # path, bytes, seconds, gbps of the last save
-        self._tracing = False  # recording the timeline for config.trace ([Note: the timeline])
-        self._trace_from = 0  # the first step recorded; 0 until the timeline starts (once per engine)
-        # Without an optimizer (none passed, no config section) the engine is for inference, as
-        # DeepSpeed's: every parameter is frozen and backward is an error.
-        self.inference = optimizer is None and config.optimizer is None
-        groups = _param_groups(model, model_parameters, optimizer, self.inference)
-        tiles = self._adapt_model(model, groups)
-        self.optimizer = ZeroOptimizer(groups, config.optimizer, optimizer)
-        if self.optimizer.rule.client and config.zero.offload_optimizer.device == "nvme" and not self.inference:
-            raise TypeError(f"optimizer: {self.optimizer.rule.name} runs with its own step() over the shards only with "
-                            "the optimizer state in memory (zero_optimization.offload_optimizer.device \"none\" or "
-                            f"\"cpu\"); the optimizers whose state streams to NVMe are {', '.join(STREAMED)}")
-        self.lr_scheduler = lr_scheduler
-        if lr_scheduler is None and config.scheduler is not None:
-            self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
-        self.scaler = LossScaler(config.fp16) if config.fp16.enabled else None
+        groups, tiles = self._init_optimizer(model, model_parameters, optimizer, lr_scheduler)
 
         zero = config.zero
         self.units, modules = self._build_units(model, groups, units)
@@ -141,6 +119,40 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
                  self.trainable_numel, self.frozen_numel)
 
     # ---- construction ---------------------------------------------------------------------
+
+    def _init_counters(self) -> None:
+        """The step counters and per-run records, as a new engine has them."""
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self._grad_norm: float | None = None
+        self._step_applied = False
+        self.global_samples = 0  # samples over all ranks in the steps taken (DeepSpeed's counter)
+        self.training_dataloader: Any = None  # initialize(training_data=...)'s loader
+        self._values_cache: dict[int, torch.Tensor] | None = None  # [Note: state dict values]
+        self.last_checkpoint: dict[str, Any] | None = None  # path, bytes, seconds, gbps of the last save
+        self._tracing = False  # recording the timeline for config.trace ([Note: the timeline])
+        self._trace_from = 0  # the first step recorded; 0 until the timeline starts (once per engine)
+
+    def _init_optimizer(self, model: nn.Module, model_parameters: Any, optimizer: torch.optim.Optimizer | None,
+                        lr_scheduler: Any) -> tuple[list[dict], dict[int, list[nn.Parameter]]]:
+        """The param groups (the model adapted to them: its tiles, returned with them), the
+        optimizer over the shards, its scheduler and fp16's loss scaler. Without an optimizer
+        (none passed, no config section) the engine is for inference, as DeepSpeed's: every
+        parameter is frozen and backward is an error."""
+        config = self.config
+        self.inference = optimizer is None and config.optimizer is None
+        groups = _param_groups(model, model_parameters, optimizer, self.inference)
+        tiles = self._adapt_model(model, groups)
+        self.optimizer = ZeroOptimizer(groups, config.optimizer, optimizer)
+        if self.optimizer.rule.client and config.zero.offload_optimizer.device == "nvme" and not self.inference:
+            raise TypeError(f"optimizer: {self.optimizer.rule.name} runs with its own step() over the shards only with "
+                            "the optimizer state in memory (zero_optimization.offload_optimizer.device \"none\" or "
+                            f"\"cpu\"); the optimizers whose state streams to NVMe are {', '.join(STREAMED)}")
+        self.lr_scheduler = lr_scheduler
+        if lr_scheduler is None and config.scheduler is not None:
+            self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
+        self.scaler = LossScaler(config.fp16) if config.fp16.enabled else None
+        return groups, tiles
 
     def _join(self, mpu: Any) -> ModelParallel | None:
         """Joins the job (initialising torch.distributed if needed) and takes the group ZeRO

@@ -204,7 +204,7 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> _OneLineParser:
     p = _OneLineParser(prog="aio_bench_sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("--nvme-path", required=True, help="directory on the disk to measure")
     p.add_argument("--io-size", type=parse_size, default=None, help="bytes per transfer (default 1G, 256M with --quick)")
@@ -223,6 +223,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--remember", action="store_true",
                    help="store the best setting as this disk's, for engines whose config has no aio section")
     p.add_argument("--plot", help="save a block_size x queue_depth heat map (needs matplotlib)")
+    return p
+
+
+def _report(results: list) -> Setting:
+    """Prints every timing, fastest first, and the best setting as a config's aio section;
+    returns it."""
+    print(f"\n{'op':<6}{'GB/s':>7}  {'engine':<9}{'block':>8}{'qd':>5}{'thr':>5}  single  overlap")
+    for setting, op, gbps in sorted(results, key=lambda r: -r[2]):
+        print(f"{op:<6}{gbps:7.2f}  {setting.engine:<9}{setting.block_size >> 10:>7}K{setting.queue_depth:>5}"
+              f"{setting.thread_count:>5}  {str(setting.single_submit):<7} {setting.overlap_events}")
+    best = best_setting(results)
+    figures = ", ".join(f"{op} {g:.2f} GB/s" for s, op, g in results if s == best)
+    print(f"\nbest ({figures}; least read + write time):\n{json.dumps({'aio': best.aio_block()}, indent=2)}")
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     _check_outputs(p, args)
 
@@ -247,14 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"aio_bench_sweep: {e}", file=sys.stderr)
         return 1
 
-    print(f"\n{'op':<6}{'GB/s':>7}  {'engine':<9}{'block':>8}{'qd':>5}{'thr':>5}  single  overlap")
-    for setting, op, gbps in sorted(results, key=lambda r: -r[2]):
-        print(f"{op:<6}{gbps:7.2f}  {setting.engine:<9}{setting.block_size >> 10:>7}K{setting.queue_depth:>5}"
-              f"{setting.thread_count:>5}  {str(setting.single_submit):<7} {setting.overlap_events}")
-    best = best_setting(results)
-    block = {"aio": best.aio_block()}
-    figures = ", ".join(f"{op} {g:.2f} GB/s" for s, op, g in results if s == best)
-    print(f"\nbest ({figures}; least read + write time):\n{json.dumps(block, indent=2)}")
+    best = _report(results)
     if args.remember:
         gbps = {r.op: r.gbps for r in results if r.setting == best}
         try:
@@ -266,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stored for this disk in {path}: engines whose config has no aio section use it")
     if args.output:
         with open(args.output, "w") as f:
-            json.dump(block, f, indent=2)
+            json.dump({"aio": best.aio_block()}, f, indent=2)
             f.write("\n")
     if args.plot:
         _plot(results, args.plot)
