@@ -4,6 +4,7 @@ encode).
 
     python bench/bench_8bit_moments.py                  # 16M values, 5 rounds
     python bench/bench_8bit_moments.py --values 1e6 --rounds 2
+    python bench/bench_8bit_moments.py --simd avx2      # a machine without AVX-512's path
 
 Both update the same tensors (param, gradient, the two stored moments), one after the other in
 every round, the order turning each round, after a warm-up round; reported are each method's
@@ -20,7 +21,8 @@ import time
 
 import torch
 
-from infinity.optim import adam_update
+from infinity.optim import adam_update, available_simd_paths
+from infinity.optim.functional import simd_path
 from infinity.optim.formats import FORMATS
 
 F = FORMATS["8bit"]
@@ -31,7 +33,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--values", type=float, default=16 * 2 ** 20)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--simd", choices=available_simd_paths(), default=None,
+                        help="the kernels' instruction set (default: the best this CPU has)")
     args = parser.parse_args()
+    simd = simd_path(args.simd)
     n = int(args.values)
     gen = torch.Generator().manual_seed(0)
     p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-3
@@ -42,16 +47,16 @@ def main() -> None:
     step = [0]
 
     def fused():
-        adam_update(p, g, m, v, step=step[0], **HYPER, moment_format="8bit")
+        adam_update(p, g, m, v, step=step[0], **HYPER, moment_format="8bit", simd=simd)
 
     def torch_ops():
         values = {k: F.decode(s, n, k, out=scratch[k]) for k, s in (("exp_avg", m), ("exp_avg_sq", v))}
-        adam_update(p, g, values["exp_avg"], values["exp_avg_sq"], step=step[0], **HYPER)
+        adam_update(p, g, values["exp_avg"], values["exp_avg_sq"], step=step[0], **HYPER, simd=simd)
         F.encode(values["exp_avg"], "exp_avg", out=m)
         F.encode(values["exp_avg_sq"], "exp_avg_sq", out=v)
 
     def fp32_kernel():
-        adam_update(p, g, m32, v32, step=step[0], **HYPER)
+        adam_update(p, g, m32, v32, step=step[0], **HYPER, simd=simd)
 
     methods = {"fused": fused, "torch_ops": torch_ops, "fp32_kernel": fp32_kernel}
     times: dict[str, list[float]] = {name: [] for name in methods}
@@ -64,7 +69,7 @@ def main() -> None:
             methods[name]()
             if r:  # round 0 warms up
                 times[name].append(time.perf_counter() - start)
-    print(f"Adam, {n} values, 8-bit moments, {torch.get_num_threads()} threads, {args.rounds} rounds")
+    print(f"Adam, {n} values, 8-bit moments, {simd}, {torch.get_num_threads()} threads, {args.rounds} rounds")
     for name, ts in times.items():
         print(f"  {name:12s} median {statistics.median(ts) * 1e3:8.1f} ms  (min {min(ts) * 1e3:.1f}, "
               f"max {max(ts) * 1e3:.1f})")
