@@ -122,7 +122,7 @@ CONFIGS = {
 
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("n", [1, 255, 256, 257, 296, 4099])
+@pytest.mark.parametrize("n", [1, 8, 24, 255, 256, 257, 288, 296, 504, 4099])
 def test_fused_update_is_decode_kernel_encode(simd, rule, config, n):
     c = CONFIGS[config]
     kw = dict(c["kw"])
