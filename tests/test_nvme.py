@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
 import time
 
 import pytest
@@ -161,6 +162,61 @@ def test_gradients_beyond_max_grad_in_cpu_spill_to_nvme(tmp_path, model, gas, bu
         if cfg is spill:
             in_memory = len(engine.units) - len(engine.optim_state.acc.spilled)
             assert in_memory == (0 if budget == "none" else 1) and engine.optim_state.acc.spilled
+        engine.close()
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+
+
+@pytest.mark.parametrize("precision,optimizer", [("bf16", "AdamW"), ("fp16", "AdamW"), ("bf16", "Lamb")])
+def test_one_pass_spills_gradients_in_their_own_dtype(tmp_path, model, precision, optimizer):
+    """[Note: one pass spills its own dtype]: with one pass an accumulation, a spilled gradient is
+    stored as it landed, 2 bytes a value on disk; the bits are those of gradients kept in memory."""
+    data = batches(3, 4)
+    runs = []
+    for spill in (False, True):
+        cfg = nvme_config(tmp_path, "nvme", "nvme")
+        cfg[precision] = {"enabled": True}
+        cfg["optimizer"]["type"] = optimizer  # LAMB reads the spilled gradient in its norms' pass too
+        if spill:
+            cfg["zero_optimization"]["offload_optimizer"].update(max_grad_in_cpu=0, buffer_count=12)
+        engine, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
+        runs.append((engine_run(engine, data, gas=1), engine.consolidated_state_dict()))
+        if spill:
+            acc, store = engine.optim_state.acc, engine.optim_state.store
+            spilled = sum(u.train_shard_numel for u in engine.units if u.index in acc.spilled)
+            assert spilled > 0
+            size = os.path.getsize(store.file_path("grad"))  # the file on disk, as created
+            assert 2 * spilled <= size < 4 * spilled
+        engine.close()
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+
+
+def test_a_half_spill_accumulates_in_fp32_when_passes_accumulate_after_all(tmp_path, model, caplog):
+    """gradient_accumulation_steps 1, but the caller holds the boundary back for a pass
+    (`set_gradient_accumulation_boundary(False)`): the units that spill in bf16 sum in fp32 in
+    host memory instead, as the run that keeps every gradient in memory does, to the bit."""
+    data = batches(4, 4)
+    runs = []
+    for spill in (False, True):
+        cfg = nvme_config(tmp_path, "nvme", "nvme")
+        cfg["bf16"] = {"enabled": True}
+        if spill:
+            cfg["zero_optimization"]["offload_optimizer"].update(max_grad_in_cpu=0, buffer_count=12)
+        engine, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
+        losses = []
+        with caplog.at_level("WARNING", logger="infinity"):
+            for k, (idx, tgt) in enumerate(data):
+                engine.set_gradient_accumulation_boundary(k % 2 == 1)
+                loss = engine(idx, tgt)
+                engine.backward(loss)
+                if k % 2 == 1:
+                    engine.step()
+                losses.append(loss.item())
+        runs.append((losses, engine.consolidated_state_dict()))
+        if spill:
+            assert not engine.optim_state.acc.spilled  # every unit took a host accumulator
+            assert "gradient_accumulation_steps is 1" in caplog.text
         engine.close()
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])

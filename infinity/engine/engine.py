@@ -285,7 +285,8 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
                                        self.accelerator, offload, self.config.aio, self.config.zero.sub_group_size,
                                        rank=zdist.rank(everyone=True), units=units, schedule=schedule,
                                        at_next_use=mode is UpdateMode.AT_NEXT_USE, no_accumulator=at_once,
-                                       on_damage=self.lifecycle.damaged, rule=rule), rule=rule), schedule
+                                       on_damage=self.lifecycle.damaged, rule=rule,
+                                       one_pass=self.config.batch.gradient_accumulation_steps == 1), rule=rule), schedule
         return ResidentOptimizerState(self.accelerator, on_device=offload.device == "none",
                                       units=[u for u in self.units if u.trainable], rule=rule), StepSchedule([], at_next_use=False)
 

@@ -172,10 +172,12 @@ def _optimizer_items(model: ModelSize, world: int, optimizer: str, nvme_path: st
     piece = max((n for t in trains for _, n in cut_pieces(t, target)), default=1)  # [Note: the pool is a budget]
     items = [Item("nvme", what, state),
              Item("host", "fp32 gradient accumulators", FP32 * (t - spilled)),
-             Item("nvme", "spilled fp32 gradient accumulators", FP32 * spilled),
+             # one pass an accumulation (the config's default) spills bf16 ([Note: one pass spills its
+             # own dtype] in offload/optimizer/accumulators.py); accumulated passes spill fp32
+             Item("nvme", "spilled gradients (bf16: one pass a step)", HALF * spilled),
              Item("host", f"offload_optimizer pool: {count:g} buffers' worth", round(count * _page(FP32 * piece))),
              landing]
-    step = 2 * state + 2 * FP32 * spilled  # state read and written; spill written and read
+    step = 2 * state + 2 * HALF * spilled  # state read and written; spill written and read
     return items, step, {"device": "nvme", "nvme_path": nvme_path, "buffer_count": asked}
 
 

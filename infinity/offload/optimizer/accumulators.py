@@ -13,10 +13,23 @@ store as kind "grad", cut into the same pieces as the state, so the update reads
 master, exp_avg and exp_avg_sq (4 bytes a parameter written in backward and read in the step;
 a later micro-step reads, adds and writes back). With the update in backward on one micro-step
 no accumulator is needed: the fp32 shard goes straight into the update.
+
+[Note: one pass spills its own dtype]
+When an accumulation is one pass (gradient_accumulation_steps 1), a spilled gradient is never
+added to: it is the landed gradient itself, in the compute dtype, so it spills as it landed (2
+bytes a parameter in bf16 or fp16, not 4). The fp32 copy held nothing the half one lacks: each
+value widens exactly, the kernel widens it in its pass as it does a fresh gradient, and the row
+norms are taken from the same values ([Note: gradient norm by rows]), so the step's bits do not
+change. A clipped or fp16 step whose gradients spill then writes and reads half the bytes for
+them: the 3B preset's 12.8 GB of fp32 spill became 6.4 GB each way. Should passes accumulate all
+the same (`set_gradient_accumulation_boundary(False)` against a config of 1), a unit that spilled
+half takes an fp32 accumulator in host memory for that accumulation, beyond `max_grad_in_cpu`, and
+says so once: a half sum would round.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -25,6 +38,8 @@ from infinity.device import Device, InFlight
 from infinity.device.timeline import TIMELINE
 from infinity.offload import BufferPool, Swapper
 from infinity.offload.protocols import TierUnit
+
+log = logging.getLogger("infinity")
 
 GRAD = "grad"  # the store's kind of spilled gradient accumulators ([Note: gradient spill])
 
@@ -133,10 +148,13 @@ class Accumulators:
     once (`fresh`, until the update gives its buffer back)."""
 
     def __init__(self, device: Device, units: list[TierUnit], room: int, no_accumulator: set[int],
-                 update_order: list[int]):
+                 update_order: list[int], one_pass: bool = False):
         self.landing = GradientLanding(device, units, "offload_optimizer")
         self.host: dict[int, torch.Tensor] = {}  # unit -> fp32 accumulator, 1-D, train_shard_numel
         self.spilled: set[int] = set()
+        # unit -> the dtype its spilled gradient is stored in ([Note: one pass spills its own dtype])
+        self.spill_dtype: dict[int, torch.dtype] = {}
+        self._numel = {u.index: u.train_shard_numel for u in units}
         self.fresh: dict[int, torch.Tensor] = {}  # unit -> its landed gradient (a landing buffer)
         self.sq: dict[int, torch.Tensor] = {}  # unit -> its final gradient's squared row norms
         place = {index: k for k, index in enumerate(update_order)}
@@ -148,8 +166,10 @@ class Accumulators:
                 self.host[u.index] = torch.zeros(u.train_shard_numel, dtype=torch.float32)
             else:
                 self.spilled.add(u.index)
+                self.spill_dtype[u.index] = u.dtype if one_pass else torch.float32
         self._swapper: Swapper | None = None  # the store's, once it exists (`bind`)
         self._pool: BufferPool | None = None
+        self._widened = False  # said once that a half spill took an fp32 accumulator
 
     def bind(self, swapper: Swapper, pool: BufferPool) -> None:
         """The store and pool that spilled accumulators live in (they are sized knowing whether
@@ -167,6 +187,9 @@ class Accumulators:
                 if last:
                     self.sq[index] = row_norms_sq(acc)
                 return False
+            if index in self.spilled and not (first and last) and self.spill_dtype[index] != torch.float32:
+                self._widen(index)  # [Note: one pass spills its own dtype]
+                return self.consume(index, g, first, last, cuts)
             if index in self.spilled:
                 self._spill(index, g, first, last, cuts)
                 return False
@@ -176,12 +199,26 @@ class Accumulators:
             self.sq[index] = row_norms_sq(g)
             return True
 
+    def _widen(self, index: int) -> None:
+        """A unit that spilled in its compute dtype meets an accumulation of several passes: it
+        takes an fp32 accumulator in host memory ([Note: one pass spills its own dtype])."""
+        if not self._widened:
+            log.warning("offload_optimizer: gradients accumulate over several passes although "
+                        "gradient_accumulation_steps is 1 (set_gradient_accumulation_boundary(False)); the units whose "
+                        "gradients spill to NVMe in bf16/fp16 take fp32 accumulators in host memory for it, beyond "
+                        "offload_optimizer.max_grad_in_cpu: set gradient_accumulation_steps to the passes accumulated")
+            self._widened = True
+        self.spilled.discard(index)
+        self.host[index] = torch.zeros(self._numel[index], dtype=torch.float32)
+
     def _spill(self, index: int, g: torch.Tensor, first: bool, last: bool, cuts: list[tuple[int, int]]) -> None:
         swapper = self._swapper
+        dtype = self.spill_dtype[index]  # fp32, or the landed dtype when one pass is the sum
+        size = dtype.itemsize
         rows = []
         for k, (start, n) in enumerate(cuts):
             if first:
-                acc = swapper.acquire(n * 4).view(torch.float32)
+                acc = swapper.acquire(n * size).view(dtype)[:n]
                 acc.copy_(g[start:start + n])
             else:
                 acc = swapper.wait(swapper.fetch(GRAD, (index, k))).view(torch.float32)[:n]
@@ -189,7 +226,7 @@ class Accumulators:
             if last:
                 rows.append(row_norms_sq(acc))
             if first:
-                swapper.evict(GRAD, (index, k), self._pool.base(acc)[:n * 4])
+                swapper.evict(GRAD, (index, k), self._pool.base(acc)[:n * size])
             else:
                 swapper.release(GRAD, (index, k), dirty=True)
         if last:

@@ -114,7 +114,7 @@ class NvmeOptimizerState:
 
     def __init__(self, device: Device, offload, aio, sub_group_size: int, *, rank: int, units: list[TierUnit],
                  schedule: StepSchedule, at_next_use: bool, no_accumulator: set[int] = frozenset(),
-                 on_damage: Callable[[str], None] = lambda why: None, rule=None):
+                 on_damage: Callable[[str], None] = lambda why: None, rule=None, one_pass: bool = False):
         self.device = device
         self.rule = rule or AdamRule()
         if self.rule.client:
@@ -123,7 +123,8 @@ class NvmeOptimizerState:
         self.kinds = self.rule.kinds  # master, then the rule's moments ([Note: update rules])
         self.schedule = schedule
         self._on_damage = on_damage  # the run's health hears why its state is not a step's ([Note: resuming an update])
-        self.acc = Accumulators(device, units, offload.max_grad_in_cpu, set(no_accumulator), schedule.expected)
+        self.acc = Accumulators(device, units, offload.max_grad_in_cpu, set(no_accumulator), schedule.expected,
+                                one_pass=one_pass)  # [Note: one pass spills its own dtype] in accumulators.py
         # Units with something to update; the others' state is never read for an update.
         self._updatable = {u.index for u in units if u.segments}
         # Buffers a piece takes, and keeps while held, counted in fp32 ones ([Note: two sizes of buffer] in pool.py)
@@ -136,7 +137,8 @@ class NvmeOptimizerState:
         layout = {kind: {(i, k): self._nbytes(kind, n) for i, ps in cuts.items() for k, (_, n) in enumerate(ps)}
                   for kind in self.kinds}
         if self.acc.spilled:
-            layout[GRAD] = {(i, k): n * 4 for i in self.acc.spilled for k, (_, n) in enumerate(cuts[i])}
+            layout[GRAD] = {(i, k): n * self.acc.spill_dtype[i].itemsize
+                            for i in self.acc.spilled for k, (_, n) in enumerate(cuts[i])}
         self.handle = make_handle(aio)
         self.store = NvmeStore(offload.nvme_path, layout, job_id=f"{default_job_id()}-optimizer", rank=rank,
                                handle=self.handle, name="offload_optimizer")
@@ -185,12 +187,15 @@ class NvmeOptimizerState:
 
     def _nbytes(self, kind: str, n: int) -> int:
         """The bytes of n values of `kind`: moments in the rule's format ([Note: moment formats] in
-        infinity/optim/formats.py), master and gradient in fp32."""
+        infinity/optim/formats.py), master in fp32 (a spilled gradient's are the layout's own)."""
         return self.rule.format.nbytes(n) if kind in self.rule.moments else 4 * n
 
-    def _stored(self, kind: str, raw: torch.Tensor, n: int) -> torch.Tensor:
-        """A buffer of `kind` as what is stored: n fp32 values, or the moment format's form."""
-        return self.rule.format.view(raw, n) if kind in self.rule.moments else raw.view(torch.float32)[:n]
+    def _stored(self, kind: str, raw: torch.Tensor, n: int, index: int) -> torch.Tensor:
+        """A buffer of unit `index`'s `kind` as what is stored: n fp32 values, the moment format's
+        form, or a spilled gradient's dtype ([Note: one pass spills its own dtype] in accumulators.py)."""
+        if kind in self.rule.moments:
+            return self.rule.format.view(raw, n)
+        return raw.view(self.acc.spill_dtype[index] if kind == GRAD else torch.float32)[:n]
 
     def _scratch(self, kind: str, n: int) -> torch.Tensor:
         """fp32 room for an 8-bit moment's piece while it updates by torch ops (LAMB), one per kind, reused."""
@@ -204,7 +209,7 @@ class NvmeOptimizerState:
     def add(self, unit: TierUnit, master: torch.Tensor) -> None:
         ps = self.pieces.of[unit.index]
         largest = max(p.numel for p in ps)
-        zeros = torch.zeros(largest, dtype=torch.float32)
+        zeros = torch.zeros(largest, dtype=self.acc.spill_dtype.get(unit.index, torch.float32))
         fmt = self.rule.format
         starts = {}  # each piece size's first moments, in the stored form (8-bit ones hold scales too)
         for p in ps:
@@ -269,7 +274,7 @@ class NvmeOptimizerState:
         tensors, error = [], None
         for kind, handle in zip(self._kinds(piece.unit), handles):
             try:
-                tensors.append(self._stored(kind, self.swapper.wait(handle), piece.numel))
+                tensors.append(self._stored(kind, self.swapper.wait(handle), piece.numel, piece.unit))
             except OSError as e:
                 error = error or e
                 tensors.append(None)
@@ -452,7 +457,7 @@ class NvmeOptimizerState:
             got, error = {}, None
             for kind, handle in zip(kinds, handles):
                 try:
-                    got[kind] = self._stored(kind, self.swapper.wait(handle), n)
+                    got[kind] = self._stored(kind, self.swapper.wait(handle), n, index)
                 except OSError as e:  # a failed fetch holds nothing; the others are given back below
                     error = error or e
             try:
@@ -551,7 +556,7 @@ class NvmeOptimizerState:
         for p in ps:
             data = self.swapper.wait(self.swapper.fetch(kind, p.key))  # a failed read holds nothing
             try:
-                stored = self._stored(kind, data, p.numel)
+                stored = self._stored(kind, data, p.numel, index)
                 out[p.start:p.start + p.numel].copy_(self.rule.format.to_fp32(stored, p.numel, kind)
                                                      if kind in self.rule.moments else stored)
             finally:
