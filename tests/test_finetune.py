@@ -198,8 +198,12 @@ def test_hand_made_adapters_and_frozen_first_modules_match_pytorch(tmp_path, var
     state = engine.consolidated_state_dict()
     for name, value in before.items():
         assert torch.equal(state[name], value), name
+    # 5e-5, not 1e-5: on an Intel Xeon host one weight of layer 0's gate_proj had a first gradient
+    # of 3.2e-8 (terms of ~1e-3 cancelling, the median |g| 1.2e-3), so close to AdamW's eps (1e-8)
+    # that the last bits of a different summation order moved its step, 1.5e-5 after four steps;
+    # the losses agree to 1e-7.
     for name, value in ref_model.state_dict().items():
-        torch.testing.assert_close(state[name], value, atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(state[name], value, atol=5e-5, rtol=1e-5, msg=name)
     engine.close()
 
 
