@@ -23,8 +23,8 @@ norms are taken from the same values ([Note: gradient norm by rows]), so the ste
 change. A clipped or fp16 step whose gradients spill then writes and reads half the bytes for
 them: the 3B preset's 12.8 GB of fp32 spill became 6.4 GB each way. Should passes accumulate all
 the same (`set_gradient_accumulation_boundary(False)` against a config of 1), a unit that spilled
-half takes an fp32 accumulator in host memory for that accumulation, beyond `max_grad_in_cpu`, and
-says so once: a half sum would round.
+half takes an fp32 accumulator in host memory from then on, beyond `max_grad_in_cpu` (the
+placement plan does not count it), and says so once: a half sum would round.
 """
 
 from __future__ import annotations
