@@ -199,6 +199,15 @@ class Accumulators:
             self.sq[index] = row_norms_sq(g)
             return True
 
+    def spill_layout(self, cuts: dict[int, list[tuple[int, int]]]) -> dict[tuple[int, int], int]:
+        """The store's bytes for each piece of each spilled unit (`cuts`: its pieces' (start, count))."""
+        return {(i, k): n * self.spill_dtype[i].itemsize for i in self.spilled for k, (_, n) in enumerate(cuts[i])}
+
+    def dtype(self, kind: str, index: int) -> torch.dtype:
+        """The dtype unit `index`'s `kind` (master, or GRAD) is stored in: a spilled gradient's own
+        ([Note: one pass spills its own dtype]), else fp32."""
+        return self.spill_dtype[index] if kind == GRAD else torch.float32
+
     def _widen(self, index: int) -> None:
         """A unit that spilled in its compute dtype meets an accumulation of several passes: it
         takes an fp32 accumulator in host memory ([Note: one pass spills its own dtype])."""

@@ -123,8 +123,7 @@ class NvmeOptimizerState:
         self.kinds = self.rule.kinds  # master, then the rule's moments ([Note: update rules])
         self.schedule = schedule
         self._on_damage = on_damage  # the run's health hears why its state is not a step's ([Note: resuming an update])
-        self.acc = Accumulators(device, units, offload.max_grad_in_cpu, set(no_accumulator), schedule.expected,
-                                one_pass=one_pass)  # [Note: one pass spills its own dtype] in accumulators.py
+        self.acc = Accumulators(device, units, offload.max_grad_in_cpu, set(no_accumulator), schedule.expected, one_pass)
         # Units with something to update; the others' state is never read for an update.
         self._updatable = {u.index for u in units if u.segments}
         # Buffers a piece takes, and keeps while held, counted in fp32 ones ([Note: two sizes of buffer] in pool.py)
@@ -137,8 +136,7 @@ class NvmeOptimizerState:
         layout = {kind: {(i, k): self._nbytes(kind, n) for i, ps in cuts.items() for k, (_, n) in enumerate(ps)}
                   for kind in self.kinds}
         if self.acc.spilled:
-            layout[GRAD] = {(i, k): n * self.acc.spill_dtype[i].itemsize
-                            for i in self.acc.spilled for k, (_, n) in enumerate(cuts[i])}
+            layout[GRAD] = self.acc.spill_layout(cuts)  # [Note: one pass spills its own dtype] in accumulators.py
         self.handle = make_handle(aio)
         self.store = NvmeStore(offload.nvme_path, layout, job_id=f"{default_job_id()}-optimizer", rank=rank,
                                handle=self.handle, name="offload_optimizer")
@@ -191,11 +189,8 @@ class NvmeOptimizerState:
         return self.rule.format.nbytes(n) if kind in self.rule.moments else 4 * n
 
     def _stored(self, kind: str, raw: torch.Tensor, n: int, index: int) -> torch.Tensor:
-        """A buffer of unit `index`'s `kind` as what is stored: n fp32 values, the moment format's
-        form, or a spilled gradient's dtype ([Note: one pass spills its own dtype] in accumulators.py)."""
-        if kind in self.rule.moments:
-            return self.rule.format.view(raw, n)
-        return raw.view(self.acc.spill_dtype[index] if kind == GRAD else torch.float32)[:n]
+        """A buffer of unit `index`'s `kind` as stored: the moment format's form, else n values (`Accumulators.dtype`)."""
+        return self.rule.format.view(raw, n) if kind in self.rule.moments else raw.view(self.acc.dtype(kind, index))[:n]
 
     def _scratch(self, kind: str, n: int) -> torch.Tensor:
         """fp32 room for an 8-bit moment's piece while it updates by torch ops (LAMB), one per kind, reused."""
