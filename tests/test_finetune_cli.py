@@ -326,8 +326,9 @@ def test_resume_at_or_past_steps_says_there_is_nothing_to_train(job, tmp_path, c
 
 def test_the_built_in_config_is_sized_by_the_largest_unit_and_the_machine_not_the_vocabulary():
     """[Note: the built-in config's host budget]: two models alike but for a 32k and a 256k
-    vocabulary get the same pools (the embedding and head are tiles no larger than a layer);
-    the gradient accumulators take what the budget leaves, and the budget follows the machine."""
+    vocabulary get the same parameter pool and pieces (the embedding and head are tiles no larger
+    than a layer); the optimizer pool and the accumulators share the rest, and the budget follows
+    the machine."""
     import infinity
     from infinity.apps.finetune import TILE_SIZE, _default_config, largest_unit_numel
     from infinity.apps.models.llama import Llama
@@ -355,8 +356,32 @@ def test_the_built_in_config_is_sized_by_the_largest_unit_and_the_machine_not_th
         assert zero["stage3_max_live_parameters"] == 2 * param["buffer_size"]
         pools = param["buffer_count"] * param["buffer_size"] * 2 + zero["offload_optimizer"]["buffer_count"] * piece * 4
         assert pools + 4 * zero["offload_optimizer"]["max_grad_in_cpu"] <= 24 * gib // 5
-    assert chosen[32000] == chosen[256000]
+    # the parameter pool and the pieces follow the largest unit, not the vocabulary; the optimizer
+    # pool grows with the state (up to the budget), and the accumulators get what it leaves
+    assert chosen[32000][0] == chosen[256000][0] and chosen[32000][2] == chosen[256000][2]
+    assert chosen[32000][1]["buffer_count"] <= chosen[256000][1]["buffer_count"]
+    assert chosen[32000][1]["max_grad_in_cpu"] >= chosen[256000][1]["max_grad_in_cpu"]
     small, _ = _default_config("/nvme", "nvme", 1, 1e-4, model, total_memory=12 * gib)
     big, _ = _default_config("/nvme", "nvme", 1, 1e-4, model, total_memory=48 * gib)
     grads = [c["zero_optimization"]["offload_optimizer"]["max_grad_in_cpu"] for c in (small, big)]
     assert grads[0] < grads[1]
+
+
+def test_the_built_in_optimizer_pool_comes_before_the_gradient_accumulators():
+    """[Note: the built-in config's host budget]: a state larger than the budget gives the
+    optimizer pool all the budget the parameter pool leaves, and every gradient spills; a state
+    the budget holds gives the pool the whole state and a pipeline, and the accumulators the rest."""
+    from infinity.apps.finetune import OPTIMIZER_BUFFERS, builtin_budget
+
+    gib = 1 << 30
+    # llama-3b's shapes on a 24 GiB machine: a layer of 100.7M elements, 3.2B trained
+    budget, count, largest, piece, buffers, grads = builtin_budget(24 * gib, 100_700_000, 100_700_000, 3_213_000_000)
+    pools = count * largest * 2 + buffers * piece * 4
+    assert buffers > 2 * OPTIMIZER_BUFFERS and pools <= budget < pools + piece * 4 and grads == (budget - pools) // 4
+    assert grads < piece  # what the pool leaves is less than one of its buffers
+    # a 60M model: its whole state (3 x 60M fp32) and 12 buffers besides, the rest to the accumulators
+    budget, count, largest, piece, buffers, grads = builtin_budget(24 * gib, 10_000_000, 10_000_000, 60_000_000)
+    assert piece == 10_000_000 and buffers == 3 * 6 + OPTIMIZER_BUFFERS
+    assert grads == (budget - count * largest * 2 - buffers * piece * 4) // 4 and grads > 60_000_000
+    # a budget short of the least pool still gets it (a piece reading, updating, writing of each kind)
+    assert builtin_budget(2 * gib, 100_700_000, 100_700_000, 3_213_000_000)[4] == OPTIMIZER_BUFFERS

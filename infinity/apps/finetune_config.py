@@ -7,14 +7,14 @@ from __future__ import annotations
 import psutil
 from torch import nn
 
-from infinity.offload.optimizer.sizing import max_piece
+from infinity.offload.optimizer.sizing import STATE_KINDS, max_piece
 
 DEFAULT_BATCH = 4  # sequences per step of the built-in config
 BUILTIN_SHARE = 5  # [Note: the built-in config's host budget]: a fifth of the machine's memory
 TILE_SIZE = 1 << 25  # zero_optimization.tile_size's default: no unit of the built-in config is larger
 PIECE = 25_000_000  # sub_group_size: optimizer-state pieces of 100 MB of fp32 (bench/'s tuned value)
 PARAM_BUFFERS = 6
-OPTIMIZER_BUFFERS = 12  # a piece reading, one updating, one writing, of each kind and the spilled gradient
+OPTIMIZER_BUFFERS = 12  # the least optimizer pool: a piece reading, one updating, one writing, of each kind and the spilled gradient
 
 
 def largest_unit_numel(model: nn.Module, trainable: bool = False) -> int:
@@ -39,19 +39,24 @@ def largest_unit_numel(model: nn.Module, trainable: bool = False) -> int:
     return max([*tiles, *blocks, root])
 
 
-def builtin_budget(total_memory: int, largest_unit: int, largest_trainable: int) -> tuple[int, int, int, int, int]:
+def builtin_budget(total_memory: int, largest_unit: int, largest_trainable: int,
+                   trainable: int) -> tuple[int, int, int, int, int, int]:
     """[Note: the built-in config's host budget] for a machine of `total_memory` bytes and a
-    model whose largest unit has these elements (in all, trainable): (budget in bytes, parameter
-    buffers, elements a buffer, optimizer piece elements, gradient elements kept in memory)."""
+    model whose largest unit has these elements (in all, trainable), `trainable` elements
+    trained in all: (budget in bytes, parameter buffers, elements a buffer, optimizer piece
+    elements, optimizer buffers, gradient elements kept in memory)."""
     budget = total_memory // BUILTIN_SHARE
     largest = -(-max(largest_unit, 1) // (1 << 20)) << 20  # with room for the shard's alignment padding
     # Six buffers where they fit in a third of the budget (a 3B model's layers), down to the four
     # a unit with frozen and trainable parts needs (LoRA over a 20B base: a layer of 1.1 GB in bf16).
     count = max(4, min(PARAM_BUFFERS, budget // 3 // (2 * largest)))
     param_pool = count * largest * 2  # bf16
-    piece = min(max_piece(PIECE), largest_trainable)  # the most a piece of the tier's cut can be
-    optimizer_pool = OPTIMIZER_BUFFERS * piece * 4
-    return budget, count, largest, piece, max(0, budget - param_pool - optimizer_pool) // 4
+    piece = max(1, min(max_piece(PIECE), largest_trainable))  # the most a piece of the tier's cut can be
+    # The optimizer's pool takes the rest, up to the whole state (its three fp32 kinds) and a
+    # pipeline's buffers besides; the gradient accumulators get what it leaves.
+    whole = STATE_KINDS * -(-max(trainable, 0) // piece) + OPTIMIZER_BUFFERS
+    buffers = max(OPTIMIZER_BUFFERS, min(whole, max(0, budget - param_pool) // (4 * piece)))
+    return budget, count, largest, piece, buffers, max(0, budget - param_pool - buffers * piece * 4) // 4
 
 
 def _default_config(nvme_path: str, offload: str, batch: int, lr: float, model: nn.Module | None = None,
@@ -63,10 +68,20 @@ def _default_config(nvme_path: str, offload: str, batch: int, lr: float, model: 
     optimizer-state pool and the fp32 gradient accumulators that wait for the step's norm
     (clipping 1.0); what is not kept spills to NVMe. The built-in config gives these a fifth of
     the machine's memory: the pools are sized by the largest unit (tiles keep it at a layer's
-    size, whatever the vocabulary) and by 100 MB pieces of optimizer state, and the
-    accumulators take what is left of the budget (`offload_optimizer.max_grad_in_cpu`), so a
-    step's peak RSS is that budget plus the gathered units (at most two of the largest:
-    `stage3_max_live_parameters`) and the activations, not a function of the model's size.
+    size, whatever the vocabulary) and by 100 MB pieces of optimizer state. After the parameter
+    pool, the optimizer pool takes the budget (`offload_optimizer.buffer_count`, at least
+    `OPTIMIZER_BUFFERS`), up to the whole state and a pipeline besides, and the accumulators
+    take what it leaves (`offload_optimizer.max_grad_in_cpu`). So a step's peak RSS is that
+    budget plus the gathered units (at most two of the largest: `stage3_max_live_parameters`)
+    and the activations, not a function of the model's size.
+
+    The pool comes before the accumulators because its bytes save more. A fp32 accumulator kept
+    in memory saves its one-pass spill, 2 bytes each way, written and read under a backward that
+    has the disk to spare. The pool's bytes hold pieces of state that then move neither way (12
+    bytes each way an element), and they are the read-ahead of the updates that wait for the
+    norm and run beside the next forward, where a step's waits are. On the llama-3b preset (the
+    Intel host of bench/results/finetune_3b.md), 30 buffers and every gradient spilled ran steps
+    of 121-127 s, where 12 buffers and 2 GB of accumulators ran 127-137 s in the same session.
     No `aio` section: the engine uses the setting measured for the disk.
     """
     device = {"device": offload, "nvme_path": nvme_path} if offload == "nvme" else {"device": offload}
@@ -92,18 +107,19 @@ def _default_config(nvme_path: str, offload: str, batch: int, lr: float, model: 
         return config, f"built-in config: parameters and optimizer state in {offload} memory"
     total = psutil.virtual_memory().total if total_memory is None else total_memory
     unit = max(largest_unit_numel(model), 1)
-    budget, count, largest, piece, grads = builtin_budget(total, unit, largest_unit_numel(model, trainable=True))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    budget, count, largest, piece, buffers, grads = builtin_budget(total, unit, largest_unit_numel(model, trainable=True),
+                                                                   trainable)
     zero = config["zero_optimization"]
     zero["sub_group_size"] = PIECE
     zero["offload_param"].update(buffer_count=count, buffer_size=largest, max_in_cpu=0)
     zero["stage3_max_live_parameters"] = 2 * largest  # the unit computing and the one gathered next
-    zero["offload_optimizer"].update(buffer_count=OPTIMIZER_BUFFERS, max_grad_in_cpu=grads)
+    zero["offload_optimizer"].update(buffer_count=buffers, max_grad_in_cpu=grads)
     gib = 1 << 30
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     spilled = max(0, trainable - grads)
     return config, (f"built-in config: host budget {budget / gib:.1f} GiB (a fifth of {total / gib:.1f} GiB): "
                     f"parameter pool {count} x {largest * 2 / 1e6:.0f} MB (largest unit {unit / 1e6:.1f}M), "
-                    f"optimizer pieces of up to {piece / 1e6:.1f}M ({OPTIMIZER_BUFFERS} x {piece * 4 / 1e6:.0f} MB), "
+                    f"optimizer pieces of up to {piece / 1e6:.1f}M ({buffers} x {piece * 4 / 1e6:.0f} MB), "
                     f"gradient accumulators in memory up to {grads / 1e6:.0f}M elements"
                     + (f" ({spilled / 1e6:.0f}M spill to NVMe)" if spilled else "")
                     + "; aio: measured for the disk")

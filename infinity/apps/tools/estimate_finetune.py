@@ -136,17 +136,17 @@ def finetune_host_peak(model: ModelSize, cfg: dict, cpu_bytes: int, tokens: int,
     """[Note: the peak of a finetune step] (what, bytes) of the host memory `infinity finetune`
     takes with its built-in config (params and optimizer state on NVMe) on a CPU-only machine
     of `cpu_bytes`, its peak being their sum."""
-    from infinity.apps.finetune_config import OPTIMIZER_BUFFERS, PIECE, builtin_budget
+    from infinity.apps.finetune_config import PIECE, builtin_budget
 
     units = model.units
     largest = max(u.numel for u in units)
     largest_trainable = max(u.trainable for u in units)
-    _, count, buffer, piece, grads = builtin_budget(cpu_bytes, largest, largest_trainable)
+    _, count, buffer, piece, asked, grads = builtin_budget(cpu_bytes, largest, largest_trainable, model.trainable)
     shards = [u.trainable for u in units if u.trainable]
     piece = piece_buffers(spilled=model.trainable > grads)  # AdamW, fp32 moments: the built-in config's
     optimizer_pool = buffers = 0
     if shards:
-        buffers, elements = pool_size(shards, PIECE, OPTIMIZER_BUFFERS, piece, host_elements())  # as the tier does
+        buffers, elements = pool_size(shards, PIECE, asked, piece, host_elements())  # as the tier does
         optimizer_pool = buffers * elements * FP32
     parts = [
         ("the process (Python, torch, infinity: measured here)", psutil.Process().memory_info().rss),
