@@ -57,7 +57,8 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(tmp_path, cache):
     assert os.stat(nvme).st_mtime == OLD and os.stat(cache / name).st_mtime == OLD
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated", "another disk", "a missing engine", "a bad value"])
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "another disk", "a missing engine", "a bad value",
+                                    "an older version"])
 def test_a_cache_file_that_cannot_be_used_is_measured_again(tmp_path, cache, damage, monkeypatch):
     nvme = str(tmp_path / "nvme")
     autotune.choose(nvme)
@@ -71,8 +72,10 @@ def test_a_cache_file_that_cannot_be_used_is_measured_again(tmp_path, cache, dam
         path.write_text(json.dumps({**entry, "model": "some other model"}))
     elif damage == "a missing engine":
         monkeypatch.setattr(autotune, "available_engines", lambda: ["psync"])
-    else:
+    elif damage == "a bad value":
         path.write_text(json.dumps({**entry, "aio": {**entry["aio"], "queue_depth": 0}}))
+    else:  # version 1 kept no least request
+        path.write_text(json.dumps({k: v for k, v in entry.items() if k != "min_request"} | {"version": 1}))
     _age(nvme)
     again = autotune.choose(nvme)
     assert not again.from_cache and os.stat(nvme).st_mtime != OLD  # swept again under the NVMe path
@@ -103,8 +106,10 @@ def test_an_engine_without_an_aio_section_uses_the_measured_setting(tmp_path, ca
     caplog.set_level(logging.INFO, logger="infinity")
     engine = _engine(tmp_path, None)
     (name,) = _cache_files(cache)
-    chosen = Setting(**json.loads((cache / name).read_text())["aio"])
-    assert engine.config.aio == AIOConfig(**chosen.aio_block())  # tune is off once resolved
+    entry = json.loads((cache / name).read_text())
+    chosen = Setting(**entry["aio"])
+    measured = AIOConfig(**chosen.aio_block(), min_request=entry["min_request"])
+    assert engine.config.aio == measured  # tune is off once resolved
     assert engine.params.handle.get_block_size() == chosen.block_size
     assert engine.optim_state.handle.get_queue_depth() == chosen.queue_depth
     assert "no aio section" in caplog.text and "measured in" in caplog.text
@@ -114,9 +119,26 @@ def test_an_engine_without_an_aio_section_uses_the_measured_setting(tmp_path, ca
     caplog.clear()
     _age(cache / name)
     engine = _engine(tmp_path, None)
-    assert engine.config.aio == AIOConfig(**chosen.aio_block())
+    assert engine.config.aio == measured
+    assert engine.chosen["aio"]["min_request"] == entry["min_request"]
+    assert engine.chosen["offload_optimizer"]["least_streamed"] == entry["min_request"] // 4  # its fp32 elements
     assert "from the cache" in caplog.text and os.stat(cache / name).st_mtime == OLD
     engine.close()
+
+
+def test_the_least_request_at_the_disks_pace_is_the_smallest_block_within_ten_percent():
+    """`least_request`: read + write time of each block size's best depth against the best's."""
+    def grid(times):  # block KiB -> (read GB/s, write GB/s) at two depths
+        return [Measured(Setting(kib << 10, depth, 1, False, True, "psync"), op, gbps * scale)
+                for kib, (r, w) in times.items() for depth, scale in ((8, 0.5), (32, 1.0))
+                for op, gbps in (("read", r), ("write", w))]
+    # 1 MiB at 1.9 / 2.3 GB/s costs 0.961 s a GB each way against 8 MiB's 0.900: within 10%
+    assert autotune.least_request(grid({1024: (1.9, 2.3), 4096: (2.0, 2.5), 8192: (2.0, 2.5)})) == 1 << 20
+    # 1 MiB at 1.2 / 2.0 (1.333) and 4 MiB at 1.9 / 2.4 (0.943) against 0.900: 4 MiB
+    assert autotune.least_request(grid({1024: (1.2, 2.0), 4096: (1.9, 2.4), 8192: (2.0, 2.5)})) == 4 << 20
+    # a setting measured one way only is no candidate
+    one_way = [m for m in grid({1024: (3.0, 3.0)}) if m.op == "read"] + grid({8192: (2.0, 2.5)})
+    assert autotune.least_request(one_way) == 8 << 20
 
 
 def test_an_explicit_aio_section_wins(tmp_path, cache):

@@ -89,6 +89,24 @@ def test_a_state_within_deepspeeds_bytes_is_held_whole_across_pieces_of_unequal_
     assert buffers * _largest(shards, target) <= 4 * total  # within DeepSpeed's bytes
 
 
+def test_a_streamed_cut_stops_at_the_least_request_the_disk_keeps_its_pace_with():
+    """The 134M GPT through 96 MB (12 x 2e6), as bench_streaming.py's stream-96m: the state
+    mostly streams, so it is cut for STREAM_DEPTH pieces in flight, but never into pieces whose
+    master is smaller than the disk's least request at its pace (`aio.min_request`), nor larger
+    than the sub-group allows."""
+    per_piece = 3
+    free = choose_pieces(GPT_134M, 2_000_000, 12, per_piece)[0]  # nothing measured: down to 1 MiB
+    assert sizing.streamed_floor(None) == sizing.MIN_STREAMED_PIECE <= _largest(GPT_134M, free) < 1 * M
+    whole = _largest(GPT_134M, 2_000_000)  # the sub-group's cut: the largest piece the knobs allow
+    for request in (4 << 20, 8 << 20):  # a disk slow below 4 or 8 MiB requests
+        floor = sizing.streamed_floor(request)
+        assert floor == request // 4
+        target, buffers = choose_pieces(GPT_134M, 2_000_000, 12, per_piece, min_streamed=floor)
+        assert _largest(GPT_134M, target) >= min(floor, whole) > _largest(GPT_134M, free)
+        assert buffers * _largest(GPT_134M, target) <= 12 * whole  # the same bytes
+    assert sizing.streamed_floor(1000) == sizing.PIECE_ALIGN  # whole aligned pieces, however small
+
+
 def _nvme_config(path, **zero) -> dict:
     cfg = config(3, "nvme", "nvme", clip=1.0, lr=3e-3, **zero)
     z = cfg["zero_optimization"]
@@ -239,6 +257,7 @@ def test_reads_issued_out_of_update_order_never_starve_an_update(tmp_path, monke
         path = tmp_path / case
         path.mkdir()
         cfg = config(3, "cpu", "nvme", clip=1.0, tile_size=131072, sub_group_size=4096)
+        cfg["aio"] = {"block_size": 1 << 20, "queue_depth": 8}  # given, so no measured floor overrides the ones above
         cfg["zero_optimization"]["offload_optimizer"].update(nvme_path=str(path), buffer_count=count)
         engine, *_ = infinity.initialize(model=copy.deepcopy(model), config=cfg)
         tier = engine.optim_state

@@ -131,10 +131,13 @@ def describe_choices(chosen: dict) -> str:
     if "aio" in chosen:
         a = chosen["aio"]
         parts.append(f"aio {a['block_size'] >> 10} KiB blocks, queue depth {a['queue_depth']}, {a['thread_count']} "
-                     f"thread(s), {a['engine']} (measured for the disk)")
+                     f"thread(s), {a['engine']} (measured for the disk, its pace from "
+                     f"{(a.get('min_request') or 0) >> 10} KiB requests)")
     if "offload_optimizer" in chosen:
         o = chosen["offload_optimizer"]
         parts.append(f"optimizer pool {o['buffers']} buffers of {o['piece_elements'] * 4 / 1e6:.0f} MB "
-                     f"holding {o['pieces_held']} of the state's {o['pieces']} pieces from step to step")
+                     f"holding {o['pieces_held']} of the state's {o['pieces']} pieces from step to step, "
+                     f"{o['pieces_in_flight']} in flight, streamed ones no smaller than "
+                     f"{o['least_streamed'] * 4 / 1e6:.1f} MB")
     parts += [f"{key} {value / 1e6:.0f}M elements" for key, value in chosen.items() if key.endswith("max_in_cpu")]
     return "; ".join(parts)

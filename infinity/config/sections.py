@@ -160,6 +160,10 @@ class AIOConfig:
     """Not a JSON key: true when the config has no `aio` section, so an engine offloading to NVMe
     measures the disk once and uses the setting it measured (or cached) instead of these defaults
     ([Note: the disk tunes itself] in infinity/io/autotune.py); false honours the values given."""
+    min_request: int | None = _spec(_optional(_int), minimum=1, default=None)
+    """Not a JSON key: bytes, the least request size the measured disk keeps its pace with
+    (`autotune.least_request`), which the optimizer tier cuts streamed pieces no smaller than;
+    None where nothing was measured (an `aio` section given, a disk refusing O_DIRECT)."""
 
     def __post_init__(self) -> None:
         _validate(self)

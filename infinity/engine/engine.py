@@ -298,7 +298,8 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         aio = self.config.aio
         if aio_measured and not aio.tune:
             chosen["aio"] = {"block_size": aio.block_size, "queue_depth": aio.queue_depth,
-                             "thread_count": aio.thread_count, "engine": aio.engine}
+                             "thread_count": aio.thread_count, "engine": aio.engine,
+                             "min_request": aio.min_request}
         if self.optim_state.chosen is not None:
             chosen["offload_optimizer"] = self.optim_state.chosen
         for section in auto_budgets:

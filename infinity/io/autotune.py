@@ -7,7 +7,9 @@ first engine that offloads to a device runs `sweep` on its NVMe directory: each 
 `ENGINE_GRID` reads and writes one file with O_DIRECT (written once first, so writes overwrite
 in place as the engine's store does), and `best_setting` keeps the one whose read plus write
 time is least, the cost of a step on a half-duplex disk, which moves about as many bytes each
-way. The choice is cached under `cache_dir()` in one file per device, keyed by the device's
+way. The sweep also says from which request size the disk keeps that pace (`least_request`: the
+least block size whose best setting is within `PACE` of it), which bounds how small the
+optimizer tier cuts the pieces it streams. The choice is cached under `cache_dir()` in one file per device, keyed by the device's
 major:minor and the model the kernel reports for it (a different disk behind the same numbers
 is measured again), and every later engine on that device reads it: a step never pays for the
 sweep twice. A cache file that cannot be read, names an I/O engine this kernel lacks, or
@@ -44,8 +46,9 @@ import psutil
 from infinity.io.handle import AsyncIOHandle, available_engines
 from infinity.io.memory import PAGE_SIZE, aligned_empty
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: the least request that keeps the pace (`least_request`)
 DEFAULT_TUNE_BYTES = 256 << 20
+PACE = 1.10  # a request size keeps the disk's pace when its best read + write time is within this of the best's
 _MIN_TUNE_BYTES = 1 << 20
 
 
@@ -89,6 +92,7 @@ class Choice(NamedTuple):
     cache_file: str  # "" when it could not be stored
     from_cache: bool
     seconds: float  # the sweep's duration, or 0.0 from the cache
+    min_request: int  # bytes: the least block size that keeps the disk's pace (`least_request`)
 
     def describe(self) -> str:
         if self.from_cache:
@@ -97,7 +101,7 @@ class Choice(NamedTuple):
             where = f"cached in {self.cache_file}" if self.cache_file else f"not cached ({cache_dir()} not writable)"
             how = f"measured in {self.seconds:.1f} s, {where}"
         return (f"{self.setting.describe()} (read {self.read_gbps:.2f} GB/s, write {self.write_gbps:.2f} GB/s; "
-                f"{how})")
+                f"its pace from {self.min_request >> 10} KiB requests; {how})")
 
 
 def engine_grid() -> list[Setting]:
@@ -122,6 +126,23 @@ def best_setting(results: Iterable[Measured]) -> Setting:
         seen.setdefault(r.setting, set()).add(r.op)
     candidates = [s for s in cost if seen[s] == ops]
     return min(candidates, key=cost.__getitem__)
+
+
+def least_request(results: Iterable[Measured]) -> int:
+    """The least block size of a sweep whose best setting (read + write time, as `best_setting`
+    counts it) is within `PACE` of the best setting's: requests that small still move the disk's
+    bytes at its pace, so a streamed piece need not be larger ([Note: the pool is a budget] in
+    infinity/offload/optimizer/sizing.py)."""
+    results = list(results)
+    ops = {r.op for r in results}
+    cost: dict[Setting, float] = {}
+    seen: dict[Setting, set[str]] = {}
+    for r in results:
+        cost[r.setting] = cost.get(r.setting, 0.0) + 1.0 / max(r.gbps, 1e-12)
+        seen.setdefault(r.setting, set()).add(r.op)
+    done = {s: c for s, c in cost.items() if seen[s] == ops}
+    least = min(done.values())
+    return min(s.block_size for s, c in done.items() if c <= PACE * least)
 
 
 def sweep(directory: str, grid: list[Setting], io_size: int, *, ops: tuple[str, ...] = ("read", "write"),
@@ -208,17 +229,22 @@ def _load(path: str, device: Device) -> Choice | None:
         if setting.engine not in available_engines():
             return None
         setting.handle()  # the handle's own checks: a hand-edited value is measured again
-        return Choice(setting, float(entry["read_gbps"]), float(entry["write_gbps"]), path, True, 0.0)
+        min_request = int(entry["min_request"])
+        if min_request < PAGE_SIZE or min_request % PAGE_SIZE:
+            return None
+        return Choice(setting, float(entry["read_gbps"]), float(entry["write_gbps"]), path, True, 0.0, min_request)
     except (OSError, ValueError, KeyError, TypeError):  # a corrupt file is one to measure again
         return None
 
 
-def remember(device: Device, setting: Setting, read_gbps: float, write_gbps: float, *, how: str) -> str:
-    """Stores `setting` as `device`'s choice (written whole, then renamed); returns the file."""
+def remember(device: Device, setting: Setting, read_gbps: float, write_gbps: float, min_request: int, *,
+             how: str) -> str:
+    """Stores `setting` (and the sweep's `least_request`) as `device`'s choice (written whole,
+    then renamed); returns the file."""
     path = cache_file(device)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     entry = {"version": CACHE_VERSION, "device": device.key, "model": device.model, "aio": setting.aio_block(),
-             "read_gbps": read_gbps, "write_gbps": write_gbps, "how": how,
+             "read_gbps": read_gbps, "write_gbps": write_gbps, "min_request": min_request, "how": how,
              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     fd, tmp = tempfile.mkstemp(prefix=".aio-", suffix=".tmp", dir=os.path.dirname(path))
     try:
@@ -296,10 +322,10 @@ def choose(directory: str) -> Choice | None:
             return None
         start = time.perf_counter()
         results = sweep(directory, engine_grid(), tune_bytes(directory), repeat=2)
-        best = best_setting(results)
+        best, least = best_setting(results), least_request(results)
         gbps = {r.op: r.gbps for r in results if r.setting == best}
         try:
-            path = remember(device, best, gbps["read"], gbps["write"], how="engine")
+            path = remember(device, best, gbps["read"], gbps["write"], least, how="engine")
         except OSError:
             path = ""
-        return Choice(best, gbps["read"], gbps["write"], path, False, time.perf_counter() - start)
+        return Choice(best, gbps["read"], gbps["write"], path, False, time.perf_counter() - start, least)

@@ -59,7 +59,7 @@ def with_measured_aio(config: InfinityConfig) -> InfinityConfig:
                  "section's defaults", nvme[0])
         return dataclasses.replace(config, aio=dataclasses.replace(config.aio, tune=False))
     log.info("infinity: aio for %s (no aio section in the config): %s", nvme[0], choice.describe())
-    aio = dataclasses.replace(config.aio, tune=False, **choice.setting.aio_block())
+    aio = dataclasses.replace(config.aio, tune=False, min_request=choice.min_request, **choice.setting.aio_block())
     return dataclasses.replace(config, aio=aio)
 
 

@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         gbps = {r.op: r.gbps for r in results if r.setting == best}
         try:
             path = autotune.remember(autotune.device_of(args.nvme_path), best, gbps["read"], gbps["write"],
-                                     how="aio_bench_sweep")
+                                     autotune.least_request(results), how="aio_bench_sweep")
         except OSError as e:
             print(f"aio_bench_sweep: --remember: cannot store it in {autotune.cache_dir()}: {e}", file=sys.stderr)
             return 1

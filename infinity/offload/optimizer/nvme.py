@@ -84,7 +84,7 @@ from infinity.offload.optimizer.accumulators import GRAD, Accumulators, norm_par
 from infinity.offload.optimizer.pieces import Piece, Pieces, PieceState
 from infinity.offload._messages import human_bytes
 from infinity.offload.optimizer.sizing import (choose_pieces, cut_pieces, held_pieces, held_spread, host_elements,
-                                               piece_buffers, pool_classes)
+                                               piece_buffers, pool_classes, streamed_floor)
 from infinity.offload.protocols import TierUnit
 from infinity.offload.schedule import StepSchedule
 from infinity.offload.state import ShardState
@@ -131,7 +131,7 @@ class NvmeOptimizerState:
                                               bool(self.acc.spilled))
         target, buffers = choose_pieces([u.train_shard_numel for u in units], sub_group_size, offload.buffer_count,
                                         self._per_piece, host_elements(), kinds=kept,
-                                        planned=offload.pool_elements)
+                                        planned=offload.pool_elements, min_streamed=streamed_floor(aio.min_request))
         cuts = {u.index: cut_pieces(u.train_shard_numel, target) for u in units}
         layout = {kind: {(i, k): self._nbytes(kind, n) for i, ps in cuts.items() for k, (_, n) in enumerate(ps)}
                   for kind in self.kinds}
@@ -155,7 +155,7 @@ class NvmeOptimizerState:
         self.pieces = Pieces(self.swapper, cuts)
         self._hold_spread(schedule.expected)
         self.chosen = {"piece_elements": largest, "buffers": self.pool.buffer_count,
-                       "pool_bytes": self.pool.stats.bytes_total,
+                       "pool_bytes": self.pool.stats.bytes_total, "least_streamed": streamed_floor(aio.min_request),
                        "pieces_in_flight": int(buffers // self._per_piece), "pieces_held": self._held_count,
                        "pieces": pieces}
         if offload.pool_elements is not None:  # max_in_cpu "auto" gave the pool the room (placement.py)

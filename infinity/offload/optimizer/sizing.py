@@ -61,8 +61,13 @@ of them, for the most state the pool holds from one step to the next:
     of the most, the one with the largest pieces (fewest transfers: each costs the step's thread
     a little work) wins, among pieces of at least `COARSE_PIECE`, unless the state mostly streams
     through a pool of fewer than `STREAM_DEPTH` pieces: then the largest cut that gives that
-    many (down to `MIN_STREAMED_PIECE`, an aio block), since a pool of three or four pieces
-    reads one piece ahead and the update waits for each. The 134M GPT's 1.6 GB of state through
+    many, since a pool of three or four pieces reads one piece ahead and the update waits for
+    each. That cut stops at the least request the disk was measured to keep its pace with
+    (`streamed_floor`: [Note: the disk tunes itself] in infinity/io/autotune.py; a master's
+    piece no smaller than it), or at `MIN_STREAMED_PIECE` (1 MiB, an aio block) where nothing
+    was measured. The depth itself is not taken from the disk: on both hosts measured, 8 and
+    16 pieces in flight ran alike, and a disk that keeps its pace from 1 MiB requests at queue
+    depth 32 has 16 pieces' reads (3 kinds each) to fill the queue. The 134M GPT's 1.6 GB of state through
     96 MB (12 x 2e6 elements) waited 0.70 s a step on reads with 2M-element pieces, 0.48 s with
     0.5M (clipping 1.0). Unclipped, 0.5M-element pieces once ran the disk at half speed inside the
     step, and 1M ones (8 in flight) looked better there; the cause was the pool's buffers, whose
@@ -131,15 +136,25 @@ def pool_classes(buffers: float, largest: int, moments: int,
     return count, (count * moments, moment_nbytes), 1 + moments * part / whole
 
 
+def streamed_floor(min_request: int | None) -> int:
+    """The least piece, in elements, a state that streams is cut into: its fp32 master's bytes the
+    least request the measured disk keeps its pace with (`aio.min_request`: [Note: the disk tunes
+    itself] in infinity/io/autotune.py), or `MIN_STREAMED_PIECE` where nothing was measured."""
+    if min_request is None:
+        return MIN_STREAMED_PIECE
+    return max(PIECE_ALIGN, round_up(min_request // 4, PIECE_ALIGN))
+
+
 def choose_pieces(shards: list[int], sub_group_size: int, buffer_count: int, per_piece: float,
                   host_elements: int | None = None, kinds: float = STATE_KINDS,
-                  planned: int | None = None) -> tuple[int, float]:
+                  planned: int | None = None, min_streamed: int = MIN_STREAMED_PIECE) -> tuple[int, float]:
     """(piece target in elements, buffers) for shards of these sizes ([Note: the pool is a budget]).
     `per_piece`, `kinds`: buffers a piece takes and keeps while held (`piece_buffers`; buffers
     are counted in the largest piece's fp32 size);
     `host_elements`: the most fp32 elements the pool may take of the host's free memory;
     `planned`: fp32 elements the placement plan gives the pool (max_in_cpu "auto"), taken beside
-    the knobs' budget and not capped by the host's share, which the plan has counted already."""
+    the knobs' budget and not capped by the host's share, which the plan has counted already;
+    `min_streamed`: the least piece a state that streams is cut into (`streamed_floor`)."""
     asked = max((n for numel in shards for _, n in cut_pieces(numel, sub_group_size)), default=1)
     total = sum(shards)
     # DeepSpeed's buffers: buffer_count sub-groups (a sub-group never larger than the state), and
@@ -157,7 +172,7 @@ def choose_pieces(shards: list[int], sub_group_size: int, buffer_count: int, per
         held = held_pieces(count, budget // largest, per_piece, most, kinds)
         if held == count:  # the whole state stays: no buffer more than it and the spare pieces
             buffers = kinds * count + per_piece * CACHED_SPARE
-        elif cut < min(target, MIN_STREAMED_PIECE):
+        elif cut < min(target, min_streamed):
             continue  # a piece that streams must stream at the disk's speed
         else:  # never more than the whole state and a pipeline's pieces besides: a buffer past that is never used
             buffers = max(3 * per_piece, min(budget // largest, per_piece * (count + PIPELINE_DEPTH)))
