@@ -113,10 +113,10 @@ def engine_grid() -> list[Setting]:
             for block in (1 << 20, 4 << 20, 8 << 20) for depth in (8, 32)]
 
 
-def best_setting(results: Iterable[Measured]) -> Setting:
-    """The setting that moves the same number of bytes each way in the least time: the sum over
-    the ops measured of 1 / GB/s (a half-duplex disk serves a read and a write one after the
-    other). A setting missing an op is not a candidate."""
+def _costs(results: Iterable[Measured]) -> dict[Setting, float]:
+    """Each setting's time to move the same number of bytes each way: the sum over the ops
+    measured of 1 / GB/s (a half-duplex disk serves a read and a write one after the other).
+    A setting missing an op has none."""
     results = list(results)
     ops = {r.op for r in results}
     cost: dict[Setting, float] = {}
@@ -124,25 +124,22 @@ def best_setting(results: Iterable[Measured]) -> Setting:
     for r in results:
         cost[r.setting] = cost.get(r.setting, 0.0) + 1.0 / max(r.gbps, 1e-12)
         seen.setdefault(r.setting, set()).add(r.op)
-    candidates = [s for s in cost if seen[s] == ops]
-    return min(candidates, key=cost.__getitem__)
+    return {s: c for s, c in cost.items() if seen[s] == ops}
+
+
+def best_setting(results: Iterable[Measured]) -> Setting:
+    """The setting that moves the same number of bytes each way in the least time (`_costs`)."""
+    cost = _costs(results)
+    return min(cost, key=cost.__getitem__)
 
 
 def least_request(results: Iterable[Measured]) -> int:
-    """The least block size of a sweep whose best setting (read + write time, as `best_setting`
-    counts it) is within `PACE` of the best setting's: requests that small still move the disk's
-    bytes at its pace, so a streamed piece need not be larger ([Note: the pool is a budget] in
-    infinity/offload/optimizer/sizing.py)."""
-    results = list(results)
-    ops = {r.op for r in results}
-    cost: dict[Setting, float] = {}
-    seen: dict[Setting, set[str]] = {}
-    for r in results:
-        cost[r.setting] = cost.get(r.setting, 0.0) + 1.0 / max(r.gbps, 1e-12)
-        seen.setdefault(r.setting, set()).add(r.op)
-    done = {s: c for s, c in cost.items() if seen[s] == ops}
-    least = min(done.values())
-    return min(s.block_size for s, c in done.items() if c <= PACE * least)
+    """The least block size of a sweep whose best setting (`_costs`) is within `PACE` of the best
+    setting's: requests that small still move the disk's bytes at its pace, so a streamed piece
+    need not be larger ([Note: the pool is a budget] in infinity/offload/optimizer/sizing.py)."""
+    cost = _costs(results)
+    least = min(cost.values())
+    return min(s.block_size for s, c in cost.items() if c <= PACE * least)
 
 
 def sweep(directory: str, grid: list[Setting], io_size: int, *, ops: tuple[str, ...] = ("read", "write"),
