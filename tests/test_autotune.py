@@ -160,6 +160,8 @@ def test_the_config_tells_an_absent_section_from_defaults():
     assert load_config({**minimal, "aio": {}}).aio == AIOConfig()
     with pytest.raises(ValueError, match="aio.tune: unknown key"):
         load_config({**minimal, "aio": {"tune": True}})
+    with pytest.raises(ValueError, match="aio.min_request: unknown key"):  # measured, never given
+        load_config({**minimal, "aio": {"min_request": 1 << 20}})
 
 
 def test_the_choice_is_the_least_read_plus_write_time():

@@ -51,10 +51,13 @@ def builtin_budget(total_memory: int, largest_unit: int, largest_trainable: int,
     # a unit with frozen and trainable parts needs (LoRA over a 20B base: a layer of 1.1 GB in bf16).
     count = max(4, min(PARAM_BUFFERS, budget // 3 // (2 * largest)))
     param_pool = count * largest * 2  # bf16
-    piece = max(1, min(max_piece(PIECE), largest_trainable))  # the most a piece of the tier's cut can be
-    # The optimizer's pool takes the rest, up to the whole state (its three fp32 kinds) and a
-    # pipeline's buffers besides; the gradient accumulators get what it leaves.
-    whole = STATE_KINDS * -(-max(trainable, 0) // piece) + OPTIMIZER_BUFFERS
+    # A buffer as the tier counts `buffer_count` (`choose_pieces`): the largest piece of its cut,
+    # or a sub-group where the state is larger, whichever is more.
+    piece = max(1, min(max_piece(PIECE), largest_trainable), min(PIECE, trainable))
+    # The optimizer's pool takes the rest, up to the whole state (its three fp32 kinds, a quarter
+    # more for what pieces of unequal sizes waste of their buffers) and a pipeline's buffers
+    # besides; the gradient accumulators get what it leaves.
+    whole = -(-STATE_KINDS * 5 * max(trainable, 0) // (4 * piece)) + OPTIMIZER_BUFFERS
     buffers = max(OPTIMIZER_BUFFERS, min(whole, max(0, budget - param_pool) // (4 * piece)))
     return budget, count, largest, piece, buffers, max(0, budget - param_pool - buffers * piece * 4) // 4
 
@@ -75,7 +78,7 @@ def _default_config(nvme_path: str, offload: str, batch: int, lr: float, model: 
     budget plus the gathered units (at most two of the largest: `stage3_max_live_parameters`)
     and the activations, not a function of the model's size.
 
-    The pool comes before the accumulators because its bytes save more. A fp32 accumulator kept
+    The pool comes before the accumulators because its bytes save more. An fp32 accumulator kept
     in memory saves its one-pass spill, 2 bytes each way, written and read under a backward that
     has the disk to spare. The pool's bytes hold pieces of state that then move neither way (12
     bytes each way an element), and they are the read-ahead of the updates that wait for the
@@ -131,8 +134,8 @@ def describe_choices(chosen: dict) -> str:
     if "aio" in chosen:
         a = chosen["aio"]
         parts.append(f"aio {a['block_size'] >> 10} KiB blocks, queue depth {a['queue_depth']}, {a['thread_count']} "
-                     f"thread(s), {a['engine']} (measured for the disk, its pace from "
-                     f"{(a.get('min_request') or 0) >> 10} KiB requests)")
+                     f"thread(s), {a['engine']} (measured for the disk"
+                     + (f", its pace from {a['min_request'] >> 10} KiB requests)" if a.get("min_request") else ")"))
     if "offload_optimizer" in chosen:
         o = chosen["offload_optimizer"]
         parts.append(f"optimizer pool {o['buffers']} buffers of {o['piece_elements'] * 4 / 1e6:.0f} MB "

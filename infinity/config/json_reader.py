@@ -478,8 +478,7 @@ def _parse_zero(raw: Any) -> ZeroConfig:
 
 
 def _parse_aio(raw: Any) -> AIOConfig:
-    json_keys = tuple(name for name in _field_names(AIOConfig)  # tune: absent or given; min_request: measured
-                      if name not in ("tune", "min_request"))
+    json_keys = tuple(name for name in _field_names(AIOConfig) if name != "tune")  # tune: absent or given
     keys = _take(raw, "aio", (*json_keys, "intra_op_parallelism"),
                  default_only=_DEFAULT_ONLY_AIO)
     if "intra_op_parallelism" in keys:

@@ -141,6 +141,7 @@ class AIOConfig:
     """Asynchronous NVMe I/O (section `aio`): how one transfer is split and queued."""
 
     _PATH: ClassVar[str] = "aio"
+    _RESOLVED: ClassVar[tuple[str, ...]] = ("min_request",)  # measured by the engine, never a JSON key
 
     block_size: int = _spec(_size, minimum=1, default=1_048_576)
     """Bytes per I/O request a transfer is split into: whole pages, as aio_bench_sweep measures

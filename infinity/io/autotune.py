@@ -7,8 +7,8 @@ first engine that offloads to a device runs `sweep` on its NVMe directory: each 
 `ENGINE_GRID` reads and writes one file with O_DIRECT (written once first, so writes overwrite
 in place as the engine's store does), and `best_setting` keeps the one whose read plus write
 time is least, the cost of a step on a half-duplex disk, which moves about as many bytes each
-way. The sweep also says from which request size the disk keeps that pace (`least_request`: the
-least block size whose best setting is within `PACE` of it), which bounds how small the
+way. The sweep also says from which request size the disk keeps that pace (`least_request`:
+the least block size whose best setting is within `PACE` of it), which bounds how small the
 optimizer tier cuts the pieces it streams. The choice is cached under `cache_dir()` in one file per device, keyed by the device's
 major:minor and the model the kernel reports for it (a different disk behind the same numbers
 is measured again), and every later engine on that device reads it: a step never pays for the
@@ -134,9 +134,12 @@ def best_setting(results: Iterable[Measured]) -> Setting:
 
 
 def least_request(results: Iterable[Measured]) -> int:
-    """The least block size of a sweep whose best setting (`_costs`) is within `PACE` of the best
-    setting's: requests that small still move the disk's bytes at its pace, so a streamed piece
-    need not be larger ([Note: the pool is a budget] in infinity/offload/optimizer/sizing.py)."""
+    """The least block size of a sweep whose best setting (`_costs`, at any queue depth swept)
+    is within `PACE` of the best setting's: requests that small, enough of them in flight, still
+    move the disk's bytes at its pace, so a streamed piece need not be larger ([Note: the pool
+    is a budget] in infinity/offload/optimizer/sizing.py; the pipeline keeps many pieces' reads
+    in flight). Only the block sizes swept count: `aio_bench_sweep --remember` stores the least
+    of its own grid's."""
     cost = _costs(results)
     least = min(cost.values())
     return min(s.block_size for s, c in cost.items() if c <= PACE * least)

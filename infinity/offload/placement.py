@@ -40,7 +40,8 @@ import logging
 import psutil
 
 from infinity.config import InfinityConfig
-from infinity.offload.optimizer.sizing import host_elements, piece_buffers, pool_bytes, streamed_elements
+from infinity.offload.optimizer.sizing import (host_elements, piece_buffers, pool_bytes, streamed_elements,
+                                               streamed_floor)
 from infinity.optim.rules import AdamRule
 from infinity.offload.protocols import TierUnit
 
@@ -90,7 +91,7 @@ def _margin(config: InfinityConfig, units: list[TierUnit], total_memory: int, av
         if not all_kept and offload.max_in_cpu != "auto":  # the knobs' pool, as the tier will size it
             piece = piece_buffers(len(rule.moments), rule.format.bytes_per_value(), grads < sum(trains))
             margin += pool_bytes(trains, zero.sub_group_size, offload.buffer_count, piece,
-                                 host_elements(available))
+                                 host_elements(available), min_streamed=streamed_floor(config.aio.min_request))
     return margin
 
 
@@ -104,14 +105,14 @@ def _optimizer_in_memory(config: InfinityConfig, units: list[TierUnit], room: in
     if not shards or room <= 0:
         return 0, None
     piece = piece_buffers(len(rule.moments), rule.format.bytes_per_value(), sum(shards) > offload.max_grad_in_cpu)
-    host = host_elements(available)
-    knobs = pool_bytes(shards, zero.sub_group_size, offload.buffer_count, piece, host)
+    host, floor = host_elements(available), streamed_floor(config.aio.min_request)
+    knobs = pool_bytes(shards, zero.sub_group_size, offload.buffer_count, piece, host, min_streamed=floor)
     budget = int(max(0, room - knobs) // _state_bytes(rule))
     kept = units_in_memory([u for u in units if u.trainable], budget, [u.index for u in reversed(units)])
     rest = [u.train_shard_numel for u in units if u.trainable and u not in kept]
-    split = streamed_elements(rest, zero.sub_group_size, offload.buffer_count, piece, host)
+    split = streamed_elements(rest, zero.sub_group_size, offload.buffer_count, piece, host, min_streamed=floor)
     pooled = streamed_elements(shards, zero.sub_group_size, offload.buffer_count, piece, host,
-                               planned=room // 4)
+                               planned=room // 4, min_streamed=floor)
     return (budget, None) if kept and split < pooled else (0, room // 4)
 
 

@@ -141,7 +141,7 @@ def finetune_host_peak(model: ModelSize, cfg: dict, cpu_bytes: int, tokens: int,
     units = model.units
     largest = max(u.numel for u in units)
     largest_trainable = max(u.trainable for u in units)
-    _, count, buffer, piece, asked, grads = builtin_budget(cpu_bytes, largest, largest_trainable, model.trainable)
+    _, count, buffer, _, asked, grads = builtin_budget(cpu_bytes, largest, largest_trainable, model.trainable)
     shards = [u.trainable for u in units if u.trainable]
     piece = piece_buffers(spilled=model.trainable > grads)  # AdamW, fp32 moments: the built-in config's
     optimizer_pool = buffers = 0

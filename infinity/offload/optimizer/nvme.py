@@ -155,7 +155,7 @@ class NvmeOptimizerState:
         self.pieces = Pieces(self.swapper, cuts)
         self._hold_spread(schedule.expected)
         self.chosen = {"piece_elements": largest, "buffers": self.pool.buffer_count,
-                       "pool_bytes": self.pool.stats.bytes_total, "least_streamed": streamed_floor(aio.min_request),
+                       "pool_bytes": self.pool.stats.bytes_total, "least_streamed": min(target, streamed_floor(aio.min_request)),
                        "pieces_in_flight": int(buffers // self._per_piece), "pieces_held": self._held_count,
                        "pieces": pieces}
         if offload.pool_elements is not None:  # max_in_cpu "auto" gave the pool the room (placement.py)

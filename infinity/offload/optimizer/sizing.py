@@ -64,11 +64,12 @@ of them, for the most state the pool holds from one step to the next:
     many, since a pool of three or four pieces reads one piece ahead and the update waits for
     each. That cut stops at the least request the disk was measured to keep its pace with
     (`streamed_floor`: [Note: the disk tunes itself] in infinity/io/autotune.py; a master's
-    piece no smaller than it), or at `MIN_STREAMED_PIECE` (1 MiB, an aio block) where nothing
-    was measured. The depth itself is not taken from the disk: on both hosts measured, 8 and
-    16 pieces in flight ran alike, and a disk that keeps its pace from 1 MiB requests at queue
-    depth 32 has 16 pieces' reads (3 kinds each) to fill the queue. The 134M GPT's 1.6 GB of state through
-    96 MB (12 x 2e6 elements) waited 0.70 s a step on reads with 2M-element pieces, 0.48 s with
+    piece no smaller than it; the placement plan and `infinity estimate` count the same), or
+    at `MIN_STREAMED_PIECE` (1 MiB, an aio block) where nothing was measured (an `aio` section
+    given). The depth itself is not taken from the disk: on both hosts measured, 8 and 16
+    pieces in flight ran alike, and a disk that keeps its pace from 1 MiB requests at queue
+    depth 32 has 16 pieces' reads (3 kinds each) to fill the queue. The 134M GPT's 1.6 GB of
+    state through 96 MB (12 x 2e6 elements) waited 0.70 s a step on reads with 2M-element pieces, 0.48 s with
     0.5M (clipping 1.0). Unclipped, 0.5M-element pieces once ran the disk at half speed inside the
     step, and 1M ones (8 in flight) looked better there; the cause was the pool's buffers, whose
     pages were then mostly not huge ([Note: one mapping a class] in infinity/offload/pool.py), and
@@ -139,7 +140,8 @@ def pool_classes(buffers: float, largest: int, moments: int,
 def streamed_floor(min_request: int | None) -> int:
     """The least piece, in elements, a state that streams is cut into: its fp32 master's bytes the
     least request the measured disk keeps its pace with (`aio.min_request`: [Note: the disk tunes
-    itself] in infinity/io/autotune.py), or `MIN_STREAMED_PIECE` where nothing was measured."""
+    itself] in infinity/io/autotune.py), or `MIN_STREAMED_PIECE` where nothing was measured (an
+    `aio` section given, a file system refusing O_DIRECT)."""
     if min_request is None:
         return MIN_STREAMED_PIECE
     return max(PIECE_ALIGN, round_up(min_request // 4, PIECE_ALIGN))
@@ -147,14 +149,15 @@ def streamed_floor(min_request: int | None) -> int:
 
 def choose_pieces(shards: list[int], sub_group_size: int, buffer_count: int, per_piece: float,
                   host_elements: int | None = None, kinds: float = STATE_KINDS,
-                  planned: int | None = None, min_streamed: int = MIN_STREAMED_PIECE) -> tuple[int, float]:
+                  planned: int | None = None, min_streamed: int | None = None) -> tuple[int, float]:
     """(piece target in elements, buffers) for shards of these sizes ([Note: the pool is a budget]).
     `per_piece`, `kinds`: buffers a piece takes and keeps while held (`piece_buffers`; buffers
     are counted in the largest piece's fp32 size);
     `host_elements`: the most fp32 elements the pool may take of the host's free memory;
     `planned`: fp32 elements the placement plan gives the pool (max_in_cpu "auto"), taken beside
     the knobs' budget and not capped by the host's share, which the plan has counted already;
-    `min_streamed`: the least piece a state that streams is cut into (`streamed_floor`)."""
+    `min_streamed`: the least piece a state that streams is cut into (`streamed_floor`; None:
+    `MIN_STREAMED_PIECE`)."""
     asked = max((n for numel in shards for _, n in cut_pieces(numel, sub_group_size)), default=1)
     total = sum(shards)
     # DeepSpeed's buffers: buffer_count sub-groups (a sub-group never larger than the state), and
@@ -172,7 +175,7 @@ def choose_pieces(shards: list[int], sub_group_size: int, buffer_count: int, per
         held = held_pieces(count, budget // largest, per_piece, most, kinds)
         if held == count:  # the whole state stays: no buffer more than it and the spare pieces
             buffers = kinds * count + per_piece * CACHED_SPARE
-        elif cut < min(target, min_streamed):
+        elif cut < min(target, MIN_STREAMED_PIECE if min_streamed is None else min_streamed):
             continue  # a piece that streams must stream at the disk's speed
         else:  # never more than the whole state and a pipeline's pieces besides: a buffer past that is never used
             buffers = max(3 * per_piece, min(budget // largest, per_piece * (count + PIPELINE_DEPTH)))
@@ -253,28 +256,28 @@ def host_elements(available: int | None = None) -> int:
 
 
 def pool_size(shards: list[int], sub_group_size: int, buffer_count: int, piece: tuple[float, float],
-              host: int | None = None, planned: int | None = None) -> tuple[float, int]:
+              host: int | None = None, planned: int | None = None, min_streamed: int | None = None) -> tuple[float, int]:
     """(buffers, elements a buffer) of the pool of a tier over `shards`, as the tier sizes it
     (`piece`: `piece_buffers`; buffers counted in fp32 ones of the largest piece): what the
     placement plan and `infinity estimate` count, never a formula of their own."""
-    target, buffers = choose_pieces(shards, sub_group_size, buffer_count, piece[0], host, piece[1], planned)
+    target, buffers = choose_pieces(shards, sub_group_size, buffer_count, piece[0], host, piece[1], planned, min_streamed)
     return buffers, max((n for numel in shards for _, n in cut_pieces(numel, target)), default=1)
 
 
 def pool_bytes(shards: list[int], sub_group_size: int, buffer_count: int, piece: tuple[float, float],
-               host: int | None = None, planned: int | None = None) -> int:
+               host: int | None = None, planned: int | None = None, min_streamed: int | None = None) -> int:
     """The host memory of that pool (`pool_size`), in bytes."""
-    buffers, elements = pool_size(shards, sub_group_size, buffer_count, piece, host, planned)
+    buffers, elements = pool_size(shards, sub_group_size, buffer_count, piece, host, planned, min_streamed)
     return int(buffers * elements * 4)
 
 
 def streamed_elements(shards: list[int], sub_group_size: int, buffer_count: int, piece: tuple[float, float],
-                      host: int | None = None, planned: int | None = None) -> int:
+                      host: int | None = None, planned: int | None = None, min_streamed: int | None = None) -> int:
     """Elements of a tier's state over `shards` that its pool does not hold from one step to the
     next, so that each step reads and writes them: what the placement plan compares."""
     if not shards:
         return 0
-    target, buffers = choose_pieces(shards, sub_group_size, buffer_count, piece[0], host, piece[1], planned)
+    target, buffers = choose_pieces(shards, sub_group_size, buffer_count, piece[0], host, piece[1], planned, min_streamed)
     cuts = [cut_pieces(numel, target) for numel in shards]
     held = held_pieces(sum(map(len, cuts)), buffers, piece[0], max(map(len, cuts)), piece[1])
     return sum(shards) * (sum(map(len, cuts)) - held) // sum(map(len, cuts))
