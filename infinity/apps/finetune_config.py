@@ -41,10 +41,31 @@ def largest_unit_numel(model: nn.Module, trainable: bool = False) -> int:
 
 def builtin_budget(total_memory: int, largest_unit: int, largest_trainable: int,
                    trainable: int) -> tuple[int, int, int, int, int, int]:
-    """[Note: the built-in config's host budget] for a machine of `total_memory` bytes and a
-    model whose largest unit has these elements (in all, trainable), `trainable` elements
-    trained in all: (budget in bytes, parameter buffers, elements a buffer, optimizer piece
-    elements, optimizer buffers, gradient elements kept in memory)."""
+    """The built-in config's host budget for a machine of `total_memory` bytes and a model whose
+    largest unit has these elements (in all, trainable), `trainable` elements trained in all:
+    (budget in bytes, parameter buffers, elements a buffer, optimizer piece elements, optimizer
+    buffers, gradient elements kept in memory).
+
+    [Note: the built-in config's host budget]
+    With parameters and optimizer state on NVMe, host memory holds the parameter pool, the
+    optimizer-state pool and the fp32 gradient accumulators that wait for the step's norm
+    (clipping 1.0); what is not kept spills to NVMe. The built-in config gives these a fifth of
+    the machine's memory: the pools are sized by the largest unit (tiles keep it at a layer's
+    size, whatever the vocabulary) and by 100 MB pieces of optimizer state. After the parameter
+    pool, the optimizer pool takes the budget (`offload_optimizer.buffer_count`, at least
+    `OPTIMIZER_BUFFERS`), up to the whole state and a pipeline besides, and the accumulators
+    take what it leaves (`offload_optimizer.max_grad_in_cpu`). So a step's peak RSS is that
+    budget plus the gathered units (at most two of the largest: `stage3_max_live_parameters`)
+    and the activations, not a function of the model's size.
+
+    The pool comes before the accumulators because its bytes save more. An fp32 accumulator kept
+    in memory saves its one-pass spill, 2 bytes each way, written and read under a backward that
+    has the disk to spare. The pool's bytes hold pieces of state that then move neither way (12
+    bytes each way an element), and they are the read-ahead of the updates that wait for the
+    norm and run beside the next forward, where a step's waits are. On llama-3b's shapes with 12
+    layers (bench/results/finetune_3b.md, an Intel host, runs interleaved), the step with the
+    pool first was 0.90x the one with 12 buffers and 509M elements of accumulators.
+    """
     budget = total_memory // BUILTIN_SHARE
     largest = -(-max(largest_unit, 1) // (1 << 20)) << 20  # with room for the shard's alignment padding
     # Six buffers where they fit in a third of the budget (a 3B model's layers), down to the four
@@ -66,25 +87,7 @@ def _default_config(nvme_path: str, offload: str, batch: int, lr: float, model: 
                     total_memory: int | None = None, checkpointing: bool = False) -> tuple[dict, str]:
     """The built-in config for `model` on this machine, and a line saying what it chose.
 
-    [Note: the built-in config's host budget]
-    With parameters and optimizer state on NVMe, host memory holds the parameter pool, the
-    optimizer-state pool and the fp32 gradient accumulators that wait for the step's norm
-    (clipping 1.0); what is not kept spills to NVMe. The built-in config gives these a fifth of
-    the machine's memory: the pools are sized by the largest unit (tiles keep it at a layer's
-    size, whatever the vocabulary) and by 100 MB pieces of optimizer state. After the parameter
-    pool, the optimizer pool takes the budget (`offload_optimizer.buffer_count`, at least
-    `OPTIMIZER_BUFFERS`), up to the whole state and a pipeline besides, and the accumulators
-    take what it leaves (`offload_optimizer.max_grad_in_cpu`). So a step's peak RSS is that
-    budget plus the gathered units (at most two of the largest: `stage3_max_live_parameters`)
-    and the activations, not a function of the model's size.
-
-    The pool comes before the accumulators because its bytes save more. An fp32 accumulator kept
-    in memory saves its one-pass spill, 2 bytes each way, written and read under a backward that
-    has the disk to spare. The pool's bytes hold pieces of state that then move neither way (12
-    bytes each way an element), and they are the read-ahead of the updates that wait for the
-    norm and run beside the next forward, where a step's waits are. On the llama-3b preset (the
-    Intel host of bench/results/finetune_3b.md), 30 buffers and every gradient spilled ran steps
-    of 121-127 s, where 12 buffers and 2 GB of accumulators ran 127-137 s in the same session.
+    Its host memory: [Note: the built-in config's host budget] (`builtin_budget`).
     No `aio` section: the engine uses the setting measured for the disk.
     """
     device = {"device": offload, "nvme_path": nvme_path} if offload == "nvme" else {"device": offload}
