@@ -179,13 +179,32 @@ def job(tmp_path):
 def start_job(argv: list[str], nvme, stderr=subprocess.DEVNULL) -> subprocess.Popen:
     """`infinity finetune` in a process of its own, returned once its NVMe stores are open."""
     # Run from the NVMe directory: a checkout's root would shadow the installed package (CI).
+    # PYTHONFAULTHANDLER: a SIGABRT makes it print every thread's stack (`wait_or_show`)
     proc = subprocess.Popen([sys.executable, "-m", "infinity.apps.cli", *argv], stdout=subprocess.DEVNULL, cwd=nvme,
-                            stderr=stderr, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            stderr=stderr, env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while len(glob.glob(f"{nvme}/**/rank0.lock", recursive=True)) < 2:  # parameters and optimizer state
         assert proc.poll() is None and time.monotonic() < deadline, "the job ended before its stores opened"
         time.sleep(0.1)
     return proc
+
+
+def wait_or_show(proc: subprocess.Popen, stderr, timeout: float = 60) -> int:
+    """The job's exit status; a job still running after `timeout` seconds fails the test with
+    its threads' stacks (faulthandler, on SIGABRT) instead of living on past it."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        stderr.flush()
+        with open(stderr.name) as f:
+            pytest.fail(f"the job had not ended {timeout} s after the signal; its stacks:\n{f.read()[-20000:]}")
 
 
 def test_what_kill_9_leaves_is_reclaimed_under_the_nvme_path(job, tmp_path, capsys):
@@ -206,7 +225,7 @@ def test_a_signal_without_save_leaves_nothing(job, tmp_path, signum):
     with open(tmp_path / "stderr", "w") as err:
         proc = start_job([*job, "--steps", "100000"], nvme, stderr=err)
         proc.send_signal(signum)
-        code = proc.wait(timeout=60)
+        code = wait_or_show(proc, err)
     assert code != 0
     assert os.listdir(nvme) == []
     if signum == signal.SIGINT:  # Ctrl-C: one line, not a KeyboardInterrupt traceback
