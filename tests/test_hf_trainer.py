@@ -93,15 +93,25 @@ def _plain(tmp_path: Path, args: list[str], script: Path = JOB) -> subprocess.Po
     return _start([sys.executable, str(tmp_path / script.name), *args, "--warmup_lr_reference"], tmp_path)
 
 
-@pytest.fixture
-def job(tmp_path: Path) -> Path:
-    """The script and the model both runs start from (saved with save_pretrained)."""
-    shutil.copy(JOB, tmp_path / JOB.name)
+@pytest.fixture(scope="module")
+def initial_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The model every run starts from, built by the script's own code and saved with
+    save_pretrained, once: a process that imports transformers takes seconds."""
+    where = tmp_path_factory.mktemp("hf_trainer_init")
+    shutil.copy(JOB, where / JOB.name)
     code = ("import sys; sys.argv = ['x']\n"
             "from hf_trainer_job import ScriptArguments, build_model, set_seed\n"
             "set_seed(0)\n"
-            f"build_model(ScriptArguments()).save_pretrained({str(tmp_path / 'init')!r})\n")
-    _finish(_start([sys.executable, "-c", code], tmp_path), "saving the initial model")
+            f"build_model(ScriptArguments()).save_pretrained({str(where / 'init')!r})\n")
+    _finish(_start([sys.executable, "-c", code], where), "saving the initial model")
+    return where / "init"
+
+
+@pytest.fixture
+def job(tmp_path: Path, initial_model: Path) -> Path:
+    """The script and a copy of the initial model, in a directory of the test's own."""
+    shutil.copy(JOB, tmp_path / JOB.name)
+    shutil.copytree(initial_model, tmp_path / "init")
     return tmp_path
 
 
