@@ -16,6 +16,10 @@ a bf16 training step with and without offload.
   * cpu / nvme: the engine with parameters and optimizer state in CPU memory / on NVMe
     (`--optim cpu` keeps the optimizer in CPU memory while parameters go to NVMe).
 The model is built under `infinity.Init` for the engine's modes, so host memory never holds it whole.
+Each engine step also records the bytes this process moved to and from the disk (/proc/self/io).
+
+`formats DIR`: the FORMATS runs of bench/gpu_session.sh side by side (fp32, bf16 and 8-bit moments
+at one size, rounds interleaved): median step and disk bytes a parameter, each against fp32's.
 """
 
 from __future__ import annotations
@@ -135,7 +139,7 @@ def step_engine(args) -> dict:
     if args.optim_max_in_cpu is not None:
         zero["offload_optimizer"]["max_in_cpu"] = int(args.optim_max_in_cpu)
     adamw = {"lr": 1e-4, "weight_decay": 0.01, "moment_format": args.moment_format}
-    config = {"train_micro_batch_size_per_gpu": args.micro, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+    config = {"train_micro_batch_size_per_gpu": args.micro, "gradient_clipping": args.clip, "bf16": {"enabled": True},
               "steps_per_print": 1, "optimizer": {"type": "AdamW", "params": adamw},
               "zero_optimization": zero,
               "aio": {"block_size": 8 << 20, "queue_depth": 32, "thread_count": 2}}
@@ -145,10 +149,11 @@ def step_engine(args) -> dict:
         engine, *_ = infinity.initialize(model=model, config=config)
         setup = time.perf_counter() - t
         print(f"  engine set up in {setup:.1f} s", flush=True)
-        times, losses = [], []
+        times, losses, moved = [], [], []
         for s in range(args.steps + 1):
             idx, tgt = _batch(args, s)
             torch.cuda.synchronize()
+            before = _proc_io()
             t = time.perf_counter()
             loss = engine(idx, tgt)
             engine.backward(loss)
@@ -157,6 +162,7 @@ def step_engine(args) -> dict:
             losses.append(loss.item())
             if s:
                 times.append(time.perf_counter() - t)
+                moved.append({k: v - before[k] for k, v in _proc_io().items()})
             print(f"  {args.mode}/{optim} step {s}: {time.perf_counter() - t:.3f} s, loss {loss.item():.4f}",
                   flush=True)
         report = dict(engine.report.last)
@@ -164,7 +170,43 @@ def step_engine(args) -> dict:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return {"params": cfg.num_params(), "setup_s": setup, "step": _spread(times), "losses": losses,
-            "gpu_peak_bytes": torch.cuda.max_memory_allocated(), "report": report, "optim": optim}
+            "gpu_peak_bytes": torch.cuda.max_memory_allocated(), "report": report, "optim": optim,
+            "disk_bytes": moved}
+
+
+def _proc_io() -> dict:
+    """This process's bytes read from and written to the disk so far (/proc/self/io)."""
+    with open("/proc/self/io") as f:
+        fields = dict(line.split(": ") for line in f.read().splitlines())
+    return {"read_bytes": int(fields["read_bytes"]), "write_bytes": int(fields["write_bytes"])}
+
+
+def formats(args) -> dict:
+    """The `step --moment-format` runs of `gpu_session.sh`'s FORMATS section, side by side: each
+    format's median step and disk bytes a parameter (/proc/self/io), and its ratios to fp32's,
+    from the JSON files fmt_<format>_r<round>.json in `args.dir`."""
+    import glob
+    import os
+
+    runs: dict[str, list[dict]] = {}
+    for path in sorted(glob.glob(os.path.join(args.dir, "fmt_*_r*.json"))):
+        fmt = os.path.basename(path).split("_")[1]
+        with open(path) as f:
+            runs.setdefault(fmt, []).append(json.load(f))
+    out = {}
+    for fmt, rs in runs.items():
+        steps = [t for r in rs for t in r["step"]["rounds"]]
+        moved = [(m["read_bytes"] + m["write_bytes"]) / r["params"] for r in rs for m in r["disk_bytes"]]
+        out[fmt] = {"step": _spread(steps), "disk_bytes_per_param": _spread(moved), "runs": len(rs)}
+    if "fp32" in out:
+        for fmt, o in out.items():
+            o["step_vs_fp32"] = o["step"]["median"] / out["fp32"]["step"]["median"]
+            o["bytes_vs_fp32"] = o["disk_bytes_per_param"]["median"] / out["fp32"]["disk_bytes_per_param"]["median"]
+    for fmt, o in out.items():
+        print(f"{fmt:5s} step {o['step']['median']:.3f} s ({o['step']['min']:.3f}-{o['step']['max']:.3f}), "
+              f"{o['disk_bytes_per_param']['median']:.2f} disk bytes a parameter, "
+              f"{o.get('step_vs_fp32', float('nan')):.2f}x fp32's step, {o.get('bytes_vs_fp32', float('nan')):.2f}x its bytes")
+    return out
 
 
 def main() -> int:
@@ -189,12 +231,18 @@ def main() -> int:
     s.add_argument("--max-grad-in-cpu", type=float, help="offload_optimizer.max_grad_in_cpu (elements)")
     s.add_argument("--optim-max-in-cpu", type=float, help="offload_optimizer.max_in_cpu (elements; 0: all on NVMe)")
     s.add_argument("--nvme-path", default=".")
-    for q in (c, s):
+    s.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: none)")
+    f = sub.add_parser("formats", help="summarize gpu_session.sh's FORMATS runs")
+    f.add_argument("dir")
+    for q in (c, s, f):
         q.add_argument("--output")
     args = p.parse_args()
-    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    info = {"gpu": gpu, "torch": torch.__version__, "args": vars(args)}
     if args.what == "copies":
         result = copies(args)
+    elif args.what == "formats":
+        result = formats(args)
     elif args.mode == "plain":
         try:
             result = step_plain(args)

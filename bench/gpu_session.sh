@@ -3,6 +3,7 @@
 # tests, host <-> device copies, bf16 steps, then the whole suite on the CUDA device.
 #   bash bench/gpu_session.sh OUT_DIR [STEP_LAYERS] [STEP_DIM]
 #   ONLY_BIG=1 BIG=1 bash bench/gpu_session.sh OUT_DIR   # just the largest NVMe step (one call)
+#   ONLY_BIG=1 FORMATS=1 bash bench/gpu_session.sh OUT_DIR   # just the moment formats' disk-bound steps
 set -uo pipefail
 out=${1:?output directory}
 layers=${2:-8}
@@ -49,6 +50,22 @@ if [ "${BIG:-0}" = 1 ]; then
     python3 bench/bench_gpu.py step --mode $mode --layers "$big" --dim 4096 --steps 2 --nvme-path "$nvme" $extra \
       --output "$out/step_big_${mode}_${fmt}.json" 2>&1 | grep -v '^step ' | tail -8
   done
+fi
+# FORMATS=1 ([4/7]): fp32, bf16 and 8-bit moments at one size, a step the disk bounds on a GPU. The pool
+# holds a fraction of the state (4 buffers of 2e7, max_in_cpu 0), gradients stay in host memory, clipping
+# 1.0 (CLIP=0: none); FMT_ROUNDS rounds, the formats interleaved in each, 2 steps a run after the first
+# (which reads nothing back). About 30 s a run at the default 6 x 2048 (0.37B parameters, 4.5 GB of fp32
+# state each way). `bench_gpu.py formats` prints each format's step and disk bytes against fp32's.
+if [ "${FORMATS:-0}" = 1 ]; then
+  for r in $(seq 1 "${FMT_ROUNDS:-2}"); do
+    for fmt in fp32 bf16 8bit; do
+      python3 bench/bench_gpu.py step --mode nvme --layers "${FMT_LAYERS:-6}" --dim 2048 --steps 2 \
+        --nvme-path "${NVME:-/tmp}" --moment-format $fmt --sub-group-size 2e7 --optim-buffers 4 \
+        --optim-max-in-cpu 0 --max-grad-in-cpu 1e11 --clip "${CLIP:-1.0}" \
+        --output "$out/fmt_${fmt}_r$r.json" 2>&1 | grep -v '^step ' | tail -3
+    done
+  done
+  python3 bench/bench_gpu.py formats "$out" --output "$out/formats.json"
 fi
 # The whole suite on the CUDA device (its parity tests compare with plain PyTorch on the CPU).
 [ "${FULL_SUITE:-0}" = 1 ] && (cd tests && timeout "${SUITE_TIMEOUT:-300}" python3 -m pytest -v -n 8 -p no:cacheprovider \
