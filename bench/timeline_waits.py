@@ -4,7 +4,11 @@ writes one per case) and prints, per kind of wait on the compute thread, its tot
 of it passed with no NVMe transfer in flight, beside how long the disk was busy reading, writing
 and either.
 
-    python bench/timeline_waits.py TRACE.json [--top 8]
+    python bench/timeline_waits.py TRACE.json [--top 8] [--phases]
+
+--phases: each forward and backward of the trace, one line each: its length; the compute
+thread's time in optimizer updates, in waits and in the other traced work (the rest is the
+model's own compute); how long the disk was busy; and the GB each transfer track started then.
 """
 
 from __future__ import annotations
@@ -44,10 +48,38 @@ def transfers(events: list[dict]) -> dict[str, list[tuple[float, float]]]:
     return spans
 
 
+def phases(events: list[dict], either: list[list[float]]) -> None:
+    """[--phases]: where each forward's and backward's time went, and what the disk moved then."""
+    started: dict[tuple, dict] = {}
+    moved: list[tuple[str, float, int]] = []  # (track, start, bytes) of every transfer
+    for e in events:
+        if e.get("ph") == "b":
+            started[(e.get("cat"), e["name"], e.get("id"))] = e
+        elif e.get("ph") == "e" and (e.get("cat"), e["name"], e.get("id")) in started:
+            b = started.pop((e.get("cat"), e["name"], e.get("id")))
+            moved.append((b.get("cat", ""), b["ts"], b.get("args", {}).get("bytes", 0)))
+    spans = [e for e in events if e.get("ph") == "X"]
+    for p in sorted((e for e in spans if e.get("cat") == "phase" and e["name"] != "step"), key=lambda e: e["ts"]):
+        a, b = p["ts"], p["ts"] + p["dur"]
+        inside = [e for e in spans if a <= e["ts"] < b and e.get("cat") in ("compute", "wait")]
+        update = sum(e["dur"] for e in inside if e["name"] == "update") / 1e6
+        waits = sum(e["dur"] for e in inside if e["cat"] == "wait") / 1e6
+        other = sum(e["dur"] for e in inside if e["cat"] == "compute" and e["name"] != "update") / 1e6
+        gb: dict[str, float] = {}
+        for track, ts, n in moved:
+            if a <= ts < b and track.rsplit(" ", 1)[-1] in ("reads", "writes"):
+                gb[track] = gb.get(track, 0.0) + n / 1e9
+        tracks = ", ".join(f"{k} {v:.1f}" for k, v in sorted(gb.items()))
+        print(f"{p['name']:8s} {p['dur'] / 1e6:7.2f} s: updates {update:.2f}, waits {waits:.2f}, other traced "
+              f"{other:.2f}, the rest {p['dur'] / 1e6 - update - waits - other:.2f}; disk busy "
+              f"{_overlap(either, a, b) / 1e6:.2f} s; GB {tracks}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("trace")
     ap.add_argument("--top", type=int, default=8, help="the longest waits to list")
+    ap.add_argument("--phases", action="store_true", help="each forward and backward, one line each")
     args = ap.parse_args()
     with open(args.trace) as f:
         data = json.load(f)
@@ -70,6 +102,8 @@ def main() -> None:
         in_flight = sum(1 for a, b in spans["reads"] if a <= e["ts"] < b)
         print(f"  {e['name']} at {(e['ts'] - start) / 1e6:.3f} s: {e['dur'] / 1e3:.1f} ms, {in_flight} reads in "
               f"flight, {e.get('args', {})}")
+    if args.phases:
+        phases(events, either)
 
 
 if __name__ == "__main__":
