@@ -20,8 +20,10 @@ rate plus writes at the write rate, or both at once, whichever is less.
 The compute floor: the same engine with everything in CPU memory (`--offload cpu`), which the
 whole model cannot have here. It is measured on the model's shapes with fewer layers (--layers,
 two counts) and carried to the full count along the line through them (a step's compute is a
-fixed part, embedding, head and loss, plus the same work per layer), from the median of each
-run's steps 2 and later.
+fixed part, embedding, head and loss, plus the same work per layer), from the median of steps 2
+and later over --floor-rounds runs of each count, interleaved. Carrying 2 and 4 layers to 28
+multiplies the noise of their difference by 13: single runs an hour apart gave 89 and 121 s for
+llama-3b (finetune_3b.md).
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--layers", type=int, nargs=2, default=[2, 4], help="layer counts of the compute floor runs")
+    parser.add_argument("--floor-rounds", type=int, default=2, help="runs of each layer count, interleaved")
     parser.add_argument("--nvme-path", required=True)
     parser.add_argument("--disk-bytes", type=int, default=8 << 30, help="bytes a file of the sustained disk measure")
     parser.add_argument("--clip", type=float, default=-1.0,
@@ -98,12 +101,15 @@ def main() -> int:
         nvme = finetune(common + ["--nvme-path", work], os.path.join(work, "nvme.json"), args.model, clip=args.clip)
         disks.append(user.sustained_gbps(work, args.disk_bytes))
         bursts.append(user.disk_gbps(work, 1 << 30))
-        small = {n: finetune(common + ["--offload", "cpu"], os.path.join(work, f"cpu{n}.json"), args.model, n,
-                             args.clip) for n in args.layers}
+        small = {n: [] for n in args.layers}
+        for r in range(args.floor_rounds):  # interleaved: a slow minute of this VM lands on both counts
+            for n in args.layers:
+                small[n].append(finetune(common + ["--offload", "cpu"], os.path.join(work, f"cpu{n}_{r}.json"),
+                                         args.model, n, args.clip))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     (a, b), full = args.layers, cfg["num_hidden_layers"]
-    ta, tb = later(small[a]["step_s"]), later(small[b]["step_s"])
+    ta, tb = (statistics.median(t for run in small[n] for t in run["step_s"][1:]) for n in (a, b))
     compute = ta + (tb - ta) / (b - a) * (full - a)
     med = lambda key: min(statistics.median(d[key] for d in ds) for ds in (disks, bursts))  # noqa: E731
     steps = []
@@ -127,7 +133,7 @@ def main() -> int:
                        "date": datetime.datetime.now().isoformat(timespec="seconds"), "model": args.model,
                        "params": param_count(cfg), "clip": args.clip, "disk": disks, "disk_1gib": bursts,
                        "compute_floor_s": compute,
-                       "compute_runs": {str(n): small[n] for n in small}, "nvme_run": nvme, "steps": steps,
+                       "compute_runs": {str(n): small[n] for n in small}, "floor_rounds": args.floor_rounds, "nvme_run": nvme, "steps": steps,
                        "over_max_floors": ratio}, f, indent=1)
     return 0
 
