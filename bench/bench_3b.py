@@ -132,8 +132,8 @@ def main() -> int:
             json.dump({"command": "python " + " ".join(sys.argv), "commit": commit,
                        "date": datetime.datetime.now().isoformat(timespec="seconds"), "model": args.model,
                        "params": param_count(cfg), "clip": args.clip, "disk": disks, "disk_1gib": bursts,
-                       "compute_floor_s": compute,
-                       "compute_runs": {str(n): small[n] for n in small}, "floor_rounds": args.floor_rounds, "nvme_run": nvme, "steps": steps,
+                       "compute_floor_s": compute, "compute_runs": {str(n): small[n] for n in small},
+                       "floor_rounds": args.floor_rounds, "nvme_run": nvme, "steps": steps,
                        "over_max_floors": ratio}, f, indent=1)
     return 0
 
