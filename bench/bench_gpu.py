@@ -205,7 +205,8 @@ def formats(args) -> dict:
     for fmt, o in out.items():
         print(f"{fmt:5s} step {o['step']['median']:.3f} s ({o['step']['min']:.3f}-{o['step']['max']:.3f}), "
               f"{o['disk_bytes_per_param']['median']:.2f} disk bytes a parameter, "
-              f"{o.get('step_vs_fp32', float('nan')):.2f}x fp32's step, {o.get('bytes_vs_fp32', float('nan')):.2f}x its bytes")
+              f"{o.get('step_vs_fp32', float('nan')):.2f}x fp32's step, "
+              f"{o.get('bytes_vs_fp32', float('nan')):.2f}x its bytes")
     return out
 
 
