@@ -202,6 +202,7 @@ def test_a_write_failing_under_a_loan_keeps_its_buffer_until_the_loan_ends(rig):
     assert swapper.state("param", 0) is ShardState.INVALID
     assert swapper.pool.num_free == 1  # the borrowed buffer is not handed out again...
     other = swapper.wait(swapper.fetch("param", 1))
+    swapper.timeout = 0.5  # no buffer is free and none will be: the wait below can only time out
     with pytest.raises(OSError, match="exhausted|buffer"):
         swapper.wait(swapper.fetch("param", 2))  # ...not even under pressure
     assert bool((lent == 5).all())
