@@ -31,33 +31,35 @@ def _overlap(union: list[list[float]], a: float, b: float) -> float:
     return sum(max(0.0, min(b, y) - max(a, x)) for x, y in union)
 
 
-def transfers(events: list[dict]) -> dict[str, list[tuple[float, float]]]:
-    """The timeline's transfer spans (async begin / end pairs on the `<tier> reads|writes` tracks)."""
-    spans: dict[str, list[tuple[float, float]]] = {"reads": [], "writes": []}
-    started: dict[tuple, float] = {}
+def _pairs(events: list[dict]) -> list[tuple[str, float, float, int]]:
+    """(track, start, end, bytes) of every transfer: the async begin / end pairs on the
+    `<tier> reads|writes` tracks."""
+    out = []
+    started: dict[tuple, dict] = {}
     for e in sorted(events, key=lambda e: e["ts"]):
         track = e.get("cat", "")
-        direction = track.rsplit(" ", 1)[-1]
-        if direction not in spans:
+        if track.rsplit(" ", 1)[-1] not in ("reads", "writes"):
             continue
         key = (track, e["name"], e.get("id"))
         if e["ph"] == "b":
-            started[key] = e["ts"]
+            started[key] = e
         elif e["ph"] == "e" and key in started:
-            spans[direction].append((started.pop(key), e["ts"]))
+            begin = started.pop(key)
+            out.append((track, begin["ts"], e["ts"], begin.get("args", {}).get("bytes", 0)))
+    return out
+
+
+def transfers(events: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """The timeline's transfer spans, by direction."""
+    spans: dict[str, list[tuple[float, float]]] = {"reads": [], "writes": []}
+    for track, a, b, _ in _pairs(events):
+        spans[track.rsplit(" ", 1)[-1]].append((a, b))
     return spans
 
 
 def phases(events: list[dict], either: list[list[float]]) -> None:
     """[--phases]: where each forward's and backward's time went, and what the disk moved then."""
-    started: dict[tuple, dict] = {}
-    moved: list[tuple[str, float, int]] = []  # (track, start, bytes) of every transfer
-    for e in events:
-        if e.get("ph") == "b":
-            started[(e.get("cat"), e["name"], e.get("id"))] = e
-        elif e.get("ph") == "e" and (e.get("cat"), e["name"], e.get("id")) in started:
-            b = started.pop((e.get("cat"), e["name"], e.get("id")))
-            moved.append((b.get("cat", ""), b["ts"], b.get("args", {}).get("bytes", 0)))
+    moved = _pairs(events)
     spans = [e for e in events if e.get("ph") == "X"]
     for p in sorted((e for e in spans if e.get("cat") == "phase" and e["name"] != "step"), key=lambda e: e["ts"]):
         a, b = p["ts"], p["ts"] + p["dur"]
@@ -66,8 +68,8 @@ def phases(events: list[dict], either: list[list[float]]) -> None:
         waits = sum(e["dur"] for e in inside if e["cat"] == "wait") / 1e6
         other = sum(e["dur"] for e in inside if e["cat"] == "compute" and e["name"] != "update") / 1e6
         gb: dict[str, float] = {}
-        for track, ts, n in moved:
-            if a <= ts < b and track.rsplit(" ", 1)[-1] in ("reads", "writes"):
+        for track, ts, _, n in moved:
+            if a <= ts < b:
                 gb[track] = gb.get(track, 0.0) + n / 1e9
         tracks = ", ".join(f"{k} {v:.1f}" for k, v in sorted(gb.items()))
         print(f"{p['name']:8s} {p['dur'] / 1e6:7.2f} s: updates {update:.2f}, waits {waits:.2f}, other traced "
