@@ -537,9 +537,20 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         for h in self._state_dict_hooks:
             h.remove()
         try:
-            self.params.close()
-        finally:  # a write failure raised by the first still leaves the second's files removed
-            self.optim_state.close()
+            try:
+                self.params.close()
+            finally:  # a write failure raised by the first still leaves the second's files removed
+                self.optim_state.close()
+        except InterruptedError as e:
+            # [Note: an interrupted wait at close] A Ctrl-C that lands after a write's wait returned
+            # and before the handle recorded its outcome leaves that outcome unknown
+            # ([Note: waiting again] in infinity/io/handle.py). The close that the interrupt leads to
+            # meets it as a failed write. The stores' files go with the close, so no bytes that
+            # could be read again are in doubt. Raising here would put an OSError in place of the
+            # KeyboardInterrupt the user pressed for (an `infinity finetune` then exited 2, not 130).
+            # Any other failure is still raised.
+            log.warning("infinity: close: %s; the offload files went with the engine, so nothing that could be "
+                        "read again is lost", e)
 
         def refuse(module, args):
             self.lifecycle.check_open()
