@@ -192,7 +192,8 @@ def test_a_signal_during_close_waits_for_the_cleanup(tmp_path, how):
         assert out.returncode == 3 and out.stdout.splitlines() == ["interrupted after close"], out.stderr[-3000:]
 
 
-CTRL_C_AS_THE_SWAPPER_LOCKS = """
+# A child's start (argv: tests directory, NVMe directory): a tiny GPT on NVMe after one step.
+NVME_ENGINE_AFTER_A_STEP = """
 import os, signal, sys, threading
 sys.path.insert(0, sys.argv[1])
 import torch, infinity
@@ -205,6 +206,19 @@ engine, *_ = infinity.initialize(TinyGPT(), config=cfg)
 idx, tgt = batches(1, 4)[0]
 engine.backward(engine(idx, tgt))
 engine.step()
+"""
+
+# A child's end: the flush the interrupt lands in, then the close it leads to.
+FLUSH_INTERRUPTED_THEN_CLOSE = """
+try:
+    swapper.flush()
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+engine.close()
+print("closed", flush=True)
+"""
+
+CTRL_C_AS_THE_SWAPPER_LOCKS = NVME_ENGINE_AFTER_A_STEP + """
 
 
 class Tripwire:
@@ -234,13 +248,7 @@ class Tripwire:
 
 swapper = engine.optim_state.swapper
 swapper._cond = threading.Condition(Tripwire(swapper._cond._lock))
-try:
-    swapper.flush()
-except KeyboardInterrupt:
-    print("interrupted", flush=True)
-engine.close()
-print("closed", flush=True)
-"""
+""" + FLUSH_INTERRUPTED_THEN_CLOSE
 
 
 def test_ctrl_c_as_the_swapper_takes_its_lock_does_not_hang_close(tmp_path):
@@ -258,20 +266,7 @@ def test_ctrl_c_as_the_swapper_takes_its_lock_does_not_hang_close(tmp_path):
     assert os.listdir(nvme) == []
 
 
-CTRL_C_AFTER_A_WRITES_WAIT = """
-import os, signal, sys
-sys.path.insert(0, sys.argv[1])
-import torch
-import infinity
-from gpt import TinyGPT, config, batches
-torch.manual_seed(0)
-cfg = config(3, "nvme", "nvme")
-for section in ("offload_param", "offload_optimizer"):
-    cfg["zero_optimization"][section]["nvme_path"] = sys.argv[2]
-engine, *_ = infinity.initialize(TinyGPT(), config=cfg)
-idx, tgt = batches(1, 4)[0]
-engine.backward(engine(idx, tgt))
-engine.step()  # the update's last writes drain behind it
+CTRL_C_AFTER_A_WRITES_WAIT = NVME_ENGINE_AFTER_A_STEP + """
 
 
 class Interrupting:
@@ -298,13 +293,7 @@ piece = next(p for ps in state.pieces.of.values() for p in ps if swapper.state("
 master = state.read(next(u for u in engine.units if u.index == piece.unit), "master")  # its values as they are
 swapper.write("master", piece.key, master[piece.start:piece.start + piece.numel].clone())
 swapper.write_handle._engine = Interrupting(swapper.write_handle._engine)
-try:
-    swapper.flush()
-except KeyboardInterrupt:
-    print("interrupted", flush=True)
-engine.close()
-print("closed", flush=True)
-"""
+""" + FLUSH_INTERRUPTED_THEN_CLOSE
 
 
 def test_ctrl_c_after_a_writes_wait_returned_still_closes_as_an_interrupt(tmp_path):
