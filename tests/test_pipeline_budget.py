@@ -273,3 +273,54 @@ def test_reads_issued_out_of_update_order_never_starve_an_update(tmp_path, monke
     for index, kinds in states["roomy"][1].items():
         for kind, value in kinds.items():
             assert torch.equal(value, states["tight"][1][index][kind]), (index, kind)
+
+
+def test_updates_in_backward_keep_room_for_two_units_streamed_pieces():
+    """[Note: the pool is a budget]: a unit's update in backward keeps its buffers until its writes
+    drain behind the next unit's backward, while that unit's pieces are read ahead; the pool
+    leaves room for both units' streamed pieces, and holds fewer. The 3B preset's cut at 12
+    layers: 637 pieces, 38 a layer, 324 buffers of 3 kinds."""
+    pieces, buffers, per_piece, unit = 637, 324, 3, 38
+    one = sizing.held_pieces(pieces, buffers, per_piece, unit, streaming=sizing.units_streaming(in_backward=False))
+    two = sizing.held_pieces(pieces, buffers, per_piece, unit, streaming=sizing.units_streaming(in_backward=True))
+    assert one == 68 and 0 < two < one
+    for held, units in ((one, 1), (two, 2)):  # the buffers the held pieces leave cover the streaming units
+        room = buffers - 3 * held
+        assert room >= per_piece * (sizing.STREAM_PIECES + units * unit * (pieces - held) / pieces)
+        assert room - 3 < per_piece * (sizing.STREAM_PIECES + units * unit * (pieces - held - 1) / pieces)
+    # A pool that holds the whole state holds it in either mode.
+    assert sizing.held_pieces(40, 3 * 40 + 3 * sizing.CACHED_SPARE, per_piece, 4, streaming=2) == 40
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs /proc/self/io")
+def test_the_engine_streams_more_of_the_state_when_updates_run_in_backward(tmp_path, monkeypatch):
+    """The same model and budget, clipped (updates wait for the next forward) and unclipped
+    (updates in backward): unclipped, the tier holds fewer pieces and a step reads more from the
+    disk (psync: /proc/self/io counts it): what the room for a second unit costs."""
+    for name in ("MIN_PIECE", "MIN_STREAMED_PIECE", "MIN_CACHED_PIECE"):
+        monkeypatch.setattr(sizing, name, 8192)
+    torch.manual_seed(0)
+    model = TinyGPT(layers=4, d=64)  # 25 pieces of 9216 elements, 6 a layer
+    data = batches(4, 4)
+    runs = {}
+    for clip in (1.0, 0.0):
+        path = tmp_path / f"clip{clip}"
+        path.mkdir()
+        cfg = config(3, "cpu", "nvme", clip=clip, lr=3e-3)
+        cfg["zero_optimization"].update(sub_group_size=8192)
+        cfg["zero_optimization"]["offload_optimizer"].update(nvme_path=str(path), buffer_count=64)
+        cfg["aio"] = {"engine": "psync"}
+        engine, *_ = infinity.initialize(model=copy.deepcopy(model), config=cfg)
+        engine_run(engine, data[:2], gas=1)
+        before = _read_bytes()
+        engine_run(engine, data[2:], gas=1)
+        engine.optim_state.flush()
+        state = 3 * 4 * sum(u.train_shard_numel for u in engine.units if u.trainable)
+        runs[clip] = (engine.chosen["offload_optimizer"], (_read_bytes() - before) / 2 / state)
+        engine.close()
+    (clipped, clipped_read), (unclipped, unclipped_read) = runs[1.0], runs[0.0]
+    assert clipped["pieces"] == unclipped["pieces"] and clipped["buffers"] == unclipped["buffers"]
+    assert 0 < unclipped["pieces_held"] < clipped["pieces_held"] < clipped["pieces"]
+    assert unclipped_read > clipped_read
+    for chosen, read in ((clipped, clipped_read), (unclipped, unclipped_read)):  # the streamed share, read
+        assert abs(read - (chosen["pieces"] - chosen["pieces_held"]) / chosen["pieces"]) < 0.1, (chosen, read)

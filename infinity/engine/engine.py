@@ -95,7 +95,9 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
             self.optimizer.rule.bind(self.units, tiles)
         auto_budgets = [section for section in ("offload_param", "offload_optimizer")
                         if getattr(config.zero, section).max_in_cpu == "auto"]
-        self.config = config = resolve_max_in_cpu(config, self.units, rule=self.optimizer.rule)  # [Note: host memory before the disk]
+        # [Note: host memory before the disk]; the mode is that of NVMe state, the one it sizes
+        in_backward = self._update_mode(updates_can_wait=True) is UpdateMode.IN_BACKWARD
+        self.config = config = resolve_max_in_cpu(config, self.units, rule=self.optimizer.rule, in_backward=in_backward)
         self.params = self._param_tier()
         self.optim_state, self.schedule = self._optimizer_tier()
         self.chosen = self._choices(measured, auto_budgets)

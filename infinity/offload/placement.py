@@ -41,7 +41,7 @@ import psutil
 
 from infinity.config import InfinityConfig
 from infinity.offload.optimizer.sizing import (host_elements, piece_buffers, pool_bytes, streamed_elements,
-                                               streamed_floor)
+                                               streamed_floor, units_streaming)
 from infinity.optim.rules import AdamRule
 from infinity.offload.protocols import TierUnit
 
@@ -70,13 +70,13 @@ def _state_bytes(rule) -> float:
 
 
 def _margin(config: InfinityConfig, units: list[TierUnit], total_memory: int, available: int, *,
-            all_kept: bool = False, rule=None) -> int:
+            all_kept: bool = False, rule=None, streaming: int = 1) -> int:
     """Bytes kept back from the memory available: the pools and gradient accumulators the tiers
     are about to allocate, plus the larger of 2 GiB and a tenth of the machine's memory.
     `all_kept`: every unit's optimizer state in host memory, so no optimizer pool and every
     gradient accumulator in memory. With optimizer max_in_cpu "auto" the optimizer's pool is not
     kept back: it takes what remains (`resolve_max_in_cpu`). `rule`: the optimizer's (AdamW's
-    with fp32 moments if None)."""
+    with fp32 moments if None); `streaming`: `units_streaming` of the step's update mode."""
     zero, rule = config.zero, rule or AdamRule()
     margin = max(MIN_MARGIN, total_memory // 10)
     largest = max((u.shard_numel for u in units), default=0)
@@ -91,12 +91,13 @@ def _margin(config: InfinityConfig, units: list[TierUnit], total_memory: int, av
         if not all_kept and offload.max_in_cpu != "auto":  # the knobs' pool, as the tier will size it
             piece = piece_buffers(len(rule.moments), rule.format.bytes_per_value(), grads < sum(trains))
             margin += pool_bytes(trains, zero.sub_group_size, offload.buffer_count, piece,
-                                 host_elements(available), min_streamed=streamed_floor(config.aio.min_request))
+                                 host_elements(available), min_streamed=streamed_floor(config.aio.min_request),
+                                 streaming=streaming)
     return margin
 
 
 def _optimizer_in_memory(config: InfinityConfig, units: list[TierUnit], room: int, available: int,
-                         rule) -> tuple[int, int | None]:
+                         rule, streaming: int) -> tuple[int, int | None]:
     """(max_in_cpu, pool_elements) for optimizer state larger than `room` bytes of host memory:
     whole units kept there beside the knobs' pool, or the room given to the pool; whichever
     leaves fewer elements to stream each step ([Note: host memory before the disk])."""
@@ -106,22 +107,25 @@ def _optimizer_in_memory(config: InfinityConfig, units: list[TierUnit], room: in
         return 0, None
     piece = piece_buffers(len(rule.moments), rule.format.bytes_per_value(), sum(shards) > offload.max_grad_in_cpu)
     host, floor = host_elements(available), streamed_floor(config.aio.min_request)
-    knobs = pool_bytes(shards, zero.sub_group_size, offload.buffer_count, piece, host, min_streamed=floor)
+    knobs = pool_bytes(shards, zero.sub_group_size, offload.buffer_count, piece, host, min_streamed=floor,
+                       streaming=streaming)
     budget = int(max(0, room - knobs) // _state_bytes(rule))
     kept = units_in_memory([u for u in units if u.trainable], budget, [u.index for u in reversed(units)])
     rest = [u.train_shard_numel for u in units if u.trainable and u not in kept]
-    split = streamed_elements(rest, zero.sub_group_size, offload.buffer_count, piece, host, min_streamed=floor)
+    split = streamed_elements(rest, zero.sub_group_size, offload.buffer_count, piece, host, min_streamed=floor,
+                              streaming=streaming)
     pooled = streamed_elements(shards, zero.sub_group_size, offload.buffer_count, piece, host,
-                               planned=room // 4, min_streamed=floor)
+                               planned=room // 4, min_streamed=floor, streaming=streaming)
     return (budget, None) if kept and split < pooled else (0, room // 4)
 
 
 def resolve_max_in_cpu(config: InfinityConfig, units: list[TierUnit], *, available: int | None = None,
-                       total_memory: int | None = None, rule=None) -> InfinityConfig:
+                       total_memory: int | None = None, rule=None, in_backward: bool = False) -> InfinityConfig:
     """`config` with "auto" in either `max_in_cpu` replaced by elements ([Note: host memory
     before the disk]); as it is when neither says "auto". `rule`: the optimizer's update rule,
-    whose moments' format sizes the state (AdamW's with fp32 moments if None)."""
-    zero, rule = config.zero, rule or AdamRule()
+    whose moments' format sizes the state (AdamW's with fp32 moments if None); `in_backward`:
+    the updates run in backward ([Note: update modes] in infinity/engine/step_policy.py)."""
+    zero, rule, streaming = config.zero, rule or AdamRule(), units_streaming(in_backward)
     param_auto = zero.offload_param.max_in_cpu == "auto"
     optim_auto = zero.offload_optimizer.max_in_cpu == "auto"
     if not (param_auto or optim_auto):
@@ -132,7 +136,7 @@ def resolve_max_in_cpu(config: InfinityConfig, units: list[TierUnit], *, availab
     offload_param, offload_optimizer = zero.offload_param, zero.offload_optimizer
     params_wanted = sum(u.shard_numel for u in units) if param_auto and offload_param.device == "nvme" else 0
     state_wanted = sum(u.train_shard_numel for u in units if u.trainable) if offload_optimizer.device == "nvme" else 0
-    margin = _margin(config, units, total_memory, available, rule=rule)
+    margin = _margin(config, units, total_memory, available, rule=rule, streaming=streaming)
     whole = False  # the whole optimizer state stays in host memory
     if optim_auto and state_wanted:
         lean = _margin(config, units, total_memory, available, all_kept=True, rule=rule)
@@ -148,7 +152,7 @@ def resolve_max_in_cpu(config: InfinityConfig, units: list[TierUnit], *, availab
         offload_param = dataclasses.replace(offload_param, max_in_cpu=elements)
     if optim_auto:
         kept, pool = (state_wanted, None) if whole else _optimizer_in_memory(config, units, room - param_bytes,
-                                                                             available, rule)
+                                                                             available, rule, streaming)
         offload_optimizer = dataclasses.replace(offload_optimizer, max_in_cpu=kept, pool_elements=pool)
     log.info("infinity: max_in_cpu \"auto\": %.1f GiB of host memory available, %.1f GiB kept back (parameter "
              "pool, gradient accumulators, activations), so offload_param.max_in_cpu %s and "

@@ -84,7 +84,7 @@ from infinity.offload.optimizer.accumulators import GRAD, Accumulators, norm_par
 from infinity.offload.optimizer.pieces import Piece, Pieces, PieceState
 from infinity.offload._messages import human_bytes
 from infinity.offload.optimizer.sizing import (choose_pieces, cut_pieces, held_pieces, held_spread, host_elements,
-                                               piece_buffers, pool_classes, streamed_floor)
+                                               piece_buffers, pool_classes, streamed_floor, units_streaming)
 from infinity.offload.protocols import TierUnit
 from infinity.offload.schedule import StepSchedule
 from infinity.offload.state import ShardState
@@ -121,7 +121,7 @@ class NvmeOptimizerState:
             raise TypeError(f"optimizer: {self.rule.name} cannot stream its state to NVMe; infinity streams "
                             f"{', '.join(STREAMED)} (or use offload_optimizer.device cpu)")
         self.kinds = self.rule.kinds  # master, then the rule's moments ([Note: update rules])
-        self.schedule = schedule
+        self.schedule, self._streaming = schedule, units_streaming(in_backward=not at_next_use)
         self._on_damage = on_damage  # the run's health hears why its state is not a step's ([Note: resuming an update])
         self.acc = Accumulators(device, units, offload.max_grad_in_cpu, set(no_accumulator), schedule.expected, one_pass)
         # Units with something to update; the others' state is never read for an update.
@@ -130,7 +130,7 @@ class NvmeOptimizerState:
         self._per_piece, kept = piece_buffers(len(self.rule.moments), self.rule.format.bytes_per_value(),
                                               bool(self.acc.spilled))
         target, buffers = choose_pieces([u.train_shard_numel for u in units], sub_group_size, offload.buffer_count,
-                                        self._per_piece, host_elements(), kinds=kept,
+                                        self._per_piece, host_elements(), kinds=kept, streaming=self._streaming,
                                         planned=offload.pool_elements, min_streamed=streamed_floor(aio.min_request))
         cuts = {u.index: cut_pieces(u.train_shard_numel, target) for u in units}
         layout = {kind: {(i, k): self._nbytes(kind, n) for i, ps in cuts.items() for k, (_, n) in enumerate(ps)}
@@ -143,8 +143,8 @@ class NvmeOptimizerState:
         largest = max((n for ps in cuts.values() for _, n in ps), default=1)
         pieces = sum(len(cuts[index]) for index in self._updatable)
         self.pool, buffers, kept = self._build_pool(device, offload, buffers, largest, kept)
-        self._held_count = held_pieces(pieces, buffers, self._per_piece,
-                                       max((len(cuts[index]) for index in self._updatable), default=1), kept)
+        most = max((len(cuts[index]) for index in self._updatable), default=1)  # a unit's pieces, at most
+        self._held_count = held_pieces(pieces, buffers, self._per_piece, most, kept, self._streaming)
         log.info("infinity: offload_optimizer pipeline: %d buffers, %s (pieces of up to %d elements; %d of the %d "
                  "pieces stay in the pool, the others stream) for buffer_count %d x sub_group_size %d "
                  "([Note: the pool is a budget])", self.pool.buffer_count, human_bytes(self.pool.stats.bytes_total),

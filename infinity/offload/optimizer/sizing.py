@@ -45,7 +45,15 @@ of them, for the most state the pool holds from one step to the next:
   * Otherwise the streamed pieces keep `STREAM_PIECES` pieces' buffers (the one updating, the
     one reading, the one writing, three read ahead) and room for the streamed pieces of a unit
     (a unit's pieces update together, at its next use or when its gradient is final, so they
-    are read while the unit before computes); the rest hold pieces. A
+    are read while the unit before computes), of two units when the updates run in backward
+    (`units_streaming`): there the unit updating keeps its buffers until its writes drain
+    behind the next unit's backward, while the next one's pieces are read. With room for one,
+    the unclipped 3B preset at 12 layers (637 pieces of 10 MB, 38 a layer, 324 buffers) held 66
+    pieces and waited on reads in every layer's backward with the disk idle half of it, 71-78 s
+    a step; with room for two it held 25, moved 1.2 GB more each way, and took 62-65 s
+    (bench/results/finetune_3b.md). Updates that wait for the next forward keep room for one:
+    that forward is disk-bound (the clipped 3B's disk was busy 86-90% of it), so there a held
+    piece is worth more than depth. The rest hold pieces. A
     state many times the pool then holds little and keeps the depth: at 1.07B (48 x 2.5e7
     against 3.2G elements) holding a quarter of the state in all but 6 pieces' buffers cut
     the reads by as much but hid less of them (0.38 of the optimizer's I/O behind compute
@@ -149,7 +157,8 @@ def streamed_floor(min_request: int | None) -> int:
 
 def choose_pieces(shards: list[int], sub_group_size: int, buffer_count: int, per_piece: float,
                   host_elements: int | None = None, kinds: float = STATE_KINDS,
-                  planned: int | None = None, min_streamed: int | None = None) -> tuple[int, float]:
+                  planned: int | None = None, min_streamed: int | None = None,
+                  streaming: int = 1) -> tuple[int, float]:
     """(piece target in elements, buffers) for shards of these sizes ([Note: the pool is a budget]).
     `per_piece`, `kinds`: buffers a piece takes and keeps while held (`piece_buffers`; buffers
     are counted in the largest piece's fp32 size);
@@ -157,7 +166,8 @@ def choose_pieces(shards: list[int], sub_group_size: int, buffer_count: int, per
     `planned`: fp32 elements the placement plan gives the pool (max_in_cpu "auto"), taken beside
     the knobs' budget and not capped by the host's share, which the plan has counted already;
     `min_streamed`: the least piece a state that streams is cut into (`streamed_floor`; None:
-    `MIN_STREAMED_PIECE`)."""
+    `MIN_STREAMED_PIECE`); `streaming`: the units whose streamed pieces are in the pool at once
+    (`units_streaming`)."""
     asked = max((n for numel in shards for _, n in cut_pieces(numel, sub_group_size)), default=1)
     total = sum(shards)
     # DeepSpeed's buffers: buffer_count sub-groups (a sub-group never larger than the state), and
@@ -172,7 +182,7 @@ def choose_pieces(shards: list[int], sub_group_size: int, buffer_count: int, per
         for numel, times in sizes.items():
             ps = cut_pieces(numel, cut)
             count, largest, most = count + times * len(ps), max(largest, ps[0][1]), max(most, len(ps))
-        held = held_pieces(count, budget // largest, per_piece, most, kinds)
+        held = held_pieces(count, budget // largest, per_piece, most, kinds, streaming)
         if held == count:  # the whole state stays: no buffer more than it and the spare pieces
             buffers = kinds * count + per_piece * CACHED_SPARE
         elif cut < min(target, MIN_STREAMED_PIECE if min_streamed is None else min_streamed):
@@ -196,15 +206,17 @@ def choose_pieces(shards: list[int], sub_group_size: int, buffer_count: int, per
     return cut, buffers
 
 
-def held_pieces(pieces: int, buffers: float, per_piece: float, unit_pieces: int = 1, kinds: float = STATE_KINDS) -> int:
+def held_pieces(pieces: int, buffers: float, per_piece: float, unit_pieces: int = 1, kinds: float = STATE_KINDS,
+                streaming: int = 1) -> int:
     """How many of the state's pieces a pool of `buffers` holds from one step to the next
     ([Note: the pool is a budget]): all of them if their kinds and `CACHED_SPARE` pieces more
     fit; else as many as leave the streamed ones `STREAM_PIECES` pieces' buffers and room for
-    the streamed pieces of a unit (`unit_pieces`: the most pieces a unit has), read while the
-    unit before computes."""
+    the streamed pieces of `streaming` units (`units_streaming`; `unit_pieces`: the most pieces
+    a unit has), read while the unit before computes."""
     if kinds * pieces + per_piece * CACHED_SPARE <= buffers:
         return pieces
     most = (buffers - per_piece * STREAM_PIECES) // kinds
+    unit_pieces *= streaming
     # buffers - 3 h >= per_piece * (STREAM_PIECES + unit_pieces * (pieces - h) / pieces)
     spare = buffers - per_piece * (STREAM_PIECES + unit_pieces)
     slope = kinds * pieces - per_piece * unit_pieces
@@ -213,6 +225,14 @@ def held_pieces(pieces: int, buffers: float, per_piece: float, unit_pieces: int 
     elif spare < 0:
         most = 0
     return int(max(0, min(pieces, most)))
+
+
+def units_streaming(in_backward: bool) -> int:
+    """The units whose streamed pieces the pool makes room for at once ([Note: the pool is a
+    budget]): two when the updates run in backward (`in_backward`: the unit updating, whose
+    writes drain behind the next unit's backward, and the next one, read ahead meanwhile), one
+    when they wait for the next forward."""
+    return 2 if in_backward else 1
 
 
 def _cuts(sizes: Counter, target: int) -> list[int]:
@@ -256,30 +276,35 @@ def host_elements(available: int | None = None) -> int:
 
 
 def pool_size(shards: list[int], sub_group_size: int, buffer_count: int, piece: tuple[float, float],
-              host: int | None = None, planned: int | None = None, min_streamed: int | None = None) -> tuple[float, int]:
+              host: int | None = None, planned: int | None = None, min_streamed: int | None = None,
+              streaming: int = 1) -> tuple[float, int]:
     """(buffers, elements a buffer) of the pool of a tier over `shards`, as the tier sizes it
     (`piece`: `piece_buffers`; buffers counted in fp32 ones of the largest piece): what the
     placement plan and `infinity estimate` count, never a formula of their own."""
-    target, buffers = choose_pieces(shards, sub_group_size, buffer_count, piece[0], host, piece[1], planned, min_streamed)
+    target, buffers = choose_pieces(shards, sub_group_size, buffer_count, piece[0], host, piece[1], planned, min_streamed,
+                                    streaming)
     return buffers, max((n for numel in shards for _, n in cut_pieces(numel, target)), default=1)
 
 
 def pool_bytes(shards: list[int], sub_group_size: int, buffer_count: int, piece: tuple[float, float],
-               host: int | None = None, planned: int | None = None, min_streamed: int | None = None) -> int:
+               host: int | None = None, planned: int | None = None, min_streamed: int | None = None,
+               streaming: int = 1) -> int:
     """The host memory of that pool (`pool_size`), in bytes."""
-    buffers, elements = pool_size(shards, sub_group_size, buffer_count, piece, host, planned, min_streamed)
+    buffers, elements = pool_size(shards, sub_group_size, buffer_count, piece, host, planned, min_streamed, streaming)
     return int(buffers * elements * 4)
 
 
 def streamed_elements(shards: list[int], sub_group_size: int, buffer_count: int, piece: tuple[float, float],
-                      host: int | None = None, planned: int | None = None, min_streamed: int | None = None) -> int:
+                      host: int | None = None, planned: int | None = None, min_streamed: int | None = None,
+                      streaming: int = 1) -> int:
     """Elements of a tier's state over `shards` that its pool does not hold from one step to the
     next, so that each step reads and writes them: what the placement plan compares."""
     if not shards:
         return 0
-    target, buffers = choose_pieces(shards, sub_group_size, buffer_count, piece[0], host, piece[1], planned, min_streamed)
+    target, buffers = choose_pieces(shards, sub_group_size, buffer_count, piece[0], host, piece[1], planned, min_streamed,
+                                    streaming)
     cuts = [cut_pieces(numel, target) for numel in shards]
-    held = held_pieces(sum(map(len, cuts)), buffers, piece[0], max(map(len, cuts)), piece[1])
+    held = held_pieces(sum(map(len, cuts)), buffers, piece[0], max(map(len, cuts)), piece[1], streaming)
     return sum(shards) * (sum(map(len, cuts)) - held) // sum(map(len, cuts))
 
 
