@@ -146,7 +146,8 @@ def finetune_host_peak(model: ModelSize, cfg: dict, cpu_bytes: int, tokens: int,
     piece = piece_buffers(spilled=model.trainable > grads)  # AdamW, fp32 moments: the built-in config's
     optimizer_pool = buffers = 0
     if shards:
-        buffers, elements = pool_size(shards, PIECE, asked, piece, host_elements())  # as the tier does
+        # As the tier does; the built-in config clips, so updates wait for the next forward (one unit streaming).
+        buffers, elements = pool_size(shards, PIECE, asked, piece, host_elements())
         optimizer_pool = buffers * elements * FP32
     parts = [
         ("the process (Python, torch, infinity: measured here)", psutil.Process().memory_info().rss),

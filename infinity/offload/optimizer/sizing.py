@@ -49,8 +49,9 @@ of them, for the most state the pool holds from one step to the next:
     (`units_streaming`): there the unit updating keeps its buffers until its writes drain
     behind the next unit's backward, while the next one's pieces are read. With room for one,
     the unclipped 3B preset at 12 layers (637 pieces of 10 MB, 38 a layer, 324 buffers) held 66
-    pieces and waited on reads in every layer's backward with the disk idle half of it, 71-78 s
-    a step; with room for two it held 25, moved 1.2 GB more each way, and took 62-65 s
+    pieces and waited on reads in every layer's backward with the disk idle half of it, 66.8 s a
+    step (median of five runs, 62.6-77.5); with room for two it held 25, moved 1.2 GB more each
+    way, and took 61.9 s (60.1-64.6), and the full 3B's step came to 1.02x its floors
     (bench/results/finetune_3b.md). Updates that wait for the next forward keep room for one:
     that forward is disk-bound (the clipped 3B's disk was busy 86-90% of it), so there a held
     piece is worth more than depth. The rest hold pieces. A
