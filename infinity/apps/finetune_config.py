@@ -141,8 +141,10 @@ def describe_choices(chosen: dict) -> str:
                      + (f", its pace from {a['min_request'] >> 10} KiB requests)" if a.get("min_request") else ")"))
     if "offload_optimizer" in chosen:
         o = chosen["offload_optimizer"]
+        room = (f" (room for {o['units_streaming']} unit(s)' streamed pieces)"
+                if o["pieces_held"] < o["pieces"] else "")  # [Note: the pool is a budget] in offload/optimizer/sizing.py
         parts.append(f"optimizer pool {o['buffers']} buffers of {o['piece_elements'] * 4 / 1e6:.0f} MB "
-                     f"holding {o['pieces_held']} of the state's {o['pieces']} pieces from step to step, "
+                     f"holding {o['pieces_held']} of the state's {o['pieces']} pieces from step to step{room}, "
                      f"{o['pieces_in_flight']} in flight, streamed ones no smaller than "
                      f"{o['least_streamed'] * 4 / 1e6:.1f} MB")
     parts += [f"{key} {value / 1e6:.0f}M elements" for key, value in chosen.items() if key.endswith("max_in_cpu")]

@@ -121,7 +121,7 @@ class NvmeOptimizerState:
             raise TypeError(f"optimizer: {self.rule.name} cannot stream its state to NVMe; infinity streams "
                             f"{', '.join(STREAMED)} (or use offload_optimizer.device cpu)")
         self.kinds = self.rule.kinds  # master, then the rule's moments ([Note: update rules])
-        self.schedule, self._streaming = schedule, units_streaming(in_backward=not at_next_use)
+        self.schedule, streaming = schedule, units_streaming(in_backward=not at_next_use)  # [Note: the pool is a budget]
         self._on_damage = on_damage  # the run's health hears why its state is not a step's ([Note: resuming an update])
         self.acc = Accumulators(device, units, offload.max_grad_in_cpu, set(no_accumulator), schedule.expected, one_pass)
         # Units with something to update; the others' state is never read for an update.
@@ -130,7 +130,7 @@ class NvmeOptimizerState:
         self._per_piece, kept = piece_buffers(len(self.rule.moments), self.rule.format.bytes_per_value(),
                                               bool(self.acc.spilled))
         target, buffers = choose_pieces([u.train_shard_numel for u in units], sub_group_size, offload.buffer_count,
-                                        self._per_piece, host_elements(), kinds=kept, streaming=self._streaming,
+                                        self._per_piece, host_elements(), kinds=kept, streaming=streaming,
                                         planned=offload.pool_elements, min_streamed=streamed_floor(aio.min_request))
         cuts = {u.index: cut_pieces(u.train_shard_numel, target) for u in units}
         layout = {kind: {(i, k): self._nbytes(kind, n) for i, ps in cuts.items() for k, (_, n) in enumerate(ps)}
@@ -144,7 +144,7 @@ class NvmeOptimizerState:
         pieces = sum(len(cuts[index]) for index in self._updatable)
         self.pool, buffers, kept = self._build_pool(device, offload, buffers, largest, kept)
         most = max((len(cuts[index]) for index in self._updatable), default=1)  # a unit's pieces, at most
-        self._held_count = held_pieces(pieces, buffers, self._per_piece, most, kept, self._streaming)
+        self._held_count = held_pieces(pieces, buffers, self._per_piece, most, kept, streaming)
         log.info("infinity: offload_optimizer pipeline: %d buffers, %s (pieces of up to %d elements; %d of the %d "
                  "pieces stay in the pool, the others stream) for buffer_count %d x sub_group_size %d "
                  "([Note: the pool is a budget])", self.pool.buffer_count, human_bytes(self.pool.stats.bytes_total),
@@ -157,7 +157,7 @@ class NvmeOptimizerState:
         self.chosen = {"piece_elements": largest, "buffers": self.pool.buffer_count,
                        "pool_bytes": self.pool.stats.bytes_total, "least_streamed": min(target, streamed_floor(aio.min_request)),
                        "pieces_in_flight": int(buffers // self._per_piece), "pieces_held": self._held_count,
-                       "pieces": pieces}
+                       "pieces": pieces, "units_streaming": streaming}
         if offload.pool_elements is not None:  # max_in_cpu "auto" gave the pool the room (placement.py)
             self.chosen["planned_elements"] = offload.pool_elements
         self._updated: set[int] = set()  # units updated this step
