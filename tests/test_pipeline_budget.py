@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 
 import pytest
 import torch
+from torch import nn
 
 import infinity
 from gpt import TinyGPT, batches, config, engine_run
-from infinity.offload.optimizer import sizing
+from infinity.offload.optimizer import nvme, sizing
 from infinity.offload.optimizer.sizing import PIPELINE_DEPTH, choose_pieces, cut_pieces
 
 M = 1_000_000
@@ -324,3 +326,127 @@ def test_the_engine_streams_more_of_the_state_when_updates_run_in_backward(tmp_p
     assert unclipped_read > clipped_read
     for chosen, read in ((clipped, clipped_read), (unclipped, unclipped_read)):  # the streamed share, read
         assert abs(read - (chosen["pieces"] - chosen["pieces_held"]) / chosen["pieces"]) < 0.1, (chosen, read)
+
+
+class _Pause(torch.autograd.Function):
+    """Identity that takes `seconds` in forward and in backward: a unit's compute, long enough
+    for the disk to finish what it was given."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        time.sleep(seconds)
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.seconds)
+        return g, None
+
+
+class _PausedBlock(nn.Module):
+    def __init__(self, d: int, seconds: float):
+        super().__init__()
+        self.a, self.b, self.seconds = nn.Linear(d, d), nn.Linear(d, d), seconds
+
+    def forward(self, x):
+        x = _Pause.apply(self.a(x), self.seconds)
+        return _Pause.apply(self.b(torch.relu(x)), self.seconds)
+
+
+class _PausedNet(nn.Module):
+    def __init__(self, d: int = 256, layers: int = 4, seconds: float = 0.04):
+        super().__init__()
+        self.blocks = nn.ModuleList(_PausedBlock(d, seconds) for _ in range(layers))
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = block(x)
+        return ((self.out(x) - y) ** 2).mean()
+
+
+class _SlowWrites:
+    """A real I/O handle whose writes finish `seconds` after they are issued, not sooner: a disk
+    slower than one unit's update, as the state's disk is for a model's units."""
+
+    def __init__(self, inner, seconds: float):
+        self.inner, self.seconds, self._issued = inner, seconds, {}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def submit_write(self, buffer, path, offset=0):
+        rid = self.inner.submit_write(buffer, path, offset)
+        self._issued[rid] = time.monotonic()
+        return rid
+
+    def _left(self, request) -> float:
+        return self._issued.get(request, -1e9) + self.seconds - time.monotonic()
+
+    def done(self, request):
+        return self._left(request) <= 0 and self.inner.done(request)
+
+    def wait(self, request=None):
+        if request is not None:
+            time.sleep(max(0.0, self._left(request)))
+            self._issued.pop(request, None)
+        return self.inner.wait(request)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs /proc/self/io")
+@pytest.mark.parametrize("clip", [1.0, 0.0])  # updates in the next forward, and inside backward
+def test_a_units_state_is_read_while_the_unit_before_it_computes(tmp_path, monkeypatch, clip):
+    """A pool of about one unit's pieces and writes slower than an update: the writes of one
+    unit's update hold the buffers the next unit's reads need, and finish while the unit after
+    it computes. Those reads are issued there ([Note: between a unit's ops] in
+    infinity/zero/hooks.py), not when that unit's update comes: by then the disk has read most
+    of its state (psync: /proc/self/io counts the bytes)."""
+    for name in ("MIN_PIECE", "MIN_STREAMED_PIECE", "MIN_CACHED_PIECE"):
+        monkeypatch.setattr(sizing, name, 8192)
+    make_handle = nvme.make_handle
+    monkeypatch.setattr(nvme, "make_handle", lambda aio: _SlowWrites(make_handle(aio), 0.03))
+    torch.manual_seed(0)
+    d = 256
+    model = _PausedNet(d, seconds=0.06)
+    data = [(torch.randn(4, d), torch.randn(4, d)) for _ in range(3)]
+    cfg = config(3, "cpu", "nvme", clip=clip, lr=3e-3)
+    cfg["zero_optimization"].update(sub_group_size=8192)
+    cfg["zero_optimization"]["offload_optimizer"].update(nvme_path=str(tmp_path), buffer_count=60)
+    cfg["aio"] = {"engine": "psync"}
+    engine, *_ = infinity.initialize(model=model, config=cfg)
+    assert engine.chosen["offload_optimizer"]["pieces_held"] == 0  # every piece streams
+    blocks = {u.index: u for u in engine.units if u.trainable and u.name.startswith("blocks.")}
+    events = []  # (what, unit, read_bytes), in order
+    tier, hooks = engine.optim_state, engine.hooks
+    update, handed_on = tier.update, hooks.on_unit_grads
+
+    def spy_update(unit, *args):
+        if clip:  # updates that wait for the unit's next use start when it is about to run
+            events.append(("ready", unit.index, _read_bytes()))
+        update(unit, *args)
+        events.append(("updated", unit.index, _read_bytes()))
+
+    def spy_handed_on(unit):  # updates in backward start when the unit's gradient is final
+        if not clip:
+            events.append(("ready", unit.index, _read_bytes()))
+        handed_on(unit)
+
+    monkeypatch.setattr(tier, "update", spy_update)
+    monkeypatch.setattr(hooks, "on_unit_grads", spy_handed_on)
+    for x, y in data:
+        events.clear()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+    last = list(events)  # the last step's: updates of the step before it, in its forward when clipped
+    engine.close()
+    # The state each block's update needs, read between the update before it and its own start.
+    early = []
+    for (what, _, before), (then, index, at) in zip(last, last[1:]):
+        if what == "updated" and then == "ready" and index in blocks:
+            early.append((index, (at - before) / (12 * blocks[index].train_shard_numel)))
+    assert len(early) >= len(blocks) - 1, last
+    # The first block's update may come right after the one before it (updates at the next use run
+    # as the fetcher prefetches, a unit ahead): no compute between them, nothing read.
+    assert sum(share > 0.5 for _, share in early) >= len(blocks) - 2, early

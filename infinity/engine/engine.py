@@ -113,7 +113,8 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
                                  self.accelerator, self.accumulation, mode=self.update_mode, clip=config.gradient_clipping, scaler=self.scaler,
                                  skip_nonfinite=config.bf16.check_grad_overflow, model_parallel=self.model_parallel)
         self.hooks = UnitHooks(self.units, modules, self.fetcher, self.policy.on_unit_grads,
-                               outside_backward=self._backward_outside_engine)
+                               outside_backward=self._backward_outside_engine,
+                               between=self.optim_state.poll if self.optim_state.updates_can_wait else None)
         self.report = StepReport(wall_clock_breakdown=config.wall_clock_breakdown,
                                  steps_per_print=config.steps_per_print, rank=zdist.rank(everyone=True))
         self._attach(model)

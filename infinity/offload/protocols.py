@@ -175,3 +175,7 @@ class StepListener(Protocol):
 
     def abort_pass(self) -> None:
         """A backward failed: gradients in flight are dropped, buffers given back."""
+
+    def poll(self) -> None:
+        """The compute thread is inside a unit's backward, between two of its parameters'
+        gradients: the tier may start the reads its pool has room for now, never waiting."""

@@ -23,6 +23,14 @@ unit order, so that every rank runs the same collectives.
 
 During backward, forward hooks fire again for activation-checkpointing recomputation: the
 pre-hook gathers as usual and the post-hook keeps the unit, whose backward is about to run.
+
+[Note: between a unit's ops]
+The tiers work between the unit hooks: a write issued at one unit's boundary finishes while the
+next unit computes, and the buffer it gives back is reused only when a tier is called again. A
+streaming optimizer tier wants to be called in between, to issue the reads that wait for those
+buffers ([Note: reading ahead in the expected order] in offload/optimizer/nvme.py), so given
+`between` the hooks call it inside each unit's compute: in forward before each module that holds
+parameters of its own (but a unit's own module), in backward at each parameter's gradient.
 """
 
 from __future__ import annotations
@@ -72,11 +80,13 @@ def _tensors_requiring_grad(tree) -> list[torch.Tensor]:
 
 class UnitHooks:
     def __init__(self, units: list[Unit], modules: list[list[torch.nn.Module]], fetcher: Fetcher,
-                 on_unit_grads: Callable[[Unit], None], outside_backward: Callable[[], None] = lambda: None):
+                 on_unit_grads: Callable[[Unit], None], outside_backward: Callable[[], None] = lambda: None,
+                 between: Callable[[], None] | None = None):
         self.units = units
         self.fetcher = fetcher
         self.on_unit_grads = on_unit_grads
         self.outside_backward = outside_backward  # a parameter's gradient arrives outside engine.backward
+        self.between = between  # [Note: between a unit's ops]
         self.in_backward = False  # engine.backward runs
         self.reduce_seconds = 0.0
         self._awaiting_grad: dict[int, int] = {}  # unit -> hooked parameters still without a gradient
@@ -96,6 +106,11 @@ class UnitHooks:
                     self._hooked[unit.index] += 1
                     self._handles.append(
                         slot.param.register_post_accumulate_grad_hook(self._grad_ready(unit, slot.group >= 0)))
+        if between is not None:
+            inner = {id(m) for ms in modules for m in ms}
+            for module in {id(m): m for ms in modules for m in ms for m in m.modules()}.values():
+                if id(module) not in inner and next(module.parameters(recurse=False), None) is not None:
+                    self._handles.append(module.register_forward_pre_hook(lambda *_: between()))
         self.reset_backward()
 
     @contextlib.contextmanager
@@ -189,6 +204,8 @@ class UnitHooks:
             if not trainable:
                 param.grad = None  # requires grad but is in no param group: frozen, nothing keeps it
             self._awaiting_grad[unit.index] -= 1
+            if self.between is not None:
+                self.between()
             self._maybe_finish(unit)
         return hook
 

@@ -108,6 +108,9 @@ class ResidentOptimizerState:
     def begin_pass(self, last: bool) -> None:
         pass
 
+    def poll(self) -> None:
+        pass  # nothing is read
+
     def io_stats(self) -> dict[str, float]:
         return {}  # nothing crosses to NVMe
 

@@ -23,16 +23,18 @@ In the last micro-step the reads do not wait for a unit's gradient: units become
 same order every step (reverse forward order), so the order recorded in the previous step (in
 the first step, the order the engine expects from the module order) says which unit comes next,
 and its pieces are read from the start of that micro-step's forward, while the units before it
-compute, as far as the pool allows (`_read_ahead`). When updates wait
-for the next forward ([Note: updates after the norm] in step_policy.py) they run in that
-forward's order, not in the order gradients became final: the reads then follow the last
-pending order instead, so the first units the next forward updates (the embedding, whose
-gradient is final last) are the first read; where the pool has room, a unit's pieces are
-fetched again for the next step right after its update released them, while their write is in
-flight, which costs no read at all. With the update
-running during backward (no clipping, no fp16: see [Note: update during backward] in step_policy.py)
+compute, as far as the pool allows (`_read_ahead`). When updates wait for the next forward
+([Note: updates after the norm] in step_policy.py) they run in that forward's order, not in the
+order gradients became final: the reads then follow the last pending order instead, so the
+first units the next forward updates (the embedding, whose gradient is final last) are the first
+read; where the pool has room, a unit's pieces are fetched again for the next step right after
+its update released them, while their write is in flight, which costs no read at all. With the
+update during backward (no clipping, no fp16: [Note: update during backward] in step_policy.py)
 the state of a unit is then in memory when its gradient is final, its update runs at once, and
-its writes drain behind the next unit's backward.
+its writes drain behind the next unit's backward. Those writes hold the buffers the next unit's
+reads need and give them back while that unit computes, where the tier is not called: so the
+unit hooks `poll` inside each unit's compute ([Note: between a unit's ops] in zero/hooks.py), and
+the reads start there, not at the unit's end (each unit's update then waited on its own reads).
 
 [Note: reads in update order]
 An update takes its pieces one after the other and needs buffers for the piece it updates and
@@ -230,6 +232,10 @@ class NvmeOptimizerState:
         else:
             self._drop_early(keep=self.schedule.pending)
 
+    def poll(self) -> None:
+        if (self._reading_ahead or self.schedule.pending) and self._can_spare(3):
+            self._read_ahead()  # [Note: reading ahead in the expected order]
+
     def accumulate(self, unit: TierUnit, grad_shard: torch.Tensor, first: bool, last: bool = False) -> InFlight:
         # [Note: gradients to the host] in accumulators.py: consumed one unit later, or at the update.
         return self.acc.landing.land(grad_shard, lambda g: self._consume(unit.index, g, first, last))
@@ -324,8 +330,7 @@ class NvmeOptimizerState:
                 and self.swapper.can_spare(pieces + len(kinds) - moments, self.pool.buffer_size))
 
     def abort_pass(self) -> None:
-        """A backward failed: gradients in flight are dropped, and so is whatever this step had
-        read ahead or kept ([Note: failed transfers give their buffers back])."""
+        """A backward failed: gradients in flight go, and what this step read ahead or kept."""
         self.acc.landing.discard()
         self.finish_step()
 
@@ -501,13 +506,10 @@ class NvmeOptimizerState:
                     self.pieces.let_go(p)
 
     def _drop_early(self, keep: list[int] = (), only: int | None = None, held: bool = False) -> None:
-        """Lets go of the pieces read ahead, but those of the units in `keep` (`only`: of that unit
-        only) and those the pool holds (`held`: those too)."""
+        """Lets go of the pieces read ahead but `keep`'s (`only`: of that unit only) and held ones (`held`: those too)."""
         for p in self.pieces.in_memory():
             if p.unit not in keep and only in (None, p.unit) and (held or not p.held):
                 self.pieces.let_go(p)
-
-    # ---- failed updates ([Note: resuming an update]) ---------------------------------------
 
     def _lost(self, index: int) -> bool:
         """Whether a shard of the unit (any kind, its gradient too) lost its bytes to a failed write."""
@@ -515,8 +517,8 @@ class NvmeOptimizerState:
                    for kind in self._kinds(index) for p in self.pieces.of[index])
 
     def _lost_write(self, kind: str, error: OSError) -> None:
-        """A write of master or moments failed: those bytes are lost until written again, so the
-        state is not a step's. (A spilled gradient's loss damages only the update that meets it.)"""
+        """A write of master or moments failed: the state is not a step's until they are written
+        again. (A spilled gradient's loss damages only the update that meets it.)"""
         if kind in self.kinds:
             self._on_damage(f"a write of optimizer state failed ({error.strerror})")
 
@@ -535,11 +537,9 @@ class NvmeOptimizerState:
         self._reading_ahead = False
 
     def flush(self) -> None:
-        """Waits for the writes in flight; a failed one raises here, naming the shard.
-
-        The engine calls it at the start of the next step, so the last pieces' writes drain
-        while the next forward and backward compute; a read of a shard still being written
-        waits for that write (the swapper's ordering), never reading old bytes."""
+        """Waits for the writes in flight; a failed one raises here, naming the shard. The engine
+        calls it at the start of the next step, so the last pieces' writes drain under its compute;
+        a read of a shard being written waits for that write (the swapper's ordering)."""
         self.acc.landing.consume_landed()
         self.swapper.flush()
 

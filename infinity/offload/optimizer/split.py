@@ -98,6 +98,9 @@ class SplitOptimizerState:
         self.memory.begin_pass(last)
         self.disk.begin_pass(last)
 
+    def poll(self) -> None:
+        self.disk.poll()
+
     def abort_pass(self) -> None:
         self.memory.abort_pass()
         self.disk.abort_pass()
