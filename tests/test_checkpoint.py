@@ -69,6 +69,7 @@ def test_resume_in_a_fresh_process_is_bit_identical(tmp_path, placement):
     assert resumed["digest"] == whole["digest"]  # masters of every parameter, to the bit
 
 
+@pytest.mark.slow  # the control of the test above: it shows the test can fail
 def test_resume_without_the_rng_state_would_differ(tmp_path):
     """The dropout in the job makes the test above see the RNG: a resume from a checkpoint whose
     RNG state was replaced by another one's does not match."""

@@ -28,7 +28,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("flags", [(), ("--dtype", "fp32", "--stage", "3"),
+@pytest.mark.parametrize("flags", [pytest.param((), marks=pytest.mark.slow), ("--dtype", "fp32", "--stage", "3"),
                                    pytest.param(("--dtype", "bf16", "--stage", "2"), marks=pytest.mark.slow)],
                          ids=["defaults-fp16-stage0", "fp32-stage3", "bf16-stage2"])
 def test_cifar10_deepspeed_example_trains(tmp_path, flags):

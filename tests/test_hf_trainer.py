@@ -235,6 +235,7 @@ def test_two_gloo_ranks_match_one_plain_process(job):
     assert _compare_runs(plain, ours, steps=6)["world_size"] == 2
 
 
+@pytest.mark.slow  # two Trainer ranks, as the gloo test above; the engine's two-rank tests stay in the default run
 def test_two_ranks_without_use_cpu_agree_on_the_world(job):
     """The seed's command on a CPU-only machine, without --use_cpu: every rank and infinity see a
     world of 2 (HF saw one process each, and train_batch_size did not match), and the run matches
