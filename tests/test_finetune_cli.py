@@ -219,7 +219,7 @@ def test_what_kill_9_leaves_is_reclaimed_under_the_nvme_path(job, tmp_path, caps
     assert os.listdir(nvme) == []
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_a_signal_without_save_leaves_nothing(job, tmp_path, signum):
     nvme = tmp_path / "nvme"
     with open(tmp_path / "stderr", "w") as err:

@@ -512,6 +512,7 @@ def test_save_total_limit_keeps_the_newest_checkpoints(tmp_path):
         engine.close()
 
 
+@pytest.mark.slow  # a variant of the killed save above, with save_total_limit
 def test_a_kill_during_a_save_with_a_limit_leaves_every_tag(tmp_path):
     ckpt = tmp_path / "ckpt"
     engine = _engine(save_total_limit=2)
