@@ -177,5 +177,6 @@ class StepListener(Protocol):
         """A backward failed: gradients in flight are dropped, buffers given back."""
 
     def poll(self) -> None:
-        """The compute thread is inside a unit's backward, between two of its parameters'
-        gradients: the tier may start the reads its pool has room for now, never waiting."""
+        """The compute thread is between two ops of a unit, in forward or backward ([Note: between
+        a unit's ops] in infinity/zero/hooks.py): the tier may start the reads its pool has room
+        for now, never waiting."""

@@ -34,7 +34,7 @@ the state of a unit is then in memory when its gradient is final, its update run
 its writes drain behind the next unit's backward. Those writes hold the buffers the next unit's
 reads need and give them back while that unit computes, where the tier is not called: so the
 unit hooks `poll` inside each unit's compute ([Note: between a unit's ops] in zero/hooks.py), and
-the reads start there, not at the unit's end (each unit's update then waited on its own reads).
+the reads start there, not at the unit's end (where each unit's update waited on its own reads).
 
 [Note: reads in update order]
 An update takes its pieces one after the other and needs buffers for the piece it updates and
