@@ -188,6 +188,7 @@ def test_a_baseline_evaluation_then_training_matches_pytorch(job):
         assert abs(x - y) <= 1e-5, (a["eval_loss"], b["eval_loss"])
 
 
+@pytest.mark.slow  # the error path; the supported order (eval_on_start) is tested above in the default run
 def test_train_after_a_separate_evaluate_says_what_to_do(job):
     """`trainer.evaluate()` then `trainer.train()` under ZeRO-3: the Trainer trains through the
     evaluation's engine, which accelerate destroyed ([Note: evaluate before train in the HF
