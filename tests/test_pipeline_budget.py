@@ -450,3 +450,64 @@ def test_a_units_state_is_read_while_the_unit_before_it_computes(tmp_path, monke
     # The first block's update may come right after the one before it (updates at the next use run
     # as the fetcher prefetches, a unit ahead): no compute between them, nothing read.
     assert sum(share > 0.5 for _, share in early) >= len(blocks) - 2, early
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs /proc/self/io")
+def test_a_tied_tiles_state_is_read_while_the_tile_before_it_computes_its_product(tmp_path, monkeypatch):
+    """The tail of an unclipped step: each tile of a tied embedding updates after its weight-gradient
+    product. With tiles of half the pool ([Note: a tied weight's tiles] in sizing.py) and writes
+    slower than an update, a tile's state is read inside the product of the tile before it (the
+    hooks' `between` runs between its row blocks, each slowed to a matmul's length here), not
+    when its own update comes (psync: /proc/self/io counts the bytes)."""
+    from gpt import TinyGPT
+    from infinity.zero import tiling
+    for name in ("MIN_PIECE", "MIN_STREAMED_PIECE", "MIN_CACHED_PIECE"):
+        monkeypatch.setattr(sizing, name, 1024)
+    monkeypatch.setattr(sizing, "MIN_TIED_TILE", 1024)
+    monkeypatch.setattr(tiling, "_PRODUCT_BLOCK", 32 * 64)  # 32 rows of the 64-wide tile a block
+    make_handle = nvme.make_handle
+    monkeypatch.setattr(nvme, "make_handle", lambda aio: _SlowWrites(make_handle(aio), 0.03))
+    torch.manual_seed(0)
+    vocab, d = 1024, 64
+    model = TinyGPT(layers=1, d=d, vocab=vocab)
+    g = torch.Generator().manual_seed(1)
+    data = [(idx, (idx * 7 + 3) % vocab) for idx in (torch.randint(0, vocab, (4, 8), generator=g) for _ in range(3))]
+    cfg = config(3, "cpu", "nvme", clip=0.0, lr=3e-3)
+    cfg["zero_optimization"].update(sub_group_size=2048)
+    cfg["zero_optimization"]["offload_optimizer"].update(nvme_path=str(tmp_path), buffer_count=24)
+    cfg["aio"] = {"engine": "psync"}
+    engine, *_ = infinity.initialize(model=model, config=cfg)
+    assert engine.chosen["tied_tile_size"] == 24 * 2048 // 6
+    tiles = {u.index: u for u in engine.units if u.trainable and u.name.startswith("emb.tiles.")}
+    assert len(tiles) == 8
+    for m in engine.module.modules():  # each row block of a product takes a matmul's time
+        stash = getattr(m, "_stash", None)
+        if stash is not None and stash.between is not None and not getattr(stash.between, "slowed", False):
+            poll = stash.between
+            stash.between = lambda poll=poll: (time.sleep(0.01), poll())
+            stash.between.slowed = True
+    events = []  # (what, unit, read_bytes), in order
+    tier, hooks = engine.optim_state, engine.hooks
+    update, handed_on = tier.update, hooks.on_unit_grads
+
+    def spy_update(unit, *args):
+        update(unit, *args)
+        events.append(("updated", unit.index, _read_bytes()))
+
+    def spy_handed_on(unit):
+        events.append(("ready", unit.index, _read_bytes()))
+        handed_on(unit)
+
+    monkeypatch.setattr(tier, "update", spy_update)
+    monkeypatch.setattr(hooks, "on_unit_grads", spy_handed_on)
+    for x, y in data:
+        events.clear()
+        engine.backward(engine(x, y))
+        engine.step()
+    last = list(events)
+    engine.close()
+    early = [(index, (at - before) / (12 * tiles[index].train_shard_numel))
+             for (what, prev, before), (then, index, at) in zip(last, last[1:])
+             if what == "updated" and prev in tiles and then == "ready" and index in tiles]
+    assert len(early) == len(tiles) - 1, last
+    assert sum(share > 0.5 for _, share in early) >= len(tiles) - 2, early

@@ -149,6 +149,54 @@ def test_tiled_training_matches_plain_pytorch_and_the_untiled_engine(tmp_path, m
             torch.testing.assert_close(state[name], value.detach(), atol=tol, rtol=tol, msg=name)
 
 
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_a_tied_weight_is_cut_so_that_a_tile_holds_half_the_optimizer_pool(tmp_path, models, monkeypatch, clip):
+    """[Note: a tied weight's tiles]: with the optimizer state on NVMe through a pool of 4 x 512
+    fp32 elements, smaller than the tied 64 x 32 weight's Adam state, the tied weight is cut into
+    tiles of at most a third of that budget (half the pool's bytes, three kinds of state), though
+    it is under `tile_size`; a weight that is not tied (each block's fc1 and fc2) keeps
+    `tile_size`; the engine says what it chose; and the run is plain PyTorch's."""
+    from infinity.offload.optimizer import sizing
+    monkeypatch.setattr(sizing, "MIN_TIED_TILE", 64)
+    model = models["tied"]
+    data = batches(3, 4)
+    ref_losses, ref = reference_run(model, data, gas=1, clip=clip)
+    cfg = config(3, "cpu", "nvme", clip=clip, tile_size=3000, sub_group_size=512)
+    cfg["zero_optimization"]["offload_optimizer"].update(nvme_path=str(tmp_path), buffer_count=4)
+    engine, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
+    assert engine.chosen["tied_tile_size"] == 4 * 512 // 6
+    tied_rows = [u.numel // 32 for u in engine.units if u.name.startswith("emb.tiles.")]
+    assert tied_rows == [10] * 6 + [4], tied_rows  # 341 elements a tile at most: 10 rows of 32
+    linear = [u.numel for u in engine.units if ".fc1.tiles." in u.name or ".fc2.tiles." in u.name]
+    assert linear and set(linear) == {2048}, linear  # each 4096-element weight in two tiles: tile_size's cut
+    losses = engine_run(engine, data, gas=1)
+    state = engine.consolidated_state_dict()
+    engine.close()
+    for x, y in zip(losses, ref_losses, strict=True):
+        assert abs(x - y) <= 1e-5 * abs(y)
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(state[name], value.detach(), atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_a_tied_tiles_weight_gradient_product_runs_in_row_blocks_with_the_same_values(monkeypatch):
+    """The tied head's weight-gradient part (`_Stash._product`) calls the hooks' `between` after
+    each block of rows ([Note: between a unit's ops] in infinity/zero/hooks.py) and gives the
+    product of one matmul, bit for bit, in fp32 and bf16."""
+    from infinity.zero import tiling
+    monkeypatch.setattr(tiling, "_PRODUCT_BLOCK", 256 * 64)  # 256 rows of 64 columns a block
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        g = torch.randn(96, 3000, dtype=dtype)[:, 500:]  # tokens x the tile's rows, a column slice as the head's
+        x = torch.randn(96, 64, dtype=dtype)
+        stash = tiling._Stash(1)
+        assert torch.equal(stash._product(g, x), g.t() @ x)  # no `between`: one matmul
+        calls = []
+        stash.between = lambda: calls.append(1)
+        out = stash._product(g, x)
+        assert torch.equal(out, g.t() @ x) and out.dtype == dtype
+        assert len(calls) == -(-2500 // 256), len(calls)
+
+
 @pytest.mark.parametrize("tie", ["tied", "untied"])
 def test_exports_of_a_tiled_model_name_and_hold_the_users_weights(tmp_path, models, tie):
     """save_16bit_model, consolidate (from the checkpoint alone) and the 16-bit state dict that

@@ -26,7 +26,7 @@ def largest_unit_numel(model: nn.Module, trainable: bool = False) -> int:
     def counted(p: nn.Parameter) -> bool:
         return p.requires_grad or not trainable
 
-    tiled = {id(w) for w, _ in weights_to_tile(model, TILE_SIZE)}  # each tile is a unit of its own
+    tiled = {id(w) for w, *_ in weights_to_tile(model, TILE_SIZE)}  # each tile is a unit of its own
     in_blocks: set[int] = set()
     blocks = []
     for m in model.modules():
@@ -35,7 +35,7 @@ def largest_unit_numel(model: nn.Module, trainable: bool = False) -> int:
             in_blocks.update(id(p) for p in params)
             blocks.append(sum(p.numel() for p in params if counted(p)))
     root = sum(p.numel() for p in model.parameters() if id(p) not in tiled | in_blocks and counted(p))
-    tiles = [TILE_SIZE for w, _ in weights_to_tile(model, TILE_SIZE) if counted(w)]
+    tiles = [TILE_SIZE for w, *_ in weights_to_tile(model, TILE_SIZE) if counted(w)]
     return max([*tiles, *blocks, root])
 
 

@@ -39,6 +39,7 @@ from infinity.zero.loss_scaler import LossScaler
 from infinity.zero.model_parallel import ModelParallel
 from infinity.offload.nvme_io import with_measured_aio
 from infinity.offload.optimizer.memory import ResidentOptimizerState
+from infinity.offload.optimizer.sizing import tied_tile_size
 from infinity.offload.params.memory import ResidentParams
 from infinity.zero.partitioner import UnitPolicy, plan_units
 from infinity.zero.registry import register_units
@@ -202,7 +203,12 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         weights tiled (stage 3, before the groups are read: the tiles train in the weight's place),
         the chunked loss, and Hugging Face's gradient checkpointing routed through infinity's.
         Returns the tiles (`tile_model`)."""
-        tiles = tile_model(model, self.config.zero.tile_size, groups) if self.config.zero.stage == 3 else {}
+        zero = self.config.zero
+        tied = (tied_tile_size(zero.tile_size, zero.sub_group_size, zero.offload_optimizer.buffer_count)
+                if zero.offload_optimizer.device == "nvme" else None)  # [Note: a tied weight's tiles] in offload/optimizer/sizing.py
+        tiles = tile_model(model, zero.tile_size, groups, tied_size=tied) if zero.stage == 3 else {}
+        self._tied_tile = (tied if tied is not None and tied < zero.tile_size
+                           and any(getattr(m, "_stash", None) is not None for m in model.modules()) else None)
         self._chunked_losses = self._chunk_losses(model)
         route_gradient_checkpointing(model)  # [Note: Hugging Face's gradient checkpointing]
         return tiles
@@ -307,6 +313,8 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
             chosen["offload_optimizer"] = self.optim_state.chosen
         for section in auto_budgets:
             chosen[f"{section}.max_in_cpu"] = getattr(self.config.zero, section).max_in_cpu
+        if self._tied_tile is not None:  # [Note: a tied weight's tiles] in offload/optimizer/sizing.py
+            chosen["tied_tile_size"] = self._tied_tile
         return chosen
 
     def _update_mode(self, updates_can_wait: bool) -> UpdateMode:

@@ -30,7 +30,9 @@ next unit computes, and the buffer it gives back is reused only when a tier is c
 streaming optimizer tier wants to be called in between, to issue the reads that wait for those
 buffers ([Note: reading ahead in the expected order] in offload/optimizer/nvme.py), so given
 `between` the hooks call it inside each unit's compute: in forward before each module that holds
-parameters of its own (but a unit's own module), in backward at each parameter's gradient.
+parameters of its own (but a unit's own module), in backward at each parameter's gradient and
+between the row blocks of a tied weight's gradient product, the longest op of the tail of
+backward (`_Stash._product` in tiling.py).
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ class UnitHooks:
         self._current: dict[int, list[_Call | None]] = {}  # unit -> calls between pre- and post-hook
         self._generation = 0  # counts backward passes: a hook of an older graph changes nothing
         self._handles: list[RemovableHandle] = []
+        self._stashes: list = []  # tied weights' stashes that call `between`
         self._hooked: dict[int, int] = {u.index: 0 for u in units}  # parameters with a gradient hook
         for unit, unit_modules in zip(units, modules):
             for module in unit_modules:
@@ -111,6 +114,9 @@ class UnitHooks:
             for module in {id(m): m for ms in modules for m in ms for m in m.modules()}.values():
                 if id(module) not in inner and next(module.parameters(recurse=False), None) is not None:
                     self._handles.append(module.register_forward_pre_hook(lambda *_: between()))
+                if getattr(module, "_stash", None) is not None:  # a tied weight's tail ([Note: tied tiles])
+                    module._stash.between = between
+                    self._stashes.append(module._stash)
         self.reset_backward()
 
     @contextlib.contextmanager
@@ -126,6 +132,9 @@ class UnitHooks:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for stash in self._stashes:
+            stash.between = None
+        self._stashes.clear()
 
     # ---- forward --------------------------------------------------------------------------
 

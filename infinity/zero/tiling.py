@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -107,6 +107,7 @@ class _Stash:
     def __init__(self, num_tiles: int):
         self.parts: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = [[] for _ in range(num_tiles)]
         self.passes: weakref.WeakSet = weakref.WeakSet()
+        self.between: Callable[[], None] | None = None  # set by the unit hooks ([Note: between a unit's ops])
 
     def add(self, index: int, grad_out: torch.Tensor, inp: torch.Tensor) -> None:
         g = grad_out.reshape(-1, grad_out.shape[-1])  # tokens x rows
@@ -119,10 +120,26 @@ class _Stash:
     def take(self, index: int) -> torch.Tensor | None:
         total = None
         for a, b in self.parts[index]:
-            part = a if b is None else a.t() @ b
+            part = a if b is None else self._product(a, b)
             total = part if total is None else total + part
         self.parts[index] = []
         return total
+
+    def _product(self, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """g.t() @ x, the tile's weight-gradient part: one op of the tail of backward as long as a
+        tile's update, so it runs in blocks of rows with `between` after each (the same values:
+        each row is its own product)."""
+        rows = max(1, _PRODUCT_BLOCK // x.shape[1])
+        if self.between is None or g.shape[1] <= rows:
+            return g.t() @ x
+        out = torch.empty(g.shape[1], x.shape[1], dtype=torch.result_type(g, x), device=x.device)
+        for r in range(0, g.shape[1], rows):
+            torch.matmul(g[:, r:r + rows].t(), x, out=out[r:r + rows])
+            self.between()
+        return out
+
+
+_PRODUCT_BLOCK = 1 << 21  # elements of a tile's weight-gradient product between two `between` calls
 
 
 class _HeadGradSink(torch.autograd.Function):
@@ -340,32 +357,42 @@ def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
                 setattr(parent, name, new)
 
 
-def weights_to_tile(model: nn.Module, tile_size: int) -> list[tuple[nn.Parameter, list[nn.Module]]]:
-    """The weights `tile_model` tiles (each with the modules holding it): 2-D weights of more
-    than `tile_size` elements held only by plain nn.Linear / nn.Embedding modules as `.weight`."""
+def weights_to_tile(model: nn.Module, tile_size: int,
+                    tied_size: int | None = None) -> list[tuple[nn.Parameter, list[nn.Module], int]]:
+    """The weights `tile_model` tiles (each with the modules holding it and its tile size): 2-D
+    weights of more than `tile_size` elements (`tied_size` for one an nn.Embedding and an
+    nn.Linear share) held only by plain nn.Linear / nn.Embedding modules as `.weight`."""
     if tile_size <= 0:
         return []
+    tied_size = tile_size if tied_size is None else min(tile_size, tied_size)
     holders: dict[int, list[nn.Module]] = {}
     weights: dict[int, nn.Parameter] = {}
     for m in model.modules():
         for p in m.parameters(recurse=False):
             holders.setdefault(id(p), []).append(m)
             weights[id(p)] = p
-    return [(weights[pid], mods) for pid, mods in holders.items()
-            if weights[pid].dim() == 2 and weights[pid].numel() > tile_size
-            and all(_tileable(m) and m.weight is weights[pid] for m in mods)
-            and sum(isinstance(m, nn.Embedding) for m in mods) <= 1 and sum(isinstance(m, nn.Linear) for m in mods) <= 1]
+    out = []
+    for pid, mods in holders.items():
+        w = weights[pid]
+        tied = any(isinstance(m, nn.Embedding) for m in mods) and any(isinstance(m, nn.Linear) for m in mods)
+        size = tied_size if tied else tile_size
+        if (w.dim() == 2 and w.numel() > size and all(_tileable(m) and m.weight is w for m in mods)
+                and sum(isinstance(m, nn.Embedding) for m in mods) <= 1 and sum(isinstance(m, nn.Linear) for m in mods) <= 1):
+            out.append((w, mods, size))
+    return out
 
 
-def tile_model(model: nn.Module, tile_size: int, groups: list[dict] | None = None) -> dict[int, list[nn.Parameter]]:
+def tile_model(model: nn.Module, tile_size: int, groups: list[dict] | None = None,
+               tied_size: int | None = None) -> dict[int, list[nn.Parameter]]:
     """[Note: memory-centric tiling] Tiles every plain nn.Linear / nn.Embedding weight of more
-    than `tile_size` elements, in place; 0 tiles nothing. The optimizer `groups` get the tiles
-    in place of the weight. Returns id(original weight) -> its tiles."""
+    than `tile_size` elements (a tied one: `tied_size`, where smaller: [Note: a tied weight's
+    tiles] in infinity/offload/optimizer/sizing.py), in place; 0 tiles nothing. The optimizer
+    `groups` get the tiles in place of the weight. Returns id(original weight) -> its tiles."""
     done: dict[int, list[nn.Parameter]] = {}
-    for w, mods in weights_to_tile(model, tile_size):
+    for w, mods, size in weights_to_tile(model, tile_size, tied_size):
         embeddings = [m for m in mods if isinstance(m, nn.Embedding)]
         linears = [m for m in mods if isinstance(m, nn.Linear)]
-        bounds = _row_bounds(w.shape[0], w.shape[1], tile_size)
+        bounds = _row_bounds(w.shape[0], w.shape[1], size)
         stash = _Stash(len(bounds)) if embeddings and linears else None
         if embeddings:
             e = embeddings[0]

@@ -120,6 +120,30 @@ HOST_SHARE = 4  # the pool takes at most a quarter of the host memory free when 
 assert PIECE_ALIGN % NORM_ROW == 0  # pieces start on norm rows ([Note: gradient norm by rows] in accumulators.py)
 
 
+MIN_TIED_TILE = 1 << 22  # elements: the least tile a tied weight is cut into for the pool ([Note: a tied weight's tiles])
+
+
+def tied_tile_size(tile_size: int, sub_group_size: int, buffer_count: int) -> int:
+    """[Note: a tied weight's tiles]
+    A tied embedding's gradient is final last in backward (the lookup's part comes after every
+    block's), so its tiles' updates are the tail of an unclipped step: each tile's update follows
+    its weight-gradient product and has nothing but the next tile's product to run beside. A tile
+    whose state is larger than the pool streams at the disk's pace with nothing computing: at
+    `tile_size`'s default the 134M GPT's tied 64000 x 768 weight is two tiles of 295 MB of Adam
+    state, and through a 96 MB pool (`sub_group_size` 2e6 x 12) the step waited 0.45-0.53 s on
+    their reads. So where the optimizer state is on NVMe a tied weight's tiles hold at most half
+    the pool's budget (`buffer_count` x `sub_group_size` fp32 elements) of fp32 Adam state (the
+    largest format), at least `MIN_TIED_TILE` elements: one tile's state is read while the tile
+    before it computes its product (the unit hooks' `between` runs between its row blocks:
+    [Note: between a unit's ops] in infinity/zero/hooks.py) and its writes drain behind the next.
+    Twelve tiles of 4M elements there waited 0.13 s (bench/results/streaming.md). Budgets that
+    hold such a weight's state twice over (DeepSpeed's defaults, the built-in configs) keep
+    `tile_size`; other weights keep it too (their gradients are final before the blocks')."""
+    if tile_size <= 0:
+        return tile_size
+    return min(tile_size, max(MIN_TIED_TILE, int(buffer_count * sub_group_size) // (2 * STATE_KINDS)))
+
+
 def piece_buffers(moments: int = STATE_KINDS - 1, moment_bytes: float = 4.0, spilled: bool = False) -> tuple[float, float]:
     """(buffers a piece takes in the pool, of them those it keeps while held), counted in buffers
     of the piece's fp32 size: its master, its `moments` at `moment_bytes` a value (4 fp32, 2 bf16,
