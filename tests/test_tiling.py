@@ -197,6 +197,34 @@ def test_a_tied_tiles_weight_gradient_product_runs_in_row_blocks_with_the_same_v
         assert len(calls) == -(-2500 // 256), len(calls)
 
 
+@pytest.mark.parametrize("saved,loaded", [(1100, 500), (500, 1100)])
+def test_a_checkpoint_loads_into_an_engine_that_tiles_otherwise(tmp_path, models, saved, loaded):
+    """[Note: a weight tiled otherwise] in infinity/checkpoint/load.py: a checkpoint saved with
+    one cut of the tiled weights (the tied embedding, each block's fc1 and fc2) loads into an
+    engine that cuts them otherwise (another tile_size here; for a tied weight, another optimizer
+    pool too), masters and moments: its next steps are those of the engine that saved it."""
+    model = models["tied"]
+    data = batches(4, 4)
+    a, *_ = infinity.initialize(copy.deepcopy(model), config=config(3, "cpu", "cpu", tile_size=saved))
+    engine_run(a, data[:2], gas=1)
+    a.save_checkpoint(str(tmp_path))
+    ref_losses = engine_run(a, data[2:], gas=1)
+    ref = a.consolidated_state_dict()
+    cut = sorted(u.name for u in a.units)
+    a.close()
+    b, *_ = infinity.initialize(copy.deepcopy(model), config=config(3, "cpu", "cpu", tile_size=loaded))
+    assert sorted(u.name for u in b.units) != cut
+    b.load_checkpoint(str(tmp_path))
+    losses = engine_run(b, data[2:], gas=1)
+    state = b.consolidated_state_dict()
+    b.close()
+    for x, y in zip(losses, ref_losses, strict=True):  # moments lost would move these by far more
+        assert abs(x - y) <= 1e-5 * abs(y)
+    assert sorted(state) == sorted(ref)
+    for name, value in ref.items():  # the tiles' products round otherwise: 1e-4, as above
+        torch.testing.assert_close(state[name], value, atol=1e-4, rtol=1e-4, msg=name)
+
+
 @pytest.mark.parametrize("tie", ["tied", "untied"])
 def test_exports_of_a_tiled_model_name_and_hold_the_users_weights(tmp_path, models, tie):
     """save_16bit_model, consolidate (from the checkpoint alone) and the 16-bit state dict that

@@ -1,6 +1,7 @@
 """`engine.load_checkpoint`: each rank fills its own shards from the checkpoint's extents, found
 by parameter name, so another world size, offload placement or unit plan loads the same
-values ([Note: re-sharding]); every extent read is checked against its CRC first.
+values ([Note: re-sharding]), and another cut of a tiled weight too ([Note: a weight tiled
+otherwise]); every extent read is checked against its CRC first.
 
 [Note: re-sharding]
 A parameter's place in a checkpoint is (unit, region, offset in the region); rank q's extent of
@@ -9,6 +10,15 @@ loading its shard walks the parameters of each of its units that overlap the sha
 each overlapping run from the extents that hold it, reading every extent whole once (so its CRC
 can be checked) and keeping it only while that kind of that unit is being filled. With the same
 world size and units this is one extent per kind per unit: the rank's own bytes, read once.
+
+[Note: a weight tiled otherwise]
+A tiled weight's tiles are parameters of their own, and how a weight is cut follows the config:
+`tile_size`, and for a tied weight the optimizer pool ([Note: a tied weight's tiles] in
+infinity/offload/optimizer/sizing.py), so a job resumed with another budget cuts it otherwise.
+The manifest lists each tiled weight's tiles in row order (`tiles`): where this model's tiles
+of a weight are not the checkpoint's, each is read from the checkpoint's tiles of that weight by
+its elements' place in the weight (`retiled`), as long as the weight has the same elements and
+row width; otherwise `check_model` names the tiles.
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ from infinity.checkpoint.save import (
 )
 from infinity.io import AsyncIOHandle
 from infinity.offload.nvme_io import make_handle
+from infinity.zero.tiling import tiled_weights
 
 log = logging.getLogger("infinity")
 
@@ -97,6 +108,7 @@ class ExtentCache:
         self.manifest, self.handle = manifest, handle
         self._extents: dict[tuple[str, int, int], torch.Tensor] = {}
         self._on_read = on_read
+        self.retiled: dict[str, tuple[int, list[tuple[ParamPlace, int]]]] = {}  # [Note: a weight tiled otherwise]
 
     def get(self, kind: str, rank: int, unit: int) -> torch.Tensor:
         key = (kind, rank, unit)
@@ -144,6 +156,48 @@ def param_run(cache: ExtentCache, place: ParamPlace, kind: str, lo: int, hi: int
     return runs[0] if len(runs) == 1 else torch.cat(runs)
 
 
+def retiled(manifest: Manifest, engine: Checkpointable) -> tuple[dict[str, tuple[int, list[tuple[ParamPlace, int]]]], set[str]]:
+    """[Note: a weight tiled otherwise] (this model's tile -> (its first element in its weight,
+    [(a checkpoint tile of that weight, its first element in the weight)]), the checkpoint tiles
+    they are read from) for each weight the checkpoint holds cut otherwise."""
+    slots = {s.name: s for u in engine.units for s in u.slots}
+    places = manifest.places
+    out, used = {}, set()
+    for weight, names in tiled_weights(engine.module).items():
+        saved = manifest.tiles.get(weight)
+        if not saved or any(n not in places for n in saved) or any(n not in slots for n in names):
+            continue
+        if saved == names and all(places[n].shape == list(slots[n].shape) for n in names):
+            continue  # cut alike: read by name
+        if (sum(places[n].numel for n in saved) != sum(slots[n].numel for n in names)
+                or places[saved[0]].shape[1:] != list(slots[names[0]].shape[1:])):
+            continue  # not the same weight: check_model names it
+        sources, at = [], 0
+        for n in saved:
+            sources.append((places[n], at))
+            at += places[n].numel
+        at = 0
+        for n in names:
+            out[n] = (at, sources)
+            at += slots[n].numel
+        used.update(saved)
+    return out, used
+
+
+def _retiled_run(cache: ExtentCache, source: tuple[int, list[tuple[ParamPlace, int]]], kind: str,
+                 lo: int, hi: int) -> torch.Tensor | None:
+    """Elements [lo, hi) of a tile read from the checkpoint's tiles of its weight (`retiled`)."""
+    first, tiles = source
+    lo, hi = first + lo, first + hi
+    parts = []
+    for place, at in tiles:
+        a, b = max(lo, at), min(hi, at + place.numel)
+        if a < b:
+            run = param_run(cache, place, kind, a - at, b - at)
+            parts.append(torch.zeros(b - a, dtype=torch.float32) if run is None else run)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def fill_region(cache: ExtentCache, unit, region: str, kind: str, out: torch.Tensor) -> None:
     """Copies into `out` (this rank's shard of the unit's region) every run the checkpoint has."""
     per_rank = out.numel()
@@ -151,13 +205,15 @@ def fill_region(cache: ExtentCache, unit, region: str, kind: str, out: torch.Ten
     train_padded = unit.train_shard_numel * unit.world
     places = cache.manifest.places
     for s in unit.slots:
-        if (s.group >= 0) != (region == "train") or s.name not in places:
+        source = cache.retiled.get(s.name)
+        if (s.group >= 0) != (region == "train") or (s.name not in places and source is None):
             continue
         start = s.offset if s.group >= 0 else s.offset - train_padded
         a, b = max(start, lo_shard), min(start + s.numel, lo_shard + per_rank)
         if a >= b:
             continue
-        run = param_run(cache, places[s.name], kind, a - start, b - start)
+        run = (param_run(cache, places[s.name], kind, a - start, b - start) if source is None
+               else _retiled_run(cache, source, kind, a - start, b - start))
         target = out[a - lo_shard:b - lo_shard]
         target.zero_() if run is None else target.copy_(run)
 
@@ -170,13 +226,14 @@ def listing(names: list[str]) -> str:
 def check_model(manifest: Manifest, engine: Checkpointable, *, strict: bool, optimizer_states: bool,
                 num_groups: int) -> None:
     """The checkpoint holds this model's parameters, with their shapes; errors name them."""
-    ours = {s.name: s for u in engine.units for s in u.slots}
-    theirs = manifest.places
+    moved, read_from = retiled(manifest, engine)  # [Note: a weight tiled otherwise]
+    ours = {s.name: s for u in engine.units for s in u.slots if s.name not in moved}
+    theirs = {n: p for n, p in manifest.places.items() if n not in read_from}
     where = manifest.directory
     problems = []
     excluded = manifest.data.get("frozen_excluded", False)  # saved with exclude_frozen_parameters
     missing = [n for n, s in ours.items() if n not in theirs and not (excluded and s.group < 0)]
-    unexpected = [n for n in theirs if n not in ours]
+    unexpected = [n for n in theirs if n not in ours and n not in moved]
     if strict and missing:
         problems.append(f"missing from the checkpoint: {listing(missing)}")
     if strict and unexpected:
@@ -313,6 +370,7 @@ def _load_shards(engine: Checkpointable, manifest: Manifest, optimizer_states: b
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="load checkpoint", leave=False,
                disable=engine.rank != 0 or total < PROGRESS_BYTES)
     cache = ExtentCache(manifest, make_handle(engine.config.aio), on_read=bar.update)
+    cache.retiled, _ = retiled(manifest, engine)
     with engine.replacing_shards():
         error = None
         try:
@@ -334,7 +392,7 @@ def _load_shards(engine: Checkpointable, manifest: Manifest, optimizer_states: b
 
 
 def _load_unit(engine: Checkpointable, manifest: Manifest, cache: ExtentCache, u, kinds: tuple[str, ...]) -> None:
-    partial = any(s.name not in manifest.places for s in u.slots)  # non-strict: those keep their values
+    partial = any(s.name not in manifest.places and s.name not in cache.retiled for s in u.slots)  # non-strict: those keep their values
     master = None
     if u.trainable:
         values = {}
