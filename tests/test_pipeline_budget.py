@@ -394,6 +394,35 @@ class _SlowWrites:
         return self.inner.wait(request)
 
 
+def _update_events(engine, monkeypatch, data, *, at_next_use: bool) -> list[tuple[str, int, int]]:
+    """Steps `engine` over `data`; returns the last step's ("ready", unit, bytes read so far) and
+    ("updated", unit, bytes read so far), in order. A unit is ready when its update may start:
+    when it is about to run (`at_next_use`: updates in the next forward, of the step before) or
+    when its gradient is final (updates in backward)."""
+    events = []
+    tier, hooks = engine.optim_state, engine.hooks
+    update, handed_on = tier.update, hooks.on_unit_grads
+
+    def spy_update(unit, *args):
+        if at_next_use:
+            events.append(("ready", unit.index, _read_bytes()))
+        update(unit, *args)
+        events.append(("updated", unit.index, _read_bytes()))
+
+    def spy_handed_on(unit):
+        if not at_next_use:
+            events.append(("ready", unit.index, _read_bytes()))
+        handed_on(unit)
+
+    monkeypatch.setattr(tier, "update", spy_update)
+    monkeypatch.setattr(hooks, "on_unit_grads", spy_handed_on)
+    for x, y in data:
+        events.clear()
+        engine.backward(engine(x, y))
+        engine.step()
+    return list(events)
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs /proc/self/io")
 @pytest.mark.parametrize("clip", [1.0, 0.0])  # updates in the next forward, and inside backward
 def test_a_units_state_is_read_while_the_unit_before_it_computes(tmp_path, monkeypatch, clip):
@@ -417,29 +446,7 @@ def test_a_units_state_is_read_while_the_unit_before_it_computes(tmp_path, monke
     engine, *_ = infinity.initialize(model=model, config=cfg)
     assert engine.chosen["offload_optimizer"]["pieces_held"] == 0  # every piece streams
     blocks = {u.index: u for u in engine.units if u.trainable and u.name.startswith("blocks.")}
-    events = []  # (what, unit, read_bytes), in order
-    tier, hooks = engine.optim_state, engine.hooks
-    update, handed_on = tier.update, hooks.on_unit_grads
-
-    def spy_update(unit, *args):
-        if clip:  # updates that wait for the unit's next use start when it is about to run
-            events.append(("ready", unit.index, _read_bytes()))
-        update(unit, *args)
-        events.append(("updated", unit.index, _read_bytes()))
-
-    def spy_handed_on(unit):  # updates in backward start when the unit's gradient is final
-        if not clip:
-            events.append(("ready", unit.index, _read_bytes()))
-        handed_on(unit)
-
-    monkeypatch.setattr(tier, "update", spy_update)
-    monkeypatch.setattr(hooks, "on_unit_grads", spy_handed_on)
-    for x, y in data:
-        events.clear()
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-    last = list(events)  # the last step's: updates of the step before it, in its forward when clipped
+    last = _update_events(engine, monkeypatch, data, at_next_use=bool(clip))
     engine.close()
     # The state each block's update needs, read between the update before it and its own start.
     early = []
@@ -486,25 +493,7 @@ def test_a_tied_tiles_state_is_read_while_the_tile_before_it_computes_its_produc
             poll = stash.between
             stash.between = lambda poll=poll: (time.sleep(0.01), poll())
             stash.between.slowed = True
-    events = []  # (what, unit, read_bytes), in order
-    tier, hooks = engine.optim_state, engine.hooks
-    update, handed_on = tier.update, hooks.on_unit_grads
-
-    def spy_update(unit, *args):
-        update(unit, *args)
-        events.append(("updated", unit.index, _read_bytes()))
-
-    def spy_handed_on(unit):
-        events.append(("ready", unit.index, _read_bytes()))
-        handed_on(unit)
-
-    monkeypatch.setattr(tier, "update", spy_update)
-    monkeypatch.setattr(hooks, "on_unit_grads", spy_handed_on)
-    for x, y in data:
-        events.clear()
-        engine.backward(engine(x, y))
-        engine.step()
-    last = list(events)
+    last = _update_events(engine, monkeypatch, data, at_next_use=False)
     engine.close()
     early = [(index, (at - before) / (12 * tiles[index].train_shard_numel))
              for (what, prev, before), (then, index, at) in zip(last, last[1:])
