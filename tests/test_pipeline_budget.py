@@ -487,12 +487,9 @@ def test_a_tied_tiles_state_is_read_while_the_tile_before_it_computes_its_produc
     assert engine.chosen["tied_tile_size"] == 24 * 2048 // 6
     tiles = {u.index: u for u in engine.units if u.trainable and u.name.startswith("emb.tiles.")}
     assert len(tiles) == 8
-    for m in engine.module.modules():  # each row block of a product takes a matmul's time
-        stash = getattr(m, "_stash", None)
-        if stash is not None and stash.between is not None and not getattr(stash.between, "slowed", False):
-            poll = stash.between
-            stash.between = lambda poll=poll: (time.sleep(0.01), poll())
-            stash.between.slowed = True
+    for stash in tiling.tied_stashes([engine.module]):  # each row block of a product takes a matmul's time
+        if stash.between is not None:
+            stash.between = lambda poll=stash.between: (time.sleep(0.01), poll())
     last = _update_events(engine, monkeypatch, data, at_next_use=False)
     engine.close()
     early = [(index, (at - before) / (12 * tiles[index].train_shard_numel))

@@ -48,7 +48,7 @@ from infinity.engine.hf_models import ChunkedLoss, chunked_heads, route_gradient
 from infinity.engine.step_policy import (PendingUpdates, StepPolicy, UpdateMode, choose_update_mode,
                                        expected_update_order, gradients_used_at_once)
 from infinity.zero.head_loss import HeadLinear
-from infinity.zero.tiling import TiledLinear, tile_model
+from infinity.zero.tiling import TiledLinear, tied_stashes, tile_model
 from infinity.zero.unit import Unit
 from infinity.zero.zero_optimizer import ZeroOptimizer
 
@@ -208,7 +208,7 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
                 if zero.offload_optimizer.device == "nvme" else None)  # [Note: a tied weight's tiles] in offload/optimizer/sizing.py
         tiles = tile_model(model, zero.tile_size, groups, tied_size=tied) if zero.stage == 3 else {}
         self._tied_tile = (tied if tied is not None and tied < zero.tile_size
-                           and any(getattr(m, "_stash", None) is not None for m in model.modules()) else None)
+                           and tied_stashes([model]) else None)
         self._chunked_losses = self._chunk_losses(model)
         route_gradient_checkpointing(model)  # [Note: Hugging Face's gradient checkpointing]
         return tiles

@@ -48,6 +48,7 @@ from torch.utils.hooks import RemovableHandle
 
 from infinity.device.timeline import TIMELINE
 from infinity.zero.fetcher import Fetcher
+from infinity.zero.tiling import tied_stashes
 from infinity.zero.unit import Unit
 
 
@@ -114,9 +115,9 @@ class UnitHooks:
             for module in {id(m): m for ms in modules for m in ms for m in m.modules()}.values():
                 if id(module) not in inner and next(module.parameters(recurse=False), None) is not None:
                     self._handles.append(module.register_forward_pre_hook(lambda *_: between()))
-                if getattr(module, "_stash", None) is not None:  # a tied weight's tail ([Note: tied tiles])
-                    module._stash.between = between
-                    self._stashes.append(module._stash)
+            self._stashes = tied_stashes(m for ms in modules for m in ms)  # a tied weight's tail ([Note: tied tiles])
+            for stash in self._stashes:
+                stash.between = between
         self.reset_backward()
 
     @contextlib.contextmanager

@@ -457,6 +457,18 @@ def tile_names(model: nn.Module) -> dict[str, list[tuple[str, int, int]]]:
             for name, m, keys in _tiled_modules(model)}
 
 
+def tied_stashes(modules: Iterable[nn.Module]) -> list[_Stash]:
+    """The stashes of the tied weights among `modules` and their children, each once ([Note: tied
+    tiles]): the unit hooks give them `between` ([Note: between a unit's ops] in hooks.py)."""
+    found: dict[int, _Stash] = {}
+    for module in modules:
+        for m in module.modules():
+            stash = m._stash if isinstance(m, _Tiled) else None
+            if stash is not None:
+                found[id(stash)] = stash
+    return list(found.values())
+
+
 def tiled_weights(model: nn.Module) -> dict[str, list[str]]:
     """Original weight name -> its tiles' parameter names in row order, each tiled weight once
     (a tied one under its first name, as an export names a tied weight): how an export writes
