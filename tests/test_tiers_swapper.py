@@ -328,6 +328,22 @@ def test_profiler_names(store):
     assert {"infinity::nvme_read", "infinity::nvme_write", "infinity::nvme_wait"} <= names
 
 
+def test_no_profiler_range_is_opened_while_no_profiler_records(store, monkeypatch):
+    # An idle torch.profiler range still dispatches an op, 8-9 us a pair: two a transfer cost the
+    # streaming step ~7% of its time (bench/results/moment_formats.md). Counted where torch makes them.
+    opened = []
+    real = torch.ops.profiler._record_function_enter_new
+    monkeypatch.setattr(torch.ops.profiler, "_record_function_enter_new",
+                        lambda *a, **k: opened.append(a[0]) or real(*a, **k), raising=False)
+    swapper = make(store)
+    fill(swapper)
+    read(swapper, 0)
+    assert opened == []
+    with profile(activities=[ProfilerActivity.CPU]):
+        read(swapper, 1)
+    assert {"infinity::nvme_read", "infinity::nvme_wait"} <= set(opened)
+
+
 def test_threads_hammering_shared_and_own_shards(tmp_path):
     # Three threads fetch shards everyone reads and update shards only they write, through a
     # pool with one spare buffer and a small cache; every byte read must be the last written.

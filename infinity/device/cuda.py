@@ -7,6 +7,7 @@ import os
 import torch
 
 from infinity.device.base import Device, InFlight
+from infinity.device.timeline import profiled
 
 
 def local_index() -> int:
@@ -38,7 +39,7 @@ class CudaDevice(Device):
 
     def to_device(self, src: torch.Tensor, dst: torch.Tensor | None = None) -> InFlight:
         compute = torch.cuda.current_stream(self.compute)  # before the `with`, inside which copy_in is current
-        with torch.profiler.record_function("infinity::h2d"), torch.cuda.stream(self.copy_in):
+        with profiled("infinity::h2d"), torch.cuda.stream(self.copy_in):
             if dst is None:
                 dst = torch.empty(src.shape, dtype=src.dtype, device=self.compute)
             else:  # the compute stream may still read dst's old values
@@ -51,7 +52,7 @@ class CudaDevice(Device):
 
     def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> InFlight:
         compute = torch.cuda.current_stream(self.compute)
-        with torch.profiler.record_function("infinity::d2h"), torch.cuda.stream(self.copy_out):
+        with profiled("infinity::d2h"), torch.cuda.stream(self.copy_out):
             self.copy_out.wait_stream(compute)  # src as the compute issued so far leaves it
             dst.copy_(src, non_blocking=True)
             src.record_stream(self.copy_out)  # the allocator must not reuse src before the copy read it

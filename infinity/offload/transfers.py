@@ -27,9 +27,8 @@ from collections.abc import Callable, Hashable
 from typing import Protocol
 
 import torch
-from torch.profiler import record_function
 
-from infinity.device.timeline import TIMELINE
+from infinity.device.timeline import TIMELINE, profiled
 
 from infinity.offload.cache import HostCache
 from infinity.offload.pool import BufferPool
@@ -126,7 +125,7 @@ class ShardTransfers:
         return shard
 
     def _submit(self, write: bool, buffer: torch.Tensor, extent: Extent) -> Transfer:
-        with record_function("infinity::nvme_write" if write else "infinity::nvme_read"):
+        with profiled("infinity::nvme_write" if write else "infinity::nvme_read"):
             started = time.monotonic()
             TIMELINE.instant("write issued" if write else "read issued", self._label, nbytes=buffer.numel())
             submit = self.write_handle.submit_write if write else self.handle.submit_read
