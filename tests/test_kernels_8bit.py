@@ -159,6 +159,59 @@ def test_a_half_copy_off_its_vector_alignment(simd, rule):
     assert same(*out)
 
 
+def coded(rule: str, n: int, codes: dict[int, int]) -> list[torch.Tensor]:
+    """Stored moments of n values at scale 1, all code 0x38 (1.0) but `codes` (position -> code)."""
+    out = []
+    for kind in KINDS[rule]:
+        stored = F.empty(n, 0.0, kind)
+        stored[:n] = 0x38
+        for i, code in codes.items():
+            stored[i] = code
+        stored[F.scales_offset(n):].view(torch.float32).fill_(1.0)
+        out.append(stored)
+    return out
+
+
+SUBNORMAL_CODES = [*range(1, 8), *range(0x81, 0x88), 0x00, 0x80]  # m * 2^-9 of either sign, and both zeros
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_nan_codes_beside_subnormal_ones_decode_as_the_composition(simd, rule):
+    """Blocks whose stored codes hold a NaN code (0x7F, 0xFF), one in the short last block, between
+    blocks of subnormal codes without one: each block decodes as formats.py does ([Note: decoding
+    a block without NaN codes] in csrc/adam/kernels_avx512.cpp: a NaN read as 240 would not)."""
+    n = 5 * BLOCK + 9
+    codes = {BLOCK + 3: 0x7F, 3 * BLOCK + 200: 0xFF, n - 2: 0x7F}
+    codes.update({2 * BLOCK + k: c for k, c in enumerate(SUBNORMAL_CODES)})
+    codes.update({BLOCK + 20 + k: c for k, c in enumerate(SUBNORMAL_CODES)})
+    gen = torch.Generator().manual_seed(11)
+    p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    fused, ref = both(rule, p, g, coded(rule, n, codes), step=2, simd=simd)
+    assert same(fused, ref)
+    new_codes = fused[1][:n] & 0x7F  # the NaN stays one; the subnormal block gains none
+    assert new_codes[BLOCK + 3] == 0x7F and not (new_codes[2 * BLOCK:3 * BLOCK] == 0x7F).any()
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_subnormal_codes_decode_the_same_where_denormals_read_as_zero(simd, rule):
+    """torch.set_flush_denormal(True) sets MXCSR's DAZ on its thread: fp32 subnormal inputs read as
+    zeros there, so the decode that reads an e4m3 subnormal code as one must not run (one thread,
+    the caller's). The values are normal in fp32 throughout, so DAZ changes nothing else."""
+    n = 2 * BLOCK
+    codes = {k: c for k, c in enumerate(SUBNORMAL_CODES * 8)}
+    gen = torch.Generator().manual_seed(12)
+    p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    fused, ref = both(rule, p, g, coded(rule, n, codes), step=2, simd=simd, num_threads=1)
+    assert same(fused, ref)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        daz, _ = both(rule, p, g, coded(rule, n, codes), step=2, simd=simd, num_threads=1)
+    finally:
+        torch.set_flush_denormal(False)
+    assert same(daz, fused)
+
+
 @pytest.mark.parametrize("rule", RULES)
 def test_threads_and_paths_give_the_same_bits(rule):
     """Several threads (each owns whole blocks) and every SIMD path: the composition's bits."""
