@@ -253,6 +253,25 @@ def test_errors_carry_errno_and_handle_survives(tmp_path, engine):
     assert handle.num_pending == 0
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_directory_is_refused_also_where_a_file_was(tmp_path, engine):
+    # The engine opens the path at each request and refuses a directory there (EISDIR), a read
+    # or a write alike, naming the path: also where a file was at an earlier request.
+    handle = AsyncIOHandle(engine=engine, block_size=64 * 1024)
+    buf = aligned_empty(8192, pin=False)
+    path = tmp_path / "was_a_file"
+    handle.write(buf, path)
+    handle.read(buf, path)
+    path.unlink()
+    path.mkdir()
+    for where in (tmp_path, path):
+        for submit in (handle.submit_write, handle.submit_read):
+            with pytest.raises(IsADirectoryError) as refused:
+                submit(buf, where, 0)
+            assert refused.value.errno == errno.EISDIR and refused.value.filename == str(where)
+    assert handle.num_pending == 0
+
+
 def _drop_dac_override() -> bool:
     """Drops CAP_DAC_OVERRIDE from this thread's effective set (root ignores file modes otherwise)."""
     if os.geteuid() != 0:

@@ -363,6 +363,10 @@ int64_t Engine::submit(Op op, char* buf, size_t nbytes, const std::string& path,
   int flags = op == Op::kRead ? O_RDONLY : (O_WRONLY | O_CREAT);
   req->buffered_fd = open(path.c_str(), flags | O_CLOEXEC, 0644);
   if (req->buffered_fd < 0) return -errno;
+  // A directory opens for reading (and then refuses O_DIRECT, which would read as a file system
+  // without it); for writing, open() itself refuses it with EISDIR. Refused here alike.
+  struct stat st;
+  if (fstat(req->buffered_fd, &st) == 0 && S_ISDIR(st.st_mode)) return -EISDIR;
   if (config_.use_direct) {
     req->direct_fd = open(path.c_str(), (flags & ~O_CREAT) | O_DIRECT | O_CLOEXEC);
     if (req->direct_fd < 0) {

@@ -241,8 +241,6 @@ class AsyncIOHandle:
         path = os.fspath(path)
         if "\0" in path:
             raise ValueError(f"path: contains a NUL byte, which no file name can: {path!r}")
-        if os.path.isdir(path):
-            raise IsADirectoryError(errno_mod.EISDIR, "path: expected a file, got a directory", os.path.abspath(path))
         ptr, nbytes, keep = _pointer(buffer, write)
         if offset + nbytes > _MAX_OFFSET:
             raise ValueError(f"offset: {offset} + {nbytes} bytes is past the largest file offset ({_MAX_OFFSET})")
