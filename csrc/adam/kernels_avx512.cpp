@@ -168,7 +168,8 @@ bool any_nan_code(const uint8_t* codes, size_t n) {
   for (size_t k = 0; k < n; k += 64) {
     const __mmask64 lanes = n - k >= 64 ? ~__mmask64{0} : (__mmask64{1} << (n - k)) - 1;
     const __m512i c = _mm512_maskz_loadu_epi8(lanes, codes + k);
-    found |= _mm512_mask_cmpeq_epi8_mask(lanes, _mm512_or_si512(c, _mm512_set1_epi8(static_cast<char>(0x80))), all);
+    const __m512i signed_c = _mm512_or_si512(c, _mm512_set1_epi8(static_cast<char>(0x80)));
+    found |= _mm512_mask_cmpeq_epi8_mask(lanes, signed_c, all);  // 0xFF: a NaN code of either sign
   }
   return found != 0;
 }
@@ -189,8 +190,8 @@ bool denormals_are_zero() { return (_mm_getcsr() & 0x40u) != 0; }
 template <bool kChecked, bool kSigned>
 __m512i floats_to_e4m3(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
-  const __m512i sign = kSigned ? _mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0x80000000u)))
-                               : _mm512_setzero_si512();
+  const __m512i sign_bit = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  const __m512i sign = kSigned ? _mm512_and_si512(u, sign_bit) : _mm512_setzero_si512();
   const __m512i a = kSigned ? _mm512_xor_si512(u, sign) : u;
   // Below 2^-6: units of 2^-9, rounded by adding 2^14 (whose ulp is 2^-9).
   const __m512i subnormal = _mm512_sub_epi32(
@@ -222,7 +223,9 @@ struct BlockTop {
   float scale() const { return e4m3_block_scale(_mm512_reduce_max_ps(top), nan != 0); }
   // Whether the block's codes under `scale` (this block's) need no saturating or NaN lanes
   // ([Note: a finite block's codes]).
-  bool finite(float scale) const { return nan == 0 && scale < std::numeric_limits<float>::infinity(); }
+  bool finite(float scale) const {
+    return nan == 0 && scale < std::numeric_limits<float>::infinity();
+  }
 };
 
 // The codes of the 16 values at `values` under `inverse` (1 / the block's scale), in 32-bit lanes.
@@ -249,8 +252,9 @@ void encode_codes(const float* values, size_t n, float scale, void* codes, size_
     // lanes of their inputs, which the permute puts back in order.
     const __m512i low = _mm512_packus_epi32(block_codes<kChecked, kRoot>(values + k, inverse),
                                             block_codes<kChecked, kRoot>(values + k + 16, inverse));
-    const __m512i high = _mm512_packus_epi32(block_codes<kChecked, kRoot>(values + k + 32, inverse),
-                                             block_codes<kChecked, kRoot>(values + k + 48, inverse));
+    const __m512i high =
+        _mm512_packus_epi32(block_codes<kChecked, kRoot>(values + k + 32, inverse),
+                            block_codes<kChecked, kRoot>(values + k + 48, inverse));
     const __m512i packed = _mm512_permutexvar_epi32(
         _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
         _mm512_packus_epi16(low, high));
@@ -263,7 +267,8 @@ void encode_codes(const float* values, size_t n, float scale, void* codes, size_
 }
 
 template <bool kRoot>
-void encode_block(const float* values, size_t n, const BlockTop& top, void* codes, float* scales, size_t i) {
+void encode_block(const float* values, size_t n, const BlockTop& top, void* codes, float* scales,
+                  size_t i) {
   const float scale = top.scale();
   if (top.finite(scale)) {
     encode_codes<false, kRoot>(values, n, scale, codes, i);
@@ -329,12 +334,14 @@ struct Avx512Loop<R, G, H, DType::kE4M3Block, L2> {
         prefetch_streams<G, DType::kF32, false, false>(block, k);
         Moments s{};
         if constexpr (kHasExpAvg<R>) {
-          const __m512 x = m_finite ? e4m3_to_floats_finite(m_codes + k, mask) : e4m3_to_floats(m_codes + k, mask);
+          const __m512 x = m_finite ? e4m3_to_floats_finite(m_codes + k, mask)
+                                    : e4m3_to_floats(m_codes + k, mask);
           s.m = _mm512_mul_ps(x, m_scale);
         }
         if constexpr (kHasExpAvgSq<R>) {
-          const __m512 x = _mm512_mul_ps(
-              v_finite ? e4m3_to_floats_finite(v_codes + k, mask) : e4m3_to_floats(v_codes + k, mask), v_scale);
+          const __m512 root = v_finite ? e4m3_to_floats_finite(v_codes + k, mask)
+                                       : e4m3_to_floats(v_codes + k, mask);
+          const __m512 x = _mm512_mul_ps(root, v_scale);
           s.v = _mm512_mul_ps(x, x);
         }
         update_vector<R, G, H, L2>(c, block, k, mask, whole, s);
