@@ -247,6 +247,8 @@ class AsyncIOHandle:
         rid, direct = self._engine.submit(write, ptr, nbytes, path, offset)
         if rid < 0:
             code = -rid
+            if code == errno_mod.EISDIR:  # the engine checks the descriptor it opens, not a stat per request
+                raise IsADirectoryError(code, "path: expected a file, got a directory", path)
             raise OSError(code, f"{os.strerror(code)}: cannot open for {'writing' if write else 'reading'}", path)
         if not direct:
             _warn_buffered_once(path)
