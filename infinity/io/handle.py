@@ -80,11 +80,11 @@ def _warn_buffered_once(path: str) -> None:
 def _pointer(buffer: Any, write: bool) -> tuple[int, int, Any]:
     """(address, nbytes, object to keep alive) of a contiguous CPU tensor or a buffer-protocol object."""
     if isinstance(buffer, torch.Tensor):
-        if buffer.device.type != "cpu":
+        if not buffer.is_cpu:
             raise TypeError(f"buffer: expected a CPU tensor, got one on {buffer.device}")
         if not buffer.is_contiguous():
             raise ValueError("buffer: expected a contiguous tensor")
-        return buffer.data_ptr(), buffer.numel() * buffer.element_size(), buffer
+        return buffer.data_ptr(), buffer.nbytes, buffer
     try:
         view = memoryview(buffer)
     except TypeError:

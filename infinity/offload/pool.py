@@ -149,6 +149,7 @@ class BufferPool:
             self._buffers += list(aligned_empty(count * size, pin=None if pin is not False else False).split(size))
             self._free[size] = list(range(first + count - 1, first - 1, -1))
         self._sizes = sorted(self._free)
+        self._class_by_nbytes: dict[int, int] = {}  # a request's size -> its class (`_class_of`)
         self._in_use = {}
         self._bytes_in_use = 0
         self._peak = 0
@@ -274,9 +275,14 @@ class BufferPool:
 
     def _class_of(self, nbytes: int) -> int:
         """The size of the smallest class that holds `nbytes`."""
-        return next(size for size in self._sizes if size >= nbytes)
+        size = self._class_by_nbytes.get(nbytes)
+        if size is None:
+            size = self._class_by_nbytes[nbytes] = next(size for size in self._sizes if size >= nbytes)
+        return size
 
     def _check_nbytes(self, nbytes: int) -> None:
+        if type(nbytes) is int and 0 <= nbytes <= self._buffer_size:  # the common case, checked fast
+            return
         if isinstance(nbytes, bool) or not isinstance(nbytes, Integral) or nbytes < 0:
             raise ValueError(f"nbytes: expected a non-negative int, got {nbytes!r}")
         if nbytes > self._buffer_size:

@@ -15,6 +15,7 @@ might: the figure errs low, never double-counts.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from infinity.offload.shard import Transfer
@@ -39,7 +40,20 @@ class SwapStats(NamedTuple):
     busy_seconds: float = 0.0  # wall time with any transfer in flight
 
 
-_NO_STATS = DirectionStats(0, 0, 0.0, 0.0, 0.0, 0)
+@dataclass(slots=True)
+class _Totals:
+    """A direction's running `DirectionStats`."""
+
+    bytes: int = 0
+    count: int = 0
+    seconds: float = 0.0
+    wait_seconds: float = 0.0
+    busy_seconds: float = 0.0
+    submitted_bytes: int = 0
+
+    def stats(self) -> DirectionStats:
+        return DirectionStats(self.bytes, self.count, self.seconds, self.wait_seconds, self.busy_seconds,
+                              self.submitted_bytes)
 
 
 class SwapCounters:
@@ -49,18 +63,20 @@ class SwapCounters:
     misses: int  # fetches that issued a read
 
     def __init__(self) -> None:
-        self._directions = {False: _NO_STATS, True: _NO_STATS}  # write? -> traffic
+        # write? -> its totals, added to in place: two updates a transfer, where a NamedTuple's
+        # _replace took 2 us each
+        self._directions = {False: _Totals(), True: _Totals()}
         self._busy_until: dict[bool | None, float] = {False: 0.0, True: 0.0, None: 0.0}  # None: either
         self._busy_any = 0.0
         self.hits = 0
         self.misses = 0
 
     def snapshot(self) -> SwapStats:
-        return SwapStats(self._directions[False], self._directions[True], self.hits, self.misses, self._busy_any)
+        return SwapStats(self._directions[False].stats(), self._directions[True].stats(), self.hits, self.misses,
+                         self._busy_any)
 
     def submitted(self, write: bool, nbytes: int) -> None:
-        old = self._directions[write]
-        self._directions[write] = old._replace(submitted_bytes=old.submitted_bytes + nbytes)
+        self._directions[write].submitted_bytes += nbytes
 
     def completed(self, transfer: Transfer, began: float, finished: float) -> None:
         """Counts a transfer that completed without error: `began` is when its caller started
@@ -68,12 +84,12 @@ class SwapCounters:
         submission and now)."""
         now = time.monotonic()
         finished = min(max(finished, transfer.started), now)
-        old = self._directions[transfer.write]
-        self._directions[transfer.write] = old._replace(
-            bytes=old.bytes + transfer.buffer.numel(), count=old.count + 1,
-            seconds=old.seconds + finished - transfer.started, wait_seconds=old.wait_seconds + now - began,
-            busy_seconds=old.busy_seconds + self._busy(transfer.write, transfer.started, finished),
-        )
+        totals = self._directions[transfer.write]
+        totals.bytes += transfer.buffer.numel()
+        totals.count += 1
+        totals.seconds += finished - transfer.started
+        totals.wait_seconds += now - began
+        totals.busy_seconds += self._busy(transfer.write, transfer.started, finished)
         self._busy_any += self._busy(None, transfer.started, finished)
 
     def _busy(self, direction: bool | None, start: float, end: float) -> float:

@@ -67,6 +67,7 @@ class ShardTransfers:
         self.write_handle = write_handle
         self.read_delay_s = read_delay_s
         self._label = getattr(store, "name", "store")  # for the timeline
+        self._waits = {False: f"{self._label} read", True: f"{self._label} write"}  # write? -> its waits' name
         self.timeout = timeout
         self._shards = {}
         self._writes = {}
@@ -127,7 +128,8 @@ class ShardTransfers:
     def _submit(self, write: bool, buffer: torch.Tensor, extent: Extent) -> Transfer:
         with profiled("infinity::nvme_write" if write else "infinity::nvme_read"):
             started = time.monotonic()
-            TIMELINE.instant("write issued" if write else "read issued", self._label, nbytes=buffer.numel())
+            if TIMELINE.recording:
+                TIMELINE.instant("write issued" if write else "read issued", self._label, nbytes=buffer.numel())
             submit = self.write_handle.submit_write if write else self.handle.submit_read
             request = submit(buffer, extent.path, extent.offset)
         self._counters.submitted(write, buffer.numel())
@@ -150,8 +152,7 @@ class ShardTransfers:
         finished = began
         self._cond.release()
         try:
-            with TIMELINE.span(f"{self._label} {'write' if transfer.write else 'read'}", "wait",
-                               profile="infinity::nvme_wait", shard=f"{shard.kind} {shard.key}"):
+            with profiled("infinity::nvme_wait"):
                 if not transfer.write and self.read_delay_s > 0:
                     time.sleep(max(0.0, transfer.started + self.read_delay_s - time.monotonic()))
                 handle = self.write_handle if transfer.write else self.handle
@@ -165,6 +166,10 @@ class ShardTransfers:
                 except OSError as e:
                     error = e
         finally:
+            # Timed here, not in a `TIMELINE.span`: its generator and labels cost more than the rest
+            # of a transfer's bookkeeping, and the labels are only read by a recording timeline.
+            args = {"shard": f"{shard.kind} {shard.key}"} if TIMELINE.recording else {}
+            TIMELINE.add_wait(self._waits[transfer.write], began, time.monotonic(), **args)
             self._cond.acquire()
             shard.completing = False
             self._cond.notify_all()
@@ -172,8 +177,9 @@ class ShardTransfers:
             if not transfer.write and self.read_delay_s > 0:
                 finished = max(finished, transfer.started + self.read_delay_s)
             self._counters.completed(transfer, began, finished)
-            TIMELINE.transfer(f"{self._label} {'writes' if transfer.write else 'reads'}", f"{shard.kind} {shard.key}",
-                              transfer.started, finished, transfer.buffer.numel())
+            if TIMELINE.recording:
+                TIMELINE.transfer(f"{self._label} {'writes' if transfer.write else 'reads'}", f"{shard.kind} {shard.key}",
+                                  transfer.started, finished, transfer.buffer.numel())
         if transfer.write:
             self._finish_write(shard, transfer, error)
         else:
