@@ -251,6 +251,7 @@ def test_errors_carry_errno_and_handle_survives(tmp_path, engine):
     handle.read(back, path)
     assert bool((back == 1).all())
     assert handle.num_pending == 0
+    assert handle.finished_count() == 4  # the failed reads too (Swapper.reap polls by it); not the open
 
 
 @pytest.mark.parametrize("engine", ENGINES)

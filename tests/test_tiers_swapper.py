@@ -427,6 +427,60 @@ def test_reap_gives_finished_writes_buffers_back_without_waiting(store):
     assert stats.host_to_nvme.submitted_bytes == stats.host_to_nvme.bytes
 
 
+class HeldWrites:
+    """A real handle whose writes reach it only at `let_go` (or a wait): until then each is in
+    flight and unfinished, as on a slow disk. Counts the swapper's `done` polls."""
+
+    def __init__(self) -> None:
+        self.inner = AsyncIOHandle()
+        self.held: dict[int, tuple] = {}  # our id -> the write's arguments
+        self.real: dict[int, int] = {}  # our id -> the inner handle's
+        self.polls = 0
+
+    def submit_write(self, buffer, path, offset=0):
+        rid = len(self.held) + len(self.real) + 1
+        self.held[rid] = (buffer, path, offset)
+        return rid
+
+    def let_go(self) -> None:
+        self.real.update({rid: self.inner.submit_write(*args) for rid, args in self.held.items()})
+        self.held.clear()
+
+    def done(self, request):
+        self.polls += 1
+        return request in self.real and self.inner.done(self.real[request])
+
+    def finished_count(self):
+        return self.inner.finished_count()
+
+    def wait(self, request=None):
+        self.let_go()
+        return self.inner.wait(self.real.pop(request))
+
+
+def test_reap_asks_about_writes_in_flight_only_once_a_request_finished(store):
+    """The optimizer's pipeline reaps before every read ahead, with tens of writes in flight, and
+    `reap` asked the handle about each of them every time. It now looks again only once the
+    handle's count of finished requests has moved, and still reaps every finished write."""
+    writes = HeldWrites()
+    swapper = make(store, buffer_count=3, handle=AsyncIOHandle(), write_handle=writes)
+    data = fill(swapper)
+    for k in (0, 1):
+        swapper.wait(swapper.fetch("param", k)).add_(1)
+        swapper.release("param", k, dirty=True)  # in flight, unfinished until let go
+    swapper.reap()
+    polls = writes.polls
+    assert [swapper.reap() for _ in range(5)] == [0] * 5
+    assert writes.polls == polls, "asked about unfinished writes though no request had finished"
+    writes.let_go()
+    deadline, reaped = time.monotonic() + 30, 0
+    while reaped < 2:
+        reaped += swapper.reap()
+        assert time.monotonic() < deadline, f"{2 - reaped} finished writes were never reaped"
+    assert swapper.pool.num_free == 3
+    assert torch.equal(read(swapper, 0), data[0] + 1) and torch.equal(read(swapper, 1), data[1] + 1)
+
+
 def test_a_completion_cut_off_after_the_wait_returned_is_finished_by_the_next(store):
     """Ctrl-C landing after the handle's wait for a write returned, before the swapper recorded
     it ([Note: waiting again] in infinity/io/handle.py): the shard still looks in flight, and the

@@ -78,7 +78,9 @@ PYBIND11_MODULE(_aio, m) {
           "raises here; the request goes on and can be waited for again.")
       .def("done", &Engine::done, py::arg("id"),
            "Whether the request has completed, so that wait() returns at once (never blocks).")
-      .def("pending", &Engine::pending);
+      .def("pending", &Engine::pending)
+      .def("finished_count", &Engine::finished_count,
+           "How many requests have completed so far (a poll of done() may skip while it stays).");
 
   py::class_<AlignedBuffer>(m, "AlignedBuffer", py::buffer_protocol())
       .def(py::init<size_t, size_t, bool>(), py::arg("nbytes"), py::arg("alignment") = 4096,

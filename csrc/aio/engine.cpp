@@ -86,6 +86,7 @@ void Request::finish_chunk() {
     status.finished_s = static_cast<double>(now.tv_sec) + 1e-9 * static_cast<double>(now.tv_nsec);
     done = true;
   }
+  if (finished_count) finished_count->fetch_add(1, std::memory_order_release);
   done_cv.notify_all();
 }
 
@@ -358,6 +359,7 @@ Engine::~Engine() {
 int64_t Engine::submit(Op op, char* buf, size_t nbytes, const std::string& path, int64_t offset,
                        bool* direct) {
   auto req = std::make_shared<Request>();
+  req->finished_count = &finished_;
   req->op = op;
   req->path = path;
   int flags = op == Op::kRead ? O_RDONLY : (O_WRONLY | O_CREAT);

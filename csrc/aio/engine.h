@@ -122,6 +122,7 @@ struct Request {
 
   std::atomic<int> chunks_left{0};
   std::atomic<bool> failed{false};
+  std::atomic<uint64_t>* finished_count = nullptr;  // the engine's, counted once `done` is set
 
   std::mutex mu;
   std::condition_variable done_cv;
@@ -158,6 +159,10 @@ class Engine {
   bool done(uint64_t id) const;
   // Ids of requests not yet waited for, oldest first.
   std::vector<uint64_t> pending() const;
+  // How many requests have completed so far: one that finished after a reading of this count
+  // shows in the next, so a caller polling done() over its requests may skip the poll while
+  // the count stays the same.
+  uint64_t finished_count() const { return finished_.load(std::memory_order_acquire); }
 
   const Config& config() const { return config_; }
 
@@ -170,6 +175,7 @@ class Engine {
   std::unordered_map<uint64_t, std::shared_ptr<Request>> requests_;
   uint64_t next_id_ = 1;
   size_t next_worker_ = 0;
+  std::atomic<uint64_t> finished_{0};
   int owner_pid_;  // a forked child inherits the object but not the worker threads
 };
 

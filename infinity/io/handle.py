@@ -206,6 +206,12 @@ class AsyncIOHandle:
                                  f"ended more than {ENDED_KEPT} requests ago)")
         return self._engine.done(request)
 
+    def finished_count(self) -> int:
+        """How many requests have completed so far. One that completes after a call shows in
+        the next call's count, so a poll of `done` over requests may be skipped while the count
+        stays the same; never blocks."""
+        return self._engine.finished_count()
+
     def read(self, buffer: Any, path: str | os.PathLike, offset: int = 0) -> int:
         """Synchronous read; returns bytes read. Reading past the end of the file raises."""
         self.wait(self.submit_read(buffer, path, offset))

@@ -118,6 +118,7 @@ class Swapper(ShardTransfers):
         super().__init__(store, pool, cache, handle, write_handle if write_handle is not None else handle,
                          float(read_delay_s), timeout)
         self.on_lost = on_lost  # `on_lost(kind, error)` for each write that leaves a shard INVALID
+        self._reaped_at: int | None = None  # the write handle's finished_count at the last scan (`reap`)
 
     # ---- queries -----------------------------------------------------------------------------
 
@@ -350,14 +351,22 @@ class Swapper(ShardTransfers):
         done = getattr(self.write_handle, "done", None)
         if done is None:
             return 0
+        finished = getattr(self.write_handle, "finished_count", None)
         count = 0
         with self._cond:
+            # Nothing completed since the last scan, nothing to reap: the pipeline asks before
+            # every read ahead, with tens of writes in flight. Counted before the scan, so a write
+            # that finishes during it is seen by the next call.
+            seen = finished() if finished is not None else None
+            if seen is not None and seen == self._reaped_at:
+                return 0
             for shard in list(self._writes.values()):
                 transfer = shard.transfer
                 if shard.completing or transfer is None or not transfer.write or not done(transfer.request):
                     continue
                 self._complete(shard)  # finished already: returns at once
                 count += 1
+            self._reaped_at = seen
         return count
 
     def acquire(self, nbytes: int) -> torch.Tensor:

@@ -41,7 +41,9 @@ from infinity.offload.store import Extent, NvmeStore
 READ_RETRY = "nothing changed on disk: the next read of it tries again"  # what a failed read tells
 
 class IOHandle(Protocol):
-    """What the swapper needs of an I/O handle (`infinity.io.AsyncIOHandle`, or a test's wrapper)."""
+    """What the swapper needs of an I/O handle (`infinity.io.AsyncIOHandle`, or a test's wrapper).
+    Optional beyond these: `done(request)`, `wait_timed(request)`, and `finished_count()`, which
+    must move whenever a `done` answer may have turned True (`Swapper.reap` looks only then)."""
 
     def submit_read(self, buffer: torch.Tensor, path: str, offset: int = 0) -> int: ...
     def submit_write(self, buffer: torch.Tensor, path: str, offset: int = 0) -> int: ...
