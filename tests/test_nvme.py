@@ -192,16 +192,40 @@ def test_one_pass_spills_gradients_in_their_own_dtype(tmp_path, model, precision
     assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
 
 
-def test_a_half_spill_accumulates_in_fp32_when_passes_accumulate_after_all(tmp_path, model, caplog):
+@pytest.mark.parametrize("gas", [1, 2])
+def test_one_pass_keeps_gradients_in_host_memory_in_their_own_dtype(tmp_path, model, gas):
+    """[Note: one pass keeps its own dtype]: a clipped bf16 step of one pass keeps each unit's
+    gradient in 2 bytes a value of host memory (the accumulators' own storages counted), 4 where
+    passes accumulate; the bits are those of the CPU-offload run, whose gradients are fp32."""
+    data = batches(2 * gas, 4)
+    runs = []
+    for optim in ("cpu", "nvme"):
+        cfg = nvme_config(tmp_path, "nvme", optim, gas=gas) if optim == "nvme" else config(3, "cpu", "cpu", gas)
+        cfg["bf16"] = {"enabled": True}
+        engine, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
+        runs.append((engine_run(engine, data, gas=gas), engine.consolidated_state_dict()))
+        if optim == "nvme":
+            host = engine.optim_state.acc.host
+            kept = sum(u.train_shard_numel for u in engine.units if u.index in host)
+            assert kept > 0 and not engine.optim_state.acc.spilled
+            assert sum(a.untyped_storage().nbytes() for a in host.values()) == (2 if gas == 1 else 4) * kept
+        engine.close()
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+
+
+@pytest.mark.parametrize("budget", ["none", "all"])
+def test_a_half_gradient_accumulates_in_fp32_when_passes_accumulate_after_all(tmp_path, model, caplog, budget):
     """gradient_accumulation_steps 1, but the caller holds the boundary back for a pass
-    (`set_gradient_accumulation_boundary(False)`): the units that spill in bf16 sum in fp32 in
-    host memory instead, as the run that keeps every gradient in memory does, to the bit."""
+    (`set_gradient_accumulation_boundary(False)`): the units whose gradients wait in bf16,
+    spilled (`none` in memory) or in host memory (`all`), sum in fp32 in host memory instead, as
+    the CPU-offload run does, to the bit, and the log says why."""
     data = batches(4, 4)
     runs = []
-    for spill in (False, True):
-        cfg = nvme_config(tmp_path, "nvme", "nvme")
+    for optim in ("cpu", "nvme"):
+        cfg = nvme_config(tmp_path, "nvme", optim) if optim == "nvme" else config(3, "cpu", "cpu", 1)
         cfg["bf16"] = {"enabled": True}
-        if spill:
+        if optim == "nvme" and budget == "none":
             cfg["zero_optimization"]["offload_optimizer"].update(max_grad_in_cpu=0, buffer_count=12)
         engine, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
         losses = []
@@ -214,8 +238,9 @@ def test_a_half_spill_accumulates_in_fp32_when_passes_accumulate_after_all(tmp_p
                     engine.step()
                 losses.append(loss.item())
         runs.append((losses, engine.consolidated_state_dict()))
-        if spill:
-            assert not engine.optim_state.acc.spilled  # every unit took a host accumulator
+        if optim == "nvme":
+            acc = engine.optim_state.acc
+            assert not acc.spilled and all(a.dtype == torch.float32 for a in acc.host.values())
             assert "gradient_accumulation_steps is 1" in caplog.text
         engine.close()
     assert runs[0][0] == runs[1][0]

@@ -48,8 +48,9 @@ def builtin_budget(total_memory: int, largest_unit: int, largest_trainable: int,
 
     [Note: the built-in config's host budget]
     With parameters and optimizer state on NVMe, host memory holds the parameter pool, the
-    optimizer-state pool and the fp32 gradient accumulators that wait for the step's norm
-    (clipping 1.0); what is not kept spills to NVMe. The built-in config gives these a fifth of
+    optimizer-state pool and the gradient accumulators that wait for the step's norm (clipping
+    1.0; bf16, one pass a step: [Note: one pass keeps its own dtype] in
+    offload/optimizer/accumulators.py); what is not kept spills to NVMe. The built-in config gives these a fifth of
     the machine's memory: the pools are sized by the largest unit (tiles keep it at a layer's
     size, whatever the vocabulary) and by 100 MB pieces of optimizer state. After the parameter
     pool, the optimizer pool takes the budget (`offload_optimizer.buffer_count`, at least
@@ -58,8 +59,8 @@ def builtin_budget(total_memory: int, largest_unit: int, largest_trainable: int,
     budget plus the gathered units (at most two of the largest: `stage3_max_live_parameters`)
     and the activations, not a function of the model's size.
 
-    The pool comes before the accumulators because its bytes save more. An fp32 accumulator kept
-    in memory saves its one-pass spill, 2 bytes each way, written and read under a backward that
+    The pool comes before the accumulators because its bytes save more. An accumulator kept in
+    memory (2 bytes an element) saves its one-pass spill, 2 bytes each way, written and read under a backward that
     has the disk to spare. The pool's bytes hold pieces of state that then move neither way (12
     bytes each way an element), and they are the read-ahead of the updates that wait for the
     norm and run beside the next forward, where a step's waits are. On llama-3b's shapes with 12
@@ -80,7 +81,7 @@ def builtin_budget(total_memory: int, largest_unit: int, largest_trainable: int,
     # besides; the gradient accumulators get what it leaves.
     whole = -(-STATE_KINDS * 5 * max(trainable, 0) // (4 * piece)) + OPTIMIZER_BUFFERS
     buffers = max(OPTIMIZER_BUFFERS, min(whole, max(0, budget - param_pool) // (4 * piece)))
-    return budget, count, largest, piece, buffers, max(0, budget - param_pool - buffers * piece * 4) // 4
+    return budget, count, largest, piece, buffers, max(0, budget - param_pool - buffers * piece * 4) // 2
 
 
 def _default_config(nvme_path: str, offload: str, batch: int, lr: float, model: nn.Module | None = None,

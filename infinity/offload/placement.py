@@ -87,7 +87,8 @@ def _margin(config: InfinityConfig, units: list[TierUnit], total_memory: int, av
     if offload.device == "nvme":
         trains = [u.train_shard_numel for u in units if u.trainable]
         grads = sum(trains) if all_kept else min(sum(trains), offload.max_grad_in_cpu)
-        margin += 4 * grads
+        # [Note: one pass keeps its own dtype] in offload/optimizer/accumulators.py
+        margin += (itemsize if config.batch.gradient_accumulation_steps == 1 else 4) * grads
         if not all_kept and offload.max_in_cpu != "auto":  # the knobs' pool, as the tier will size it
             piece = piece_buffers(len(rule.moments), rule.format.bytes_per_value(), grads < sum(trains))
             margin += pool_bytes(trains, zero.sub_group_size, offload.buffer_count, piece,

@@ -120,9 +120,9 @@ NOTES = (
     ("host and NVMe are the node's, shared by its ranks: a row fits when ranks x per-rank bytes fit; no headroom "
      "is kept"),
     "host includes the pinned pools of NVMe placements, sized as the recommended block sizes them",
-    ("offload_optimizer nvme: fp32 gradient accumulators (for clipping, fp16 or accumulation) stay in host memory "
-     "up to max_grad_in_cpu elements, the rest spill to NVMe (bf16 with one pass a step, fp32 when passes "
-     "accumulate); its pool holds 9 (12 with spills) pieces of about "
+    ("offload_optimizer nvme: gradient accumulators (for clipping, fp16 or accumulation; bf16 with one pass a "
+     "step, fp32 when passes accumulate) stay in host memory up to max_grad_in_cpu elements, the rest spill to "
+     "NVMe; its pool holds 9 (12 with spills) pieces of about "
      "sub_group_size fp32 elements: a smaller sub_group_size shrinks it"),
 )
 

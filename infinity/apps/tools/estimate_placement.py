@@ -171,9 +171,9 @@ def _optimizer_items(model: ModelSize, world: int, optimizer: str, nvme_path: st
     target, count = choose_pieces(trains, zero.sub_group_size, asked, per_piece, host_elements=1, kinds=kept)
     piece = max((n for t in trains for _, n in cut_pieces(t, target)), default=1)  # [Note: the pool is a budget]
     items = [Item("nvme", what, state),
-             Item("host", "fp32 gradient accumulators", FP32 * (t - spilled)),
-             # one pass an accumulation (the config's default) spills bf16 ([Note: one pass spills its
-             # own dtype] in offload/optimizer/accumulators.py); accumulated passes spill fp32
+             # one pass an accumulation (the config's default) keeps and spills bf16 ([Note: one pass
+             # keeps its own dtype] in offload/optimizer/accumulators.py); accumulated passes, fp32
+             Item("host", "gradient accumulators (bf16: one pass a step)", HALF * (t - spilled)),
              Item("nvme", "spilled gradients (bf16: one pass a step)", HALF * spilled),
              Item("host", f"offload_optimizer pool: {count:g} buffers' worth", round(count * _page(FP32 * piece))),
              landing]

@@ -3,7 +3,8 @@ taken by rows (`row_norms_sq`), and, in the NVMe tier, accumulated between micro
 memory or spilled to the store (`Accumulators`).
 
 [Note: gradient spill]
-Gradients are reduced to this rank's shard and accumulated in fp32 on the host. When the update
+Gradients are reduced to this rank's shard and accumulated on the host (in fp32 where passes
+accumulate: [Note: one pass keeps its own dtype]). When the update
 waits for the step (clipping or fp16 needs the global norm first, or several micro-steps
 accumulate), every unit needs an accumulator until then: units are given one in host memory in
 the order the step updates them while `max_grad_in_cpu` elements last (backward order; forward
@@ -25,6 +26,14 @@ them: the 3B preset's 12.8 GB of fp32 spill became 6.4 GB each way. Should passe
 the same (`set_gradient_accumulation_boundary(False)` against a config of 1), a unit that spilled
 half takes an fp32 accumulator in host memory from then on, beyond `max_grad_in_cpu` (the
 placement plan does not count it), and says so once: a half sum would round.
+
+[Note: one pass keeps its own dtype]
+The same holds in host memory: with one pass an accumulation, a unit's accumulator is in the
+compute dtype (2 bytes a parameter instead of 4), the landed gradient copied in as it is. The
+clipped step's backward then writes half the bytes into it and its update reads half, and
+`max_grad_in_cpu` elements take half the memory (a 3.2B model's: 6.4 GB, not 12.8). A pass
+that starts an accumulation of several all the same replaces it by an fp32 one (`_widen`, said
+once).
 """
 
 from __future__ import annotations
@@ -162,8 +171,8 @@ class Accumulators:
             if u.index in no_accumulator:
                 continue
             if u.train_shard_numel <= room:  # in the order the step needs them, while room lasts
-                room -= u.train_shard_numel
-                self.host[u.index] = torch.zeros(u.train_shard_numel, dtype=torch.float32)
+                room -= u.train_shard_numel  # [Note: one pass keeps its own dtype]
+                self.host[u.index] = torch.zeros(u.train_shard_numel, dtype=u.dtype if one_pass else torch.float32)
             else:
                 self.spilled.add(u.index)
                 self.spill_dtype[u.index] = u.dtype if one_pass else torch.float32
@@ -182,6 +191,8 @@ class Accumulators:
         with TIMELINE.span("grad_accumulate", unit=index):
             # Any float dtype: copy_/add_ and the Adam kernel convert it in their pass.
             if index in self.host:
+                if not (first and last) and self.host[index].dtype != torch.float32:
+                    self._widen(index)  # [Note: one pass keeps its own dtype]
                 acc = self.host[index]
                 acc.copy_(g) if first else acc.add_(g)
                 if last:
@@ -209,13 +220,16 @@ class Accumulators:
         return self.spill_dtype[index] if kind == GRAD else torch.float32
 
     def _widen(self, index: int) -> None:
-        """A unit that spilled in its compute dtype meets an accumulation of several passes: it
-        takes an fp32 accumulator in host memory ([Note: one pass spills its own dtype])."""
+        """A unit whose gradient is kept or spilled in its compute dtype meets an accumulation of
+        several passes: it takes an fp32 accumulator in host memory ([Note: one pass spills its
+        own dtype], [Note: one pass keeps its own dtype]). A pass that is not the first of its
+        accumulation has an fp32 one already, so nothing held is lost."""
         if not self._widened:
             log.warning("offload_optimizer: gradients accumulate over several passes although "
                         "gradient_accumulation_steps is 1 (set_gradient_accumulation_boundary(False)); the units whose "
-                        "gradients spill to NVMe in bf16/fp16 take fp32 accumulators in host memory for it, beyond "
-                        "offload_optimizer.max_grad_in_cpu: set gradient_accumulation_steps to the passes accumulated")
+                        "gradients wait in bf16/fp16 (in host memory, or spilled to NVMe) take fp32 accumulators in host "
+                        "memory for it, twice the bytes, and beyond offload_optimizer.max_grad_in_cpu for those that "
+                        "spilled: set gradient_accumulation_steps to the passes accumulated")
             self._widened = True
         self.spilled.discard(index)
         self.host[index] = torch.zeros(self._numel[index], dtype=torch.float32)

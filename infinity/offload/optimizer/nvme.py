@@ -566,8 +566,8 @@ class NvmeOptimizerState:
         if kind != GRAD:  # a moment this rule does not keep: checkpoints still hold its zeros
             return torch.zeros(unit.train_shard_numel, dtype=torch.float32)
         self.acc.landing.consume_landed()
-        if unit.index in self.acc.host:
-            return self.acc.host[unit.index].clone()
+        if unit.index in self.acc.host:  # in the compute dtype with one pass ([Note: one pass keeps its own dtype])
+            return self.acc.host[unit.index].to(torch.float32, copy=True)
         return self._read_all(unit.index, GRAD) if unit.index in self.acc.spilled else None
 
     def write(self, unit: TierUnit, values: dict[str, torch.Tensor]) -> None:
