@@ -12,6 +12,7 @@ import torch
 
 import infinity
 from gpt import TinyGPT, batches, config, engine_run, reference_run, run_placements
+from infinity.offload.optimizer import accumulators
 
 STEPS = 10
 
@@ -192,43 +193,57 @@ def test_one_pass_spills_gradients_in_their_own_dtype(tmp_path, model, precision
     assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
 
 
+def _accumulators(engine) -> list[torch.Tensor]:
+    """The gradient accumulators a tier keeps in host memory."""
+    tier = engine.optim_state
+    return list(tier.acc.host.values()) if hasattr(tier, "acc") else list(tier._grads.values())
+
+
+# The reference: CPU offload with fp32 accumulators (the tiers' before [Note: one pass keeps its own dtype]).
+TIERS = [("fp32", "cpu"), ("half", "cpu"), ("half", "nvme")]
+
+
 @pytest.mark.parametrize("gas", [1, 2])
-def test_one_pass_keeps_gradients_in_host_memory_in_their_own_dtype(tmp_path, model, gas):
+def test_one_pass_keeps_gradients_in_host_memory_in_their_own_dtype(tmp_path, model, monkeypatch, gas):
     """[Note: one pass keeps its own dtype]: a clipped bf16 step of one pass keeps each unit's
     gradient in 2 bytes a value of host memory (the accumulators' own storages counted), 4 where
-    passes accumulate; the bits are those of the CPU-offload run, whose gradients are fp32."""
+    passes accumulate, in the CPU and the NVMe tier; the bits are those of fp32 accumulators."""
     data = batches(2 * gas, 4)
     runs = []
-    for optim in ("cpu", "nvme"):
+    for kept, optim in TIERS:
+        monkeypatch.setattr(accumulators, "ONE_PASS_KEEPS_ITS_DTYPE", kept == "half")
         cfg = nvme_config(tmp_path, "nvme", optim, gas=gas) if optim == "nvme" else config(3, "cpu", "cpu", gas)
         cfg["bf16"] = {"enabled": True}
         engine, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
         runs.append((engine_run(engine, data, gas=gas), engine.consolidated_state_dict()))
-        if optim == "nvme":
-            host = engine.optim_state.acc.host
-            kept = sum(u.train_shard_numel for u in engine.units if u.index in host)
-            assert kept > 0 and not engine.optim_state.acc.spilled
-            assert sum(a.untyped_storage().nbytes() for a in host.values()) == (2 if gas == 1 else 4) * kept
+        accs = _accumulators(engine)
+        values = sum(a.numel() for a in accs)
+        assert values == sum(u.train_shard_numel for u in engine.units if u.trainable) > 0
+        assert sum(a.untyped_storage().nbytes() for a in accs) == (2 if gas == 1 and kept == "half" else 4) * values
         engine.close()
-    assert runs[0][0] == runs[1][0]
-    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+    for losses, state in runs[1:]:
+        assert losses == runs[0][0]
+        assert all(torch.equal(state[k], runs[0][1][k]) for k in state)
 
 
 @pytest.mark.parametrize("budget", ["none", "all"])
-def test_a_half_gradient_accumulates_in_fp32_when_passes_accumulate_after_all(tmp_path, model, caplog, budget):
+def test_a_half_gradient_accumulates_in_fp32_when_passes_accumulate_after_all(tmp_path, model, monkeypatch, caplog,
+                                                                              budget):
     """gradient_accumulation_steps 1, but the caller holds the boundary back for a pass
-    (`set_gradient_accumulation_boundary(False)`): the units whose gradients wait in bf16,
-    spilled (`none` in memory) or in host memory (`all`), sum in fp32 in host memory instead, as
-    the CPU-offload run does, to the bit, and the log says why."""
+    (`set_gradient_accumulation_boundary(False)`): the units whose gradients wait in bf16, in host
+    memory or spilled (`none` in memory, NVMe tier), sum in fp32 in host memory instead, as fp32
+    accumulators do, to the bit, and the log says why."""
     data = batches(4, 4)
     runs = []
-    for optim in ("cpu", "nvme"):
+    for kept, optim in TIERS:
+        monkeypatch.setattr(accumulators, "ONE_PASS_KEEPS_ITS_DTYPE", kept == "half")
         cfg = nvme_config(tmp_path, "nvme", optim) if optim == "nvme" else config(3, "cpu", "cpu", 1)
         cfg["bf16"] = {"enabled": True}
         if optim == "nvme" and budget == "none":
             cfg["zero_optimization"]["offload_optimizer"].update(max_grad_in_cpu=0, buffer_count=12)
         engine, *_ = infinity.initialize(copy.deepcopy(model), config=cfg)
         losses = []
+        caplog.clear()
         with caplog.at_level("WARNING", logger="infinity"):
             for k, (idx, tgt) in enumerate(data):
                 engine.set_gradient_accumulation_boundary(k % 2 == 1)
@@ -238,13 +253,12 @@ def test_a_half_gradient_accumulates_in_fp32_when_passes_accumulate_after_all(tm
                     engine.step()
                 losses.append(loss.item())
         runs.append((losses, engine.consolidated_state_dict()))
-        if optim == "nvme":
-            acc = engine.optim_state.acc
-            assert not acc.spilled and all(a.dtype == torch.float32 for a in acc.host.values())
-            assert "gradient_accumulation_steps is 1" in caplog.text
+        assert all(a.dtype == torch.float32 for a in _accumulators(engine))
+        assert ("gradient_accumulation_steps is 1" in caplog.text) == (kept == "half")
         engine.close()
-    assert runs[0][0] == runs[1][0]
-    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+    for losses, state in runs[1:]:
+        assert losses == runs[0][0]
+        assert all(torch.equal(state[k], runs[0][1][k]) for k in state)
 
 
 def test_pieces_cut_a_shard_evenly_without_slivers():

@@ -280,6 +280,7 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
         offload/schedule.py), which start from the order the NVMe tier's updates are expected in."""
         offload = self.config.zero.offload_optimizer
         rule = self.optimizer.rule  # [Note: update rules] in infinity/optim/rules.py
+        one_pass = self.config.batch.gradient_accumulation_steps == 1
         if offload.device == "nvme" and any(u.trainable for u in self.units):  # else no state, no files
             from infinity.offload.optimizer.nvme import NvmeOptimizerState
             from infinity.offload.optimizer.split import split_by_budget
@@ -294,10 +295,11 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
                                        self.accelerator, offload, self.config.aio, self.config.zero.sub_group_size,
                                        rank=zdist.rank(everyone=True), units=units, schedule=schedule,
                                        at_next_use=mode is UpdateMode.AT_NEXT_USE, no_accumulator=at_once,
-                                       on_damage=self.lifecycle.damaged, rule=rule,
-                                       one_pass=self.config.batch.gradient_accumulation_steps == 1), rule=rule), schedule
+                                       on_damage=self.lifecycle.damaged, rule=rule, one_pass=one_pass),
+                                   rule=rule, one_pass=one_pass), schedule
         return ResidentOptimizerState(self.accelerator, on_device=offload.device == "none",
-                                      units=[u for u in self.units if u.trainable], rule=rule), StepSchedule([], at_next_use=False)
+                                      units=[u for u in self.units if u.trainable], rule=rule,
+                                      one_pass=one_pass), StepSchedule([], at_next_use=False)
 
     def _choices(self, aio_measured: bool, auto_budgets: list[str]) -> dict[str, Any]:
         """What the engine sized itself within the config's budgets, for users and reports: the

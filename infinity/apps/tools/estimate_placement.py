@@ -154,7 +154,11 @@ def _optimizer_items(model: ModelSize, world: int, optimizer: str, nvme_path: st
     landing = Item("host", "gradient landing buffers", 2 * _page(HALF * max(trains, default=0)))
     if optimizer != "nvme":
         tier = "device" if optimizer == "none" else "host"
-        items = [Item(tier, what, state), Item(tier, "fp32 gradient accumulators", FP32 * t)]
+        if optimizer == "cpu":  # one pass a step (the config's default): [Note: one pass keeps its own dtype]
+            grads = Item(tier, "gradient accumulators (bf16: one pass a step)", HALF * t)
+        else:  # on the device, where torch ops read them
+            grads = Item(tier, "fp32 gradient accumulators", FP32 * t)
+        items = [Item(tier, what, state), grads]
         return items + ([landing] if optimizer == "cpu" else []), 0, {"device": optimizer}
     defaults, zero = OffloadOptimizerConfig(), ZeroConfig()
     room, spilled = defaults.max_grad_in_cpu, 0

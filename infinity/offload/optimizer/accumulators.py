@@ -29,7 +29,9 @@ placement plan does not count it), and says so once: a half sum would round.
 
 [Note: one pass keeps its own dtype]
 The same holds in host memory: with one pass an accumulation, a unit's accumulator is in the
-compute dtype (2 bytes a parameter instead of 4), the landed gradient copied in as it is. The
+compute dtype (2 bytes a parameter instead of 4), the landed gradient copied in as it is, in
+the NVMe tier and in the CPU one (offload_optimizer cpu, where the CPU kernel reads it; a client
+torch optimizer, or torch ops on the device, take fp32 ones). The
 clipped step's backward then writes half the bytes into it and its update reads half, and
 `max_grad_in_cpu` elements take half the memory (a 3.2B model's: 6.4 GB, not 12.8). A pass
 that starts an accumulation of several all the same replaces it by an fp32 one (`_widen`, said
@@ -53,6 +55,8 @@ log = logging.getLogger("infinity")
 GRAD = "grad"  # the store's kind of spilled gradient accumulators ([Note: gradient spill])
 
 NORM_ROW = 1024  # elements; see [Note: gradient norm by rows]
+# [Note: one pass keeps its own dtype]; the tests set it False for the fp32 accumulators they compare the bits with
+ONE_PASS_KEEPS_ITS_DTYPE = True
 _WIDEN_BLOCK = 256 * NORM_ROW
 
 
@@ -172,7 +176,8 @@ class Accumulators:
                 continue
             if u.train_shard_numel <= room:  # in the order the step needs them, while room lasts
                 room -= u.train_shard_numel  # [Note: one pass keeps its own dtype]
-                self.host[u.index] = torch.zeros(u.train_shard_numel, dtype=u.dtype if one_pass else torch.float32)
+                half = one_pass and ONE_PASS_KEEPS_ITS_DTYPE
+                self.host[u.index] = torch.zeros(u.train_shard_numel, dtype=u.dtype if half else torch.float32)
             else:
                 self.spilled.add(u.index)
                 self.spill_dtype[u.index] = u.dtype if one_pass else torch.float32

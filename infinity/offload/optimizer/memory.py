@@ -1,5 +1,7 @@
 """Optimizer state over unit shards: the fp32 master, the update rule's moments ([Note: update
-rules] in infinity/optim/rules.py) and the fp32 gradient accumulator, kept in host memory
+rules] in infinity/optim/rules.py) and the gradient accumulator (in the compute dtype for one
+pass where the CPU kernel reads it: [Note: one pass keeps its own dtype] in accumulators.py;
+fp32 otherwise), kept in host memory
 (`offload_optimizer.device: cpu`) or on the compute device (none). The NVMe tier
 (`infinity.offload.optimizer.nvme`) has the same methods.
 
@@ -14,13 +16,19 @@ infinity/optim/rules.py).
 from __future__ import annotations
 
 
+import logging
+
 import torch
 
 from infinity.device.timeline import TIMELINE
 from infinity.device import Device, InFlight
 from infinity.optim.rules import AdamRule
+from infinity.offload.optimizer import accumulators
 from infinity.offload.optimizer.accumulators import GRAD, GradientLanding, norm_parts, row_norms_sq
 from infinity.offload.protocols import TierUnit
+
+log = logging.getLogger("infinity")
+
 
 class ResidentOptimizerState:
     """All state of every shard held in memory: on the compute device (offload none) or in host
@@ -30,7 +38,7 @@ class ResidentOptimizerState:
     updates_can_wait = False  # nothing to overlap: every update runs in backward or in step()
     chosen = None  # no pool to size
 
-    def __init__(self, device: Device, on_device: bool, units: list[TierUnit], rule=None):
+    def __init__(self, device: Device, on_device: bool, units: list[TierUnit], rule=None, one_pass: bool = False):
         self.device = device
         self.rule = rule or AdamRule()
         self.on_device = on_device
@@ -39,6 +47,10 @@ class ResidentOptimizerState:
         self._state: dict[int, dict[str, torch.Tensor]] = {}
         self._grads: dict[int, torch.Tensor] = {}
         self._landing = None if on_device else GradientLanding(device, units, "offload_optimizer")
+        # [Note: one pass keeps its own dtype] in accumulators.py, where the kernel reads the gradient:
+        # a client torch optimizer and torch ops on a device take fp32 ones.
+        self._half = accumulators.ONE_PASS_KEEPS_ITS_DTYPE and one_pass and not on_device and not self.rule.client
+        self._widened = False
 
     def add(self, unit: TierUnit, master: torch.Tensor) -> None:
         master = master.to(torch.float32, copy=True)
@@ -48,15 +60,16 @@ class ResidentOptimizerState:
         for kind in self.rule.moments:
             state[kind] = self.rule.format.empty(master.numel(), self.rule.initial(kind), kind, device=master.device)
         self._state[unit.index] = state
-        self._grads[unit.index] = torch.zeros_like(master)
+        self._grads[unit.index] = torch.zeros_like(master, dtype=unit.dtype if self._half else torch.float32)
         if self.rule.client:
             self.rule.register(unit, master)
 
     def accumulate(self, unit: TierUnit, grad_shard: torch.Tensor, first: bool, last: bool = False) -> InFlight | None:
-        acc = self._grads[unit.index]
-
         def consume(g: torch.Tensor) -> bool:
             with TIMELINE.span("grad_accumulate", unit=unit.index):
+                if not (first and last) and self._grads[unit.index].dtype != torch.float32:
+                    self._widen(unit.index)
+                acc = self._grads[unit.index]
                 acc.copy_(g) if first else acc.add_(g)
             return False
 
@@ -64,6 +77,18 @@ class ResidentOptimizerState:
             consume(grad_shard)
             return None
         return self._landing.land(grad_shard, consume)
+
+    def _widen(self, index: int) -> None:
+        """A pass that starts an accumulation of several meets a half accumulator: it takes an
+        fp32 one from now on (a half sum would round); nothing held is lost, since that pass is
+        the first of its accumulation."""
+        if not self._widened:
+            log.warning("offload_optimizer: gradients accumulate over several passes although "
+                        "gradient_accumulation_steps is 1 (set_gradient_accumulation_boundary(False)); the gradient "
+                        "accumulators in host memory take fp32 for it, twice the bytes: set gradient_accumulation_steps "
+                        "to the passes accumulated")
+            self._widened = True
+        self._grads[index] = torch.zeros_like(self._grads[index], dtype=torch.float32)
 
     def _consume_landed(self) -> None:
         if self._landing is not None:
@@ -133,7 +158,7 @@ class ResidentOptimizerState:
     def read(self, unit: TierUnit, kind: str) -> torch.Tensor:
         if kind == GRAD:
             self._consume_landed()
-            return self.device.host(self._grads[unit.index])
+            return self.device.host(self._grads[unit.index]).to(torch.float32)
         state = self._state[unit.index]
         n = state["master"].numel()
         if kind not in state:  # a moment this rule does not keep: checkpoints still hold its zeros

@@ -24,7 +24,7 @@ log = logging.getLogger("infinity")
 
 
 def split_by_budget(device: Device, budget: int, units: list[TierUnit], order: list[int],
-                    nvme: Callable[[list[TierUnit]], object], rule=None):
+                    nvme: Callable[[list[TierUnit]], object], rule=None, one_pass: bool = False):
     """The optimizer tier for `units` with `budget` elements of state in host memory: all of it
     there, all on NVMe (`nvme(units)` builds that tier), or split."""
     kept = units_in_memory(units, budget, order)
@@ -33,12 +33,13 @@ def split_by_budget(device: Device, budget: int, units: list[TierUnit], order: l
     if len(kept) == len(units):
         log.info("infinity: offload_optimizer.max_in_cpu %d: the optimizer state of all %d units stays in host "
                  "memory (%d elements); nothing goes to NVMe", budget, len(units), sum(u.train_shard_numel for u in units))
-        return ResidentOptimizerState(device, on_device=False, units=units, rule=rule)
+        return ResidentOptimizerState(device, on_device=False, units=units, rule=rule, one_pass=one_pass)
     on_disk = [u for u in units if u not in kept]
     log.info("infinity: offload_optimizer.max_in_cpu %d: the optimizer state of %d of %d units (%d of %d elements) "
              "stays in host memory, the rest on NVMe", budget, len(kept), len(units),
              sum(u.train_shard_numel for u in kept), sum(u.train_shard_numel for u in units))
-    return SplitOptimizerState(ResidentOptimizerState(device, on_device=False, units=kept, rule=rule), nvme(on_disk), kept)
+    return SplitOptimizerState(ResidentOptimizerState(device, on_device=False, units=kept, rule=rule, one_pass=one_pass),
+                               nvme(on_disk), kept)
 
 
 class SplitOptimizerState:
