@@ -60,6 +60,18 @@ ONE_PASS_KEEPS_ITS_DTYPE = True
 _WIDEN_BLOCK = 256 * NORM_ROW
 
 
+def widened(numel: int, device: torch.device, said: bool) -> torch.Tensor:
+    """The fp32 accumulator that replaces a unit's half one (kept or spilled) when a pass starts an
+    accumulation of several ([Note: one pass keeps its own dtype]); logs why, unless `said`."""
+    if not said:
+        log.warning("offload_optimizer: gradients accumulate over several passes although "
+                    "gradient_accumulation_steps is 1 (set_gradient_accumulation_boundary(False)); the units whose "
+                    "gradients wait in bf16/fp16 (in host memory, or spilled to NVMe) take fp32 accumulators in host "
+                    "memory for it, twice the bytes, and beyond offload_optimizer.max_grad_in_cpu for those that "
+                    "spilled: set gradient_accumulation_steps to the passes accumulated")
+    return torch.zeros(numel, dtype=torch.float32, device=device)
+
+
 def row_norms_sq(g: torch.Tensor) -> torch.Tensor:
     """Squared 2-norms, in fp32, of `g`'s consecutive rows of NORM_ROW elements (the last row
     may be shorter); `g` may be any float dtype. Inf or nan where a row holds one.
@@ -175,8 +187,8 @@ class Accumulators:
             if u.index in no_accumulator:
                 continue
             if u.train_shard_numel <= room:  # in the order the step needs them, while room lasts
-                room -= u.train_shard_numel  # [Note: one pass keeps its own dtype]
-                half = one_pass and ONE_PASS_KEEPS_ITS_DTYPE
+                room -= u.train_shard_numel
+                half = one_pass and ONE_PASS_KEEPS_ITS_DTYPE  # [Note: one pass keeps its own dtype]
                 self.host[u.index] = torch.zeros(u.train_shard_numel, dtype=u.dtype if half else torch.float32)
             else:
                 self.spilled.add(u.index)
@@ -229,15 +241,9 @@ class Accumulators:
         several passes: it takes an fp32 accumulator in host memory ([Note: one pass spills its
         own dtype], [Note: one pass keeps its own dtype]). A pass that is not the first of its
         accumulation has an fp32 one already, so nothing held is lost."""
-        if not self._widened:
-            log.warning("offload_optimizer: gradients accumulate over several passes although "
-                        "gradient_accumulation_steps is 1 (set_gradient_accumulation_boundary(False)); the units whose "
-                        "gradients wait in bf16/fp16 (in host memory, or spilled to NVMe) take fp32 accumulators in host "
-                        "memory for it, twice the bytes, and beyond offload_optimizer.max_grad_in_cpu for those that "
-                        "spilled: set gradient_accumulation_steps to the passes accumulated")
-            self._widened = True
         self.spilled.discard(index)
-        self.host[index] = torch.zeros(self._numel[index], dtype=torch.float32)
+        self.host[index] = widened(self._numel[index], torch.device("cpu"), said=self._widened)
+        self._widened = True
 
     def _spill(self, index: int, g: torch.Tensor, first: bool, last: bool, cuts: list[tuple[int, int]]) -> None:
         swapper = self._swapper

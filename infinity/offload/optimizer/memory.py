@@ -16,19 +16,14 @@ infinity/optim/rules.py).
 from __future__ import annotations
 
 
-import logging
-
 import torch
 
 from infinity.device.timeline import TIMELINE
 from infinity.device import Device, InFlight
 from infinity.optim.rules import AdamRule
 from infinity.offload.optimizer import accumulators
-from infinity.offload.optimizer.accumulators import GRAD, GradientLanding, norm_parts, row_norms_sq
+from infinity.offload.optimizer.accumulators import GRAD, GradientLanding, norm_parts, row_norms_sq, widened
 from infinity.offload.protocols import TierUnit
-
-log = logging.getLogger("infinity")
-
 
 class ResidentOptimizerState:
     """All state of every shard held in memory: on the compute device (offload none) or in host
@@ -82,13 +77,9 @@ class ResidentOptimizerState:
         """A pass that starts an accumulation of several meets a half accumulator: it takes an
         fp32 one from now on (a half sum would round); nothing held is lost, since that pass is
         the first of its accumulation."""
-        if not self._widened:
-            log.warning("offload_optimizer: gradients accumulate over several passes although "
-                        "gradient_accumulation_steps is 1 (set_gradient_accumulation_boundary(False)); the gradient "
-                        "accumulators in host memory take fp32 for it, twice the bytes: set gradient_accumulation_steps "
-                        "to the passes accumulated")
-            self._widened = True
-        self._grads[index] = torch.zeros_like(self._grads[index], dtype=torch.float32)
+        acc = self._grads[index]
+        self._grads[index] = widened(acc.numel(), acc.device, said=self._widened)
+        self._widened = True
 
     def _consume_landed(self) -> None:
         if self._landing is not None:
