@@ -481,6 +481,58 @@ def test_reap_asks_about_writes_in_flight_only_once_a_request_finished(store):
     assert torch.equal(read(swapper, 0), data[0] + 1) and torch.equal(read(swapper, 1), data[1] + 1)
 
 
+class CutOffWaits:
+    """A real handle whose waits for writes, once `cut` is set, return from the engine, block
+    until `go` is set, and then raise KeyboardInterrupt: a Ctrl-C landing in a thread that had
+    finished waiting but not yet recorded it."""
+
+    def __init__(self) -> None:
+        self.inner = AsyncIOHandle()
+        self.cut, self.inside, self.go = False, threading.Event(), threading.Event()
+
+    def submit_write(self, buffer, path, offset=0):
+        return self.inner.submit_write(buffer, path, offset)
+
+    def done(self, request):
+        return self.inner.done(request)
+
+    def finished_count(self):
+        return self.inner.finished_count()
+
+    def wait(self, request=None):
+        n = self.inner.wait(request)
+        if self.cut:
+            self.cut = False
+            self.inside.set()
+            self.go.wait(30)
+            raise KeyboardInterrupt
+        return n
+
+
+def test_reap_looks_again_at_a_write_another_thread_was_completing(store):
+    """A reap that skipped a finished write while another thread completed it must look again:
+    if that thread is cut off before it records the write, no request may finish after it to
+    move the handle's count (reap stored that count and skipped the write every time after)."""
+    writes = CutOffWaits()
+    swapper = make(store, buffer_count=3, handle=AsyncIOHandle(), write_handle=writes)
+    data = fill(swapper)
+    swapper.wait(swapper.fetch("param", 0)).add_(1)
+    handle = swapper.release("param", 0, dirty=True)
+    deadline = time.monotonic() + 30
+    while not writes.inner.done(handle.transfer.request):
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    writes.cut = True
+    completing = threading.Thread(target=lambda: pytest.raises(KeyboardInterrupt, swapper.wait, handle))
+    completing.start()
+    assert writes.inside.wait(30)
+    assert swapper.reap() == 0  # the write is the other thread's to complete
+    writes.go.set()
+    completing.join(30)
+    assert swapper.reap() == 1, "the finished write was left in flight"
+    assert swapper.pool.num_free == 3 and torch.equal(read(swapper, 0), data[0] + 1)
+
+
 def test_a_completion_cut_off_after_the_wait_returned_is_finished_by_the_next(store):
     """Ctrl-C landing after the handle's wait for a write returned, before the swapper recorded
     it ([Note: waiting again] in infinity/io/handle.py): the shard still looks in flight, and the

@@ -360,13 +360,15 @@ class Swapper(ShardTransfers):
             seen = finished() if finished is not None else None
             if seen is not None and seen == self._reaped_at:
                 return 0
+            skipped = False  # a write another thread is completing: looked at again next time
             for shard in list(self._writes.values()):
                 transfer = shard.transfer
+                skipped |= shard.completing
                 if shard.completing or transfer is None or not transfer.write or not done(transfer.request):
                     continue
                 self._complete(shard)  # finished already: returns at once
                 count += 1
-            self._reaped_at = seen
+            self._reaped_at = None if skipped else seen
         return count
 
     def acquire(self, nbytes: int) -> torch.Tensor:

@@ -7,10 +7,11 @@ parameter elements sharded over W ranks (t = T/W, z = Z/W):
   * parameter shards: 2 bytes (bf16) a parameter, t + z, in the offload_param tier;
   * trainable parameters only ([Note: frozen parameters] in infinity/zero/unit.py): fp32 master,
     exp_avg, exp_avg_sq (12 t with fp32 moments, 8 t with bf16 ones, about 6 t with 8-bit ones:
-    [Note: moment formats] in infinity/optim/formats.py) in the offload_optimizer tier, and an fp32 gradient accumulator
-    (4 t): on the device for "none", in host memory for "cpu", in host memory up to
-    `max_grad_in_cpu` elements for "nvme" and spilled to NVMe beyond ([Note: gradient spill] in
-    infinity/offload/optimizer/accumulators.py);
+    [Note: moment formats] in infinity/optim/formats.py) in the offload_optimizer tier, and a gradient accumulator:
+    fp32 (4 t) on the device for "none"; in the compute dtype with one pass a step (2 t, the
+    config's default: [Note: one pass keeps its own dtype] in
+    infinity/offload/optimizer/accumulators.py) in host memory for "cpu", and in host memory up to
+    `max_grad_in_cpu` elements for "nvme", spilled to NVMe beyond ([Note: gradient spill]);
   * the new bf16 values of a shard staged on the optimizer's side when the shard lives on the
     other side (offload_param none with the optimizer offloaded, or cpu with it on the device;
     `ResidentParams.update_target`): 2 t;

@@ -168,14 +168,14 @@ class GradientLanding:
 
 class Accumulators:
     """Where each unit's gradient waits for its update in the NVMe tier ([Note: gradient spill]):
-    an fp32 accumulator in host memory (`host`), one spilled to the store as kind GRAD, cut into
+    an accumulator in host memory (`host`: the compute dtype with one pass, else fp32), one spilled to the store as kind GRAD, cut into
     the pieces of the unit's state (`spilled`), or none: the landed gradient feeds the update at
     once (`fresh`, until the update gives its buffer back)."""
 
     def __init__(self, device: Device, units: list[TierUnit], room: int, no_accumulator: set[int],
                  update_order: list[int], one_pass: bool = False):
         self.landing = GradientLanding(device, units, "offload_optimizer")
-        self.host: dict[int, torch.Tensor] = {}  # unit -> fp32 accumulator, 1-D, train_shard_numel
+        self.host: dict[int, torch.Tensor] = {}  # unit -> its accumulator, 1-D, train_shard_numel
         self.spilled: set[int] = set()
         # unit -> the dtype its spilled gradient is stored in ([Note: one pass spills its own dtype])
         self.spill_dtype: dict[int, torch.dtype] = {}
