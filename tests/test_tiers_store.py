@@ -207,6 +207,46 @@ def test_a_signal_removes_the_directory(root, signum):
     assert os.listdir(root) == []
 
 
+SIGNAL_WHILE_OPENING = """
+    import os, signal, sys
+    from infinity.offload.store import NvmeStore
+    root, when = sys.argv[1], sys.argv[2]
+    if when == "beside an open store":
+        first = NvmeStore(root, {"param": {0: 4096}}, job_id="first")
+    if when == "at a kept directory":
+        NvmeStore(root, {"param": {0: 4096}}, job_id="j", keep=True).close()
+    real_mkdir, real_fallocate = os.mkdir, os.posix_fallocate
+
+    def signalled(real):
+        def call(path, *args):
+            # the kernel delivers it here; Python runs its handler right after this returns
+            if real is real_fallocate or str(path).endswith("rank0"):
+                os.kill(os.getpid(), signal.SIGTERM)
+            return real(path, *args)
+        return call
+
+    os.mkdir, os.posix_fallocate = signalled(real_mkdir), signalled(real_fallocate)
+    NvmeStore(root, {"param": {0: 4096}, "master": {0: 8192}}, job_id="j")
+    print("lived on", flush=True)
+"""
+
+
+@pytest.mark.parametrize("when", ["first of the process", "beside an open store", "at a kept directory"])
+def test_a_signal_while_a_store_opens_leaves_nothing_behind(root, when):
+    # A SIGTERM that arrives after a store claimed its directory but before it was made (the
+    # default disposition still in place for the first store, or the handler of an open one
+    # not knowing the new one) left the claim and the files behind, as kill -9 does.
+    with start_child(SIGNAL_WHILE_OPENING, root, when) as child:
+        stdout, stderr = child.communicate(timeout=60)
+    assert child.returncode == -signal.SIGTERM and stdout == "", stderr
+    if when == "at a kept directory":  # never ours to remove: it stays, with its file, unclaimed
+        assert os.listdir(root) == ["infinity-j"]
+        assert os.listdir(os.path.join(root, "infinity-j")) == ["rank0"]
+        assert os.listdir(os.path.join(root, "infinity-j", "rank0")) == ["param.bin"]
+    else:
+        assert os.listdir(root) == []
+
+
 def test_exit_paths_in_one_child(root):
     # A forked child (a DataLoader worker) closing the store does not remove its parent's
     # directory; a user's own SIGTERM handler runs with the stores intact (it may save a

@@ -137,17 +137,20 @@ class NvmeStore:
 
         for directory in remove_stale(root, "infinity-*/rank*"):
             logger.warning("removed %s, left by a process that no longer runs", directory)
+        _install_signal_cleanup()  # [Note: a signal while a store opens]
         self._lock = _claim(os.path.join(root, f"infinity-{job_id}", f"rank{int(rank)}"), config_key(name, "nvme_path"))
         self._directory = self._lock.directory
-        self._files, self._extents = _plan(self._directory, layout)
+        made = _Made()
+        self._finalizer = weakref.finalize(self, _finish, self._lock, keep, made)
+        _track(self._finalizer)
         try:
-            self._create_files()
+            self._files, self._extents = _plan(self._directory, layout)
+            self._create_files(made)
         except BaseException:
+            self._finalizer.detach()
             self._lock.release()  # not remove(): a kept directory we refused to reuse must survive
             rmdir_if_empty(os.path.dirname(self._directory))
             raise
-        self._finalizer = weakref.finalize(self, _finish, self._lock, keep)
-        _register_signal_cleanup(self._finalizer)
 
     # ---- what is where -----------------------------------------------------------------------
 
@@ -218,10 +221,11 @@ class NvmeStore:
             known = ", ".join(self._extents)
             raise KeyError(f"no kind {kind!r} in the store at {self._directory} (has {known})") from None
 
-    def _create_files(self) -> None:
+    def _create_files(self, made: _Made) -> None:
         """Creates the directory and preallocates every file, after checking there is room."""
         try:
             os.mkdir(self._directory, 0o700)
+            made.made = True
         except FileExistsError:
             raise OSError(
                 errno.EEXIST,
@@ -271,16 +275,20 @@ class NvmeDirectory:
             raise ValueError(f"job_id: expected letters, digits, '.', '_' or '-', got {job_id!r}")
         for directory in remove_stale(root, "infinity-*/rank*"):
             logger.warning("removed %s, left by a process that no longer runs", directory)
+        _install_signal_cleanup()  # [Note: a signal while a store opens]
         lock = _claim(os.path.join(root, f"infinity-{job_id}", f"rank{int(rank)}"), key)
+        made = _Made()
+        self._finalizer = weakref.finalize(self, _finish, lock, False, made)
+        _track(self._finalizer)
         try:
             os.mkdir(lock.directory, 0o700)
+            made.made = True
         except BaseException:
+            self._finalizer.detach()
             lock.release()
             rmdir_if_empty(os.path.dirname(lock.directory))
             raise
         self.directory = lock.directory
-        self._finalizer = weakref.finalize(self, _finish, lock, False)
-        _register_signal_cleanup(self._finalizer)
 
     def close(self) -> None:
         """Removes the directory and what is in it (idempotent)."""
@@ -358,10 +366,26 @@ def _preallocate(path: str, size: int) -> None:
         os.close(fd)
 
 
-def _finish(lock: DirectoryLock, keep: bool) -> None:
+class _Made:
+    """Whether a store has made its directory ([Note: a signal while a store opens])."""
+
+    __slots__ = ("made",)
+
+    def __init__(self) -> None:
+        self.made = False
+
+
+def _finish(lock: DirectoryLock, keep: bool, made: _Made) -> None:
     """The one way a store ends: remove its directory, or keep it and say where it is."""
     if not lock.held:
         return  # a forked child: the directory is its parent's
+    if not made.made:
+        # Signalled while opening: a directory of that name is not ours (one an earlier run
+        # kept), or it is empty (made just now), which rmdir alone removes.
+        rmdir_if_empty(lock.directory)
+        lock.release()
+        rmdir_if_empty(os.path.dirname(lock.directory))
+        return
     if keep:
         lock.release()
         logger.warning("kept %s (keep=True); remove it when it is no longer needed", lock.directory)
@@ -376,10 +400,25 @@ _signals_installed: set[int] = set()
 _open_stores: set[weakref.finalize] = set()  # the finalizers of stores that may still be open
 
 
-def _register_signal_cleanup(finalizer: weakref.finalize) -> None:
+def _track(finalizer: weakref.finalize) -> None:
+    """A store (from its claim on) that the signal handler cleans up."""
     with _signals_lock:
         _open_stores.difference_update([f for f in _open_stores if not f.alive])
         _open_stores.add(finalizer)
+
+
+def _install_signal_cleanup() -> None:
+    """The handlers of [Note: cleanup on exit], for signals whose disposition is the default.
+
+    [Note: a signal while a store opens]
+    A store claims its directory (the lock file), then makes it and its files, which can take a
+    while for large preallocations. A SIGTERM in between used to find the default disposition (the
+    process's first store) or a handler that did not know the new store yet: the process died
+    leaving the claim and the files behind, as kill -9 does. So the handlers are installed before
+    the claim, and a store is tracked from the claim on; its cleanup removes the directory only once
+    the store made it (`_Made`), never a directory of that name an earlier run kept (`keep=True`).
+    """
+    with _signals_lock:
         if threading.current_thread() is not threading.main_thread():
             return  # handlers can only be set from the main thread; exit cleanup still runs
         for signum in (signal.SIGTERM, signal.SIGINT):
