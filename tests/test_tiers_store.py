@@ -209,24 +209,26 @@ def test_a_signal_removes_the_directory(root, signum):
 
 SIGNAL_WHILE_OPENING = """
     import os, signal, sys
-    from infinity.offload.store import NvmeStore
+    from infinity.offload.store import NvmeDirectory, NvmeStore
     root, when, at = sys.argv[1], sys.argv[2], sys.argv[3]
     if when == "beside an open store":
         first = NvmeStore(root, {"param": {0: 4096}}, job_id="first")
     if when == "at a kept directory":
         NvmeStore(root, {"param": {0: 4096}}, job_id="j", keep=True).close()
-    real_mkdir, real_fallocate = os.mkdir, os.posix_fallocate
+    real = getattr(os, at)
 
-    def signalled(real):
-        def call(path, *args):
-            # the kernel delivers it here; Python runs its handler right after this returns
-            if real.__name__ == at and (at == "posix_fallocate" or str(path).endswith("rank0")):
-                os.kill(os.getpid(), signal.SIGTERM)
+    def signalled(path, *args):
+        try:
             return real(path, *args)
-        return call
+        finally:  # a real SIGTERM as the call ends: its handler runs before the caller's next line
+            if at == "posix_fallocate" or str(path).endswith("rank0"):
+                os.kill(os.getpid(), signal.SIGTERM)
 
-    os.mkdir, os.posix_fallocate = signalled(real_mkdir), signalled(real_fallocate)
-    NvmeStore(root, {"param": {0: 4096}, "master": {0: 8192}}, job_id="j")
+    setattr(os, at, signalled)
+    if when == "for activations":
+        NvmeDirectory(root, job_id="j", key="activation_checkpointing.nvme_path")
+    else:
+        NvmeStore(root, {"param": {0: 4096}, "master": {0: 8192}}, job_id="j", keep=when == "to keep")
     print("lived on", flush=True)
 """
 
@@ -234,11 +236,15 @@ SIGNAL_WHILE_OPENING = """
 @pytest.mark.parametrize("when,at", [("first of the process", "posix_fallocate"),
                                      ("beside an open store", "posix_fallocate"),
                                      ("beside an open store", "mkdir"),
-                                     ("at a kept directory", "mkdir")])
+                                     ("at a kept directory", "mkdir"),
+                                     ("to keep", "posix_fallocate"),
+                                     ("for activations", "mkdir")])
 def test_a_signal_while_a_store_opens_leaves_nothing_behind(root, when, at):
     # A SIGTERM that arrives after a store claimed its directory, as it makes the directory or
     # its files (the default disposition still in place for the first store, or the handler of
     # an open one not knowing the new one), left the claim and the files behind, as kill -9 does.
+    # A store to keep (keep=True) is kept only once it opened: half made, it would be a kept
+    # directory without its files.
     with start_child(SIGNAL_WHILE_OPENING, root, when, at) as child:
         stdout, stderr = child.communicate(timeout=60)
     assert child.returncode == -signal.SIGTERM and stdout == "", stderr
@@ -248,6 +254,33 @@ def test_a_signal_while_a_store_opens_leaves_nothing_behind(root, when, at):
         assert os.listdir(os.path.join(root, "infinity-j", "rank0")) == ["param.bin"]
     else:
         assert os.listdir(root) == []
+
+
+def test_ctrl_c_as_a_store_makes_its_directory_leaves_nothing_behind(root):
+    # Python's own SIGINT handler: the KeyboardInterrupt comes as mkdir returns, before the store
+    # marked the directory as made, and the failed open left it behind without its lock (a
+    # directory that blocked the job id as a kept one).
+    body = """
+        import os, signal, sys
+        from infinity.offload.store import NvmeStore
+        real = os.mkdir
+
+        def interrupted(path, *args):
+            try:
+                return real(path, *args)
+            finally:
+                if str(path).endswith("rank0"):
+                    os.kill(os.getpid(), signal.SIGINT)
+
+        os.mkdir = interrupted
+        try:
+            NvmeStore(sys.argv[1], {"param": {0: 4096}}, job_id="j")
+        except KeyboardInterrupt:
+            print(os.listdir(sys.argv[1]), flush=True)
+    """
+    with start_child(body, root) as child:
+        stdout, stderr = child.communicate(timeout=60)
+    assert child.returncode == 0 and stdout == "[]\n", stdout + stderr
 
 
 def test_exit_paths_in_one_child(root):

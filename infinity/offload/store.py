@@ -140,17 +140,19 @@ class NvmeStore:
         _install_signal_cleanup()  # [Note: a signal while a store opens]
         self._lock = _claim(os.path.join(root, f"infinity-{job_id}", f"rank{int(rank)}"), config_key(name, "nvme_path"))
         self._directory = self._lock.directory
-        made = _Made()
-        self._finalizer = weakref.finalize(self, _finish, self._lock, keep, made)
+        opening = _Opening()
+        self._finalizer = weakref.finalize(self, _finish, self._lock, keep, opening)
         _track(self._finalizer)
         try:
             self._files, self._extents = _plan(self._directory, layout)
-            self._create_files(made)
+            self._create_files(opening)
         except BaseException:
             self._finalizer.detach()
+            rmdir_if_empty(self._directory)  # made just before an interrupt marked it made
             self._lock.release()  # not remove(): a kept directory we refused to reuse must survive
             rmdir_if_empty(os.path.dirname(self._directory))
             raise
+        opening.done = True
 
     # ---- what is where -----------------------------------------------------------------------
 
@@ -221,11 +223,11 @@ class NvmeStore:
             known = ", ".join(self._extents)
             raise KeyError(f"no kind {kind!r} in the store at {self._directory} (has {known})") from None
 
-    def _create_files(self, made: _Made) -> None:
+    def _create_files(self, opening: _Opening) -> None:
         """Creates the directory and preallocates every file, after checking there is room."""
         try:
             os.mkdir(self._directory, 0o700)
-            made.made = True
+            opening.made = True
         except FileExistsError:
             raise OSError(
                 errno.EEXIST,
@@ -277,14 +279,15 @@ class NvmeDirectory:
             logger.warning("removed %s, left by a process that no longer runs", directory)
         _install_signal_cleanup()  # [Note: a signal while a store opens]
         lock = _claim(os.path.join(root, f"infinity-{job_id}", f"rank{int(rank)}"), key)
-        made = _Made()
-        self._finalizer = weakref.finalize(self, _finish, lock, False, made)
+        opening = _Opening()
+        self._finalizer = weakref.finalize(self, _finish, lock, False, opening)
         _track(self._finalizer)
         try:
             os.mkdir(lock.directory, 0o700)
-            made.made = True
+            opening.made = True
         except BaseException:
             self._finalizer.detach()
+            rmdir_if_empty(lock.directory)  # made just before an interrupt marked it made
             lock.release()
             rmdir_if_empty(os.path.dirname(lock.directory))
             raise
@@ -366,27 +369,28 @@ def _preallocate(path: str, size: int) -> None:
         os.close(fd)
 
 
-class _Made:
-    """Whether a store has made its directory ([Note: a signal while a store opens])."""
+class _Opening:
+    """How far a store got in opening ([Note: a signal while a store opens])."""
 
-    __slots__ = ("made",)
+    __slots__ = ("made", "done")
 
     def __init__(self) -> None:
-        self.made = False
+        self.made = False  # it made its directory
+        self.done = False  # its files are all there: only then is it kept (keep=True)
 
 
-def _finish(lock: DirectoryLock, keep: bool, made: _Made) -> None:
+def _finish(lock: DirectoryLock, keep: bool, opening: _Opening) -> None:
     """The one way a store ends: remove its directory, or keep it and say where it is."""
     if not lock.held:
         return  # a forked child: the directory is its parent's
-    if not made.made:
+    if not opening.made:
         # Signalled while opening: a directory of that name is not ours (one an earlier run
         # kept), or it is empty (made just now), which rmdir alone removes.
         rmdir_if_empty(lock.directory)
         lock.release()
         rmdir_if_empty(os.path.dirname(lock.directory))
         return
-    if keep:
+    if keep and opening.done:
         lock.release()
         logger.warning("kept %s (keep=True); remove it when it is no longer needed", lock.directory)
     else:
@@ -416,7 +420,9 @@ def _install_signal_cleanup() -> None:
     process's first store) or a handler that did not know the new store yet: the process died
     leaving the claim and the files behind, as kill -9 does. So the handlers are installed before
     the claim, and a store is tracked from the claim on; its cleanup removes the directory only once
-    the store made it (`_Made`), never a directory of that name an earlier run kept (`keep=True`).
+    the store made it (`_Opening`), never a directory of that name an earlier run kept (`keep=True`),
+    and a store of keep=True signalled before its files were all there is removed, not kept: a
+    half-made directory without its lock would block the job id and never be found stale.
     """
     with _signals_lock:
         if threading.current_thread() is not threading.main_thread():
