@@ -56,7 +56,7 @@ import shutil
 import signal
 import threading
 import weakref
-from collections.abc import Hashable, KeysView, Mapping
+from collections.abc import Callable, Hashable, KeysView, Mapping
 from numbers import Integral
 from typing import Any, NamedTuple
 
@@ -140,19 +140,12 @@ class NvmeStore:
         _install_signal_cleanup()  # [Note: a signal while a store opens]
         self._lock = _claim(os.path.join(root, f"infinity-{job_id}", f"rank{int(rank)}"), config_key(name, "nvme_path"))
         self._directory = self._lock.directory
-        opening = _Opening()
-        self._finalizer = weakref.finalize(self, _finish, self._lock, keep, opening)
-        _track(self._finalizer)
-        try:
+
+        def make(opening: _Opening) -> None:
             self._files, self._extents = _plan(self._directory, layout)
             self._create_files(opening)
-        except BaseException:
-            self._finalizer.detach()
-            rmdir_if_empty(self._directory)  # made just before an interrupt marked it made
-            self._lock.release()  # not remove(): a kept directory we refused to reuse must survive
-            rmdir_if_empty(os.path.dirname(self._directory))
-            raise
-        opening.done = True
+
+        self._finalizer = _open_claimed(self, self._lock, keep, make)
 
     # ---- what is where -----------------------------------------------------------------------
 
@@ -279,18 +272,12 @@ class NvmeDirectory:
             logger.warning("removed %s, left by a process that no longer runs", directory)
         _install_signal_cleanup()  # [Note: a signal while a store opens]
         lock = _claim(os.path.join(root, f"infinity-{job_id}", f"rank{int(rank)}"), key)
-        opening = _Opening()
-        self._finalizer = weakref.finalize(self, _finish, lock, False, opening)
-        _track(self._finalizer)
-        try:
+
+        def make(opening: _Opening) -> None:
             os.mkdir(lock.directory, 0o700)
             opening.made = True
-        except BaseException:
-            self._finalizer.detach()
-            rmdir_if_empty(lock.directory)  # made just before an interrupt marked it made
-            lock.release()
-            rmdir_if_empty(os.path.dirname(lock.directory))
-            raise
+
+        self._finalizer = _open_claimed(self, lock, False, make)
         self.directory = lock.directory
 
     def close(self) -> None:
@@ -377,6 +364,26 @@ class _Opening:
     def __init__(self) -> None:
         self.made = False  # it made its directory
         self.done = False  # its files are all there: only then is it kept (keep=True)
+
+
+def _open_claimed(owner: object, lock: DirectoryLock, keep: bool,
+                  make: Callable[[_Opening], None]) -> weakref.finalize:
+    """Makes a claimed directory and what is in it (`make`) for `owner`, cleaned up from the claim
+    on ([Note: a signal while a store opens]); returns the finalizer that ends it (`_finish`). If
+    `make` fails, the claim is given up, leaving a directory of that name that was there before."""
+    opening = _Opening()
+    finalizer = weakref.finalize(owner, _finish, lock, keep, opening)
+    _track(finalizer)
+    try:
+        make(opening)
+    except BaseException:
+        finalizer.detach()
+        rmdir_if_empty(lock.directory)  # made just before an interrupt marked it made
+        lock.release()  # not remove(): a kept directory we refused to reuse must survive
+        rmdir_if_empty(os.path.dirname(lock.directory))
+        raise
+    opening.done = True
+    return finalizer
 
 
 def _finish(lock: DirectoryLock, keep: bool, opening: _Opening) -> None:
