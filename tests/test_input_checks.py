@@ -1,11 +1,14 @@
 """Bad input is refused before any work, with one line naming the flag (issue #30, section 4):
-the command-line tools run in a process of their own, as a user runs them, and must exit non-zero
-without a traceback, without files under the NVMe path and without building the model; a model
-whose engine was closed is refused by `infinity.initialize` with what to do instead."""
+the command-line tools must exit non-zero without a traceback, without files under the NVMe path
+and without building the model (the first case of each tool in a process of its own, as a user
+runs it; the others through the same `main` in this process, which spares each the two seconds a
+process takes to import torch); a model whose engine was closed is refused by
+`infinity.initialize` with what to do instead."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import subprocess
 import sys
@@ -17,10 +20,21 @@ from torch import nn
 import infinity
 
 
-def run_tool(module: str, argv: list[str], cwd) -> subprocess.CompletedProcess:
-    """`python -m module argv` from `cwd` (a checkout's root would shadow the installed package)."""
-    return subprocess.run([sys.executable, "-m", module, *argv], cwd=cwd, capture_output=True, text=True,
-                          timeout=300)
+def run_tool(module: str, argv: list[str], cwd, capsys=None) -> subprocess.CompletedProcess:
+    """`python -m module argv` from `cwd` (a checkout's root would shadow the installed package);
+    with `capsys`, the module's `main(argv)` in this process, reported the same way."""
+    if capsys is None:
+        return subprocess.run([sys.executable, "-m", module, *argv], cwd=cwd, capture_output=True, text=True,
+                              timeout=300)
+    capsys.readouterr()  # what the test printed before
+    try:
+        code = importlib.import_module(module).main(argv)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    if isinstance(code, str):  # SystemExit("message"): the interpreter prints it and exits 1
+        err, code = err + code + "\n", 1
+    return subprocess.CompletedProcess([module, *argv], code or 0, out, err)
 
 
 def assert_one_line_naming(done: subprocess.CompletedProcess, flag: str, said: str) -> None:
@@ -34,7 +48,7 @@ def assert_one_line_naming(done: subprocess.CompletedProcess, flag: str, said: s
 # ---- aio_bench_sweep ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("argv,flag,said", [
+SWEEP_REFUSALS = [
     (["--block-sizes", "3"], "--block-sizes", "multiple of 4096"),  # was a ValueError traceback
     (["--block-sizes", "1M", "6000"], "--block-sizes", "multiple of 4096"),  # measured as 8K, reported as 6000
     (["--block-sizes", "2G"], "--block-sizes", "block_size <= 1073741824"),
@@ -43,11 +57,16 @@ def assert_one_line_naming(done: subprocess.CompletedProcess, flag: str, said: s
     (["--queue-depths", "four"], "--queue-depths", "expected an integer"),
     (["--io-size", "1000"], "--io-size", "multiple of 4096"),  # partly buffered: not what the sweep times
     (["--io-size", "8M", "--block-sizes", "4K", "--engines", "psync", "--repeat", "0"], "--repeat", "at least 1"),
-])
-def test_sweep_refuses_bad_values_in_one_line_before_any_work(tmp_path, argv, flag, said):
+]
+
+
+@pytest.mark.parametrize("argv,flag,said", SWEEP_REFUSALS)
+def test_sweep_refuses_bad_values_in_one_line_before_any_work(tmp_path, capsys, argv, flag, said):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    done = run_tool("infinity.apps.tools.aio_bench_sweep", ["--nvme-path", str(nvme), "--quick", *argv], tmp_path)
+    in_process = capsys if (argv, flag, said) != SWEEP_REFUSALS[0] else None
+    done = run_tool("infinity.apps.tools.aio_bench_sweep", ["--nvme-path", str(nvme), "--quick", *argv], tmp_path,
+                    in_process)
     assert_one_line_naming(done, flag, said)
     assert done.returncode == 2
     assert os.listdir(nvme) == []
@@ -90,15 +109,15 @@ def test_sweep_grid_falls_back_to_psync_where_it_is_the_only_engine(monkeypatch)
 # ---- infinity finetune --------------------------------------------------------------------------
 
 
-def finetune(tmp_path, *argv: str) -> subprocess.CompletedProcess:
+def finetune(tmp_path, *argv: str, capsys=None) -> subprocess.CompletedProcess:
     nvme = tmp_path / "nvme"
     nvme.mkdir(exist_ok=True)
     (tmp_path / "data.txt").write_text("def f(x):\n    return x + 1\n\n" * 40)
     return run_tool("infinity.apps.cli", ["finetune", "--data", str(tmp_path / "data.txt"), "--steps", "1",
-                                     "--sample-tokens", "0", "--nvme-path", str(nvme), *argv], tmp_path)
+                                     "--sample-tokens", "0", "--nvme-path", str(nvme), *argv], tmp_path, capsys)
 
 
-@pytest.mark.parametrize("argv,flag,said", [
+FINETUNE_REFUSALS = [
     # above the preset's 512 positions: trained silently on positions the model never had
     (["--model", "llama-tiny", "--seq-len", "513"], "--seq-len 513", "max_position_embeddings 512"),
     (["--seq-len", "1000000"], "--seq-len 1000000", "max_position_embeddings 1024"),  # the built-in model
@@ -107,9 +126,12 @@ def finetune(tmp_path, *argv: str) -> subprocess.CompletedProcess:
     (["--model", "llama-tiny", "--lora", "1000000000000"], "--lora 1000000000000", "at most 128"),
     (["--seed", str(2**64)], "--seed", "expected an integer"),
     (["--steps", "many"], "--steps", "expected a positive integer"),
-])
-def test_finetune_refuses_bad_sizes_in_one_line_before_the_model_is_built(tmp_path, argv, flag, said):
-    done = finetune(tmp_path, *argv)
+]
+
+
+@pytest.mark.parametrize("argv,flag,said", FINETUNE_REFUSALS)
+def test_finetune_refuses_bad_sizes_in_one_line_before_the_model_is_built(tmp_path, capsys, argv, flag, said):
+    done = finetune(tmp_path, *argv, capsys=capsys if (argv, flag, said) != FINETUNE_REFUSALS[0] else None)
     err = done.stderr.strip()
     assert done.returncode == 2 and "Traceback" not in err, err
     assert err.splitlines()[-1].find(flag) >= 0 and said in err, err
@@ -119,14 +141,15 @@ def test_finetune_refuses_bad_sizes_in_one_line_before_the_model_is_built(tmp_pa
     assert os.listdir(tmp_path / "nvme") == []
 
 
-def test_finetune_refuses_a_sample_beyond_learned_positions(tmp_path):
+def test_finetune_refuses_a_sample_beyond_learned_positions(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=300, n_embd=32, n_layer=2, n_head=4, n_positions=40, bos_token_id=0,
                                   eos_token_id=0)
     transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
     # an IndexError in the position embedding while sampling, after the model was built
-    done = finetune(tmp_path, "--model", str(tmp_path / "gpt2"), "--seq-len", "32", "--sample-tokens", "100")
+    done = finetune(tmp_path, "--model", str(tmp_path / "gpt2"), "--seq-len", "32", "--sample-tokens", "100",
+                    capsys=capsys)
     assert_one_line_naming(done, "--sample-tokens 100", "max_position_embeddings 40")
     assert "model:" not in done.stdout and os.listdir(tmp_path / "nvme") == []
 
