@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import json
 import logging
 import os
 import re
@@ -207,53 +208,72 @@ def test_a_signal_removes_the_directory(root, signum):
     assert os.listdir(root) == []
 
 
+OPENING_CASES = [("first of the process", "posix_fallocate"), ("beside an open store", "posix_fallocate"),
+                 ("beside an open store", "mkdir"), ("at a kept directory", "mkdir"),
+                 ("to keep", "posix_fallocate"), ("for activations", "mkdir")]
+
+# Each case in a process of its own, forked from one that imported infinity once (and opened no
+# store, so each case starts with the signal dispositions of a fresh process): a line per case,
+# with how the case's process ended and what it left under its root.
 SIGNAL_WHILE_OPENING = """
-    import os, signal, sys
+    import json, os, signal, sys
     from infinity.offload.store import NvmeDirectory, NvmeStore
-    root, when, at = sys.argv[1], sys.argv[2], sys.argv[3]
-    if when == "beside an open store":
-        first = NvmeStore(root, {"param": {0: 4096}}, job_id="first")
-    if when == "at a kept directory":
-        NvmeStore(root, {"param": {0: 4096}}, job_id="j", keep=True).close()
-    real = getattr(os, at)
 
-    def signalled(path, *args):
-        try:
-            return real(path, *args)
-        finally:  # a real SIGTERM as the call ends: its handler runs before the caller's next line
-            if at == "posix_fallocate" or str(path).endswith("rank0"):
-                os.kill(os.getpid(), signal.SIGTERM)
+    def opens(root, when, at):
+        if when == "beside an open store":
+            first = NvmeStore(root, {"param": {0: 4096}}, job_id="first")
+        if when == "at a kept directory":
+            NvmeStore(root, {"param": {0: 4096}}, job_id="j", keep=True).close()
+        real = getattr(os, at)
 
-    setattr(os, at, signalled)
-    if when == "for activations":
-        NvmeDirectory(root, job_id="j", key="activation_checkpointing.nvme_path")
-    else:
-        NvmeStore(root, {"param": {0: 4096}, "master": {0: 8192}}, job_id="j", keep=when == "to keep")
-    print("lived on", flush=True)
+        def signalled(path, *args):
+            try:
+                return real(path, *args)
+            finally:  # a real SIGTERM as the call ends: its handler runs before the caller's next line
+                if at == "posix_fallocate" or str(path).endswith("rank0"):
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+        setattr(os, at, signalled)
+        if when == "for activations":
+            NvmeDirectory(root, job_id="j", key="activation_checkpointing.nvme_path")
+        else:
+            NvmeStore(root, {"param": {0: 4096}, "master": {0: 8192}}, job_id="j", keep=when == "to keep")
+
+    for i, (when, at) in enumerate(json.loads(sys.argv[2])):
+        root = os.path.join(sys.argv[1], str(i))
+        os.mkdir(root)
+        pid = os.fork()
+        if pid == 0:
+            opens(root, when, at)
+            os._exit(0)  # it lived on
+        status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        left = [os.path.relpath(os.path.join(d, f), root) for d, ds, fs in os.walk(root) for f in ds + fs]
+        print(json.dumps([when, at, status, sorted(left)]), flush=True)
 """
 
 
-@pytest.mark.parametrize("when,at", [("first of the process", "posix_fallocate"),
-                                     ("beside an open store", "posix_fallocate"),
-                                     ("beside an open store", "mkdir"),
-                                     ("at a kept directory", "mkdir"),
-                                     ("to keep", "posix_fallocate"),
-                                     ("for activations", "mkdir")])
-def test_a_signal_while_a_store_opens_leaves_nothing_behind(root, when, at):
+@pytest.fixture(scope="module")
+def signalled_while_opening(tmp_path_factory):
+    root = tmp_path_factory.mktemp("opening")
+    with start_child(SIGNAL_WHILE_OPENING, str(root), json.dumps(OPENING_CASES)) as child:
+        stdout, stderr = child.communicate(timeout=120)
+    assert child.returncode == 0, stderr
+    return {(when, at): (status, left) for when, at, status, left in map(json.loads, stdout.splitlines())}
+
+
+@pytest.mark.parametrize("when,at", OPENING_CASES)
+def test_a_signal_while_a_store_opens_leaves_nothing_behind(signalled_while_opening, when, at):
     # A SIGTERM that arrives after a store claimed its directory, as it makes the directory or
     # its files (the default disposition still in place for the first store, or the handler of
     # an open one not knowing the new one), left the claim and the files behind, as kill -9 does.
     # A store to keep (keep=True) is kept only once it opened: half made, it would be a kept
     # directory without its files.
-    with start_child(SIGNAL_WHILE_OPENING, root, when, at) as child:
-        stdout, stderr = child.communicate(timeout=60)
-    assert child.returncode == -signal.SIGTERM and stdout == "", stderr
+    status, left = signalled_while_opening[when, at]
+    assert status == -signal.SIGTERM  # died of it, as without us
     if when == "at a kept directory":  # never ours to remove: it stays, with its file, unclaimed
-        assert os.listdir(root) == ["infinity-j"]
-        assert os.listdir(os.path.join(root, "infinity-j")) == ["rank0"]
-        assert os.listdir(os.path.join(root, "infinity-j", "rank0")) == ["param.bin"]
+        assert left == ["infinity-j", "infinity-j/rank0", "infinity-j/rank0/param.bin"]
     else:
-        assert os.listdir(root) == []
+        assert left == []
 
 
 def test_ctrl_c_as_a_store_makes_its_directory_leaves_nothing_behind(root):
