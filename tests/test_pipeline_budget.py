@@ -328,19 +328,28 @@ def test_the_engine_streams_more_of_the_state_when_updates_run_in_backward(tmp_p
         assert abs(read - (chosen["pieces"] - chosen["pieces_held"]) / chosen["pieces"]) < 0.1, (chosen, read)
 
 
+def _compute(seconds: float) -> None:
+    """A unit's op: `seconds`, and then as long as the disk still works on what it was given (at
+    most 5 s more), so that a busy host's slow disk does not end the op before its transfers."""
+    time.sleep(seconds)
+    deadline = time.monotonic() + 5.0
+    while not all(handle.settled() for handle in _SlowWrites.made) and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
 class _Pause(torch.autograd.Function):
     """Identity that takes `seconds` in forward and in backward: a unit's compute, long enough
     for the disk to finish what it was given."""
 
     @staticmethod
     def forward(ctx, x, seconds):
-        time.sleep(seconds)
+        _compute(seconds)
         ctx.seconds = seconds
         return x.clone()
 
     @staticmethod
     def backward(ctx, g):
-        time.sleep(ctx.seconds)
+        _compute(ctx.seconds)
         return g, None
 
 
@@ -370,17 +379,31 @@ class _SlowWrites:
     """A real I/O handle whose writes finish `seconds` after they are issued, not sooner: a disk
     slower than one unit's update, as the state's disk is for a model's units."""
 
+    made: list = []  # every handle made (a test resets it): `_compute` waits for their requests
+
     def __init__(self, inner, seconds: float):
         self.inner, self.seconds, self._issued, self._times = inner, seconds, {}, []
+        self._outstanding: set[int] = set()  # submitted, not waited for
+        _SlowWrites.made.append(self)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+    def submit_read(self, buffer, path, offset=0):
+        rid = self.inner.submit_read(buffer, path, offset)
+        self._outstanding.add(rid)
+        return rid
 
     def submit_write(self, buffer, path, offset=0):
         rid = self.inner.submit_write(buffer, path, offset)
         self._issued[rid] = now = time.monotonic()
         self._times.append(now)
+        self._outstanding.add(rid)
         return rid
+
+    def settled(self) -> bool:
+        """Whether every request submitted has finished (a write: its `seconds` passed too)."""
+        return all(self.done(request) for request in list(self._outstanding))
 
     def finished_count(self):
         """Moves whenever `done` may have turned True (the swapper's reap asks this first): a
@@ -398,6 +421,9 @@ class _SlowWrites:
         if request is not None:
             time.sleep(max(0.0, self._left(request)))
             self._issued.pop(request, None)
+            self._outstanding.discard(request)
+        else:
+            self._outstanding.clear()
         return self.inner.wait(request)
 
 
@@ -442,6 +468,7 @@ def test_a_units_state_is_read_while_the_unit_before_it_computes(tmp_path, monke
         monkeypatch.setattr(sizing, name, 8192)
     make_handle = nvme.make_handle
     monkeypatch.setattr(nvme, "make_handle", lambda aio: _SlowWrites(make_handle(aio), 0.03))
+    monkeypatch.setattr(_SlowWrites, "made", [])
     torch.manual_seed(0)
     d = 256
     model = _PausedNet(d, seconds=0.06)
@@ -481,6 +508,7 @@ def test_a_tied_tiles_state_is_read_while_the_tile_before_it_computes_its_produc
     monkeypatch.setattr(tiling, "_PRODUCT_BLOCK", 32 * 64)  # 32 rows of the 64-wide tile a block
     make_handle = nvme.make_handle
     monkeypatch.setattr(nvme, "make_handle", lambda aio: _SlowWrites(make_handle(aio), 0.03))
+    monkeypatch.setattr(_SlowWrites, "made", [])
     torch.manual_seed(0)
     vocab, d = 1024, 64
     model = TinyGPT(layers=1, d=d, vocab=vocab)
