@@ -524,7 +524,7 @@ def test_a_tied_tiles_state_is_read_while_the_tile_before_it_computes_its_produc
     assert len(tiles) == 8
     for stash in tiling.tied_stashes([engine.module]):  # each row block of a product takes a matmul's time
         if stash.between is not None:
-            stash.between = lambda poll=stash.between: (time.sleep(0.01), poll())
+            stash.between = lambda poll=stash.between: (_compute(0.01), poll())
     last = _update_events(engine, monkeypatch, data, at_next_use=False)
     engine.close()
     early = [(index, (at - before) / (12 * tiles[index].train_shard_numel))
