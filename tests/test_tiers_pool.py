@@ -50,10 +50,15 @@ def test_a_request_larger_than_a_buffer_names_buffer_size():
 def test_acquire_waits_for_a_release():
     pool = BufferPool(1, 4096)
     held = pool.acquire(1)
-    threading.Timer(0.1, pool.release, args=(held,)).start()
-    start = time.monotonic()
+    released = threading.Event()
+
+    def release():
+        released.set()
+        pool.release(held)
+
+    threading.Timer(0.1, release).start()
     again = pool.acquire(1, timeout=10)
-    assert time.monotonic() - start >= 0.05
+    assert released.is_set()  # it returned only once the buffer was given back
     assert again.data_ptr() == held.data_ptr()
     pool.release(again)
 
