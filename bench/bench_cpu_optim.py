@@ -14,13 +14,20 @@ elements), through the public API of each side:
   arithmetic order of the kernel ([Note: Adagrad and Lion arithmetic] in csrc/adam/adam.h).
 The optimizers of one rule share one set of tensors (param, grad and the rule's moments: their
 states point at the same moment tensors), so none runs on warmer memory than another. Each
-round runs every method once, one method later each round (so that none always follows the
-same one; torch's OpenMP threads spin for a while after each of its parallel regions), after a
-warm-up round. Reported: per method the median and min-max of its round times; per pair the
-median and min-max of the per-round ratio torch time / ours (> 1: ours faster), which cancels
-the slow drift of the machine's memory bandwidth. With --bf16-moments, ours also runs with
-fp32_optimizer_states=False (bf16 moments on tensors of their own). The JSON beside the report
-has every round, the command and the commit.
+round runs every pair (torch's, ours) once, its two methods back to back, one pair later each
+round and the two in the other order every other round (so that none always follows the same
+one; torch's OpenMP threads spin for a while after each of its parallel regions), after a
+warm-up round. Reported: per method the median and min-max of its times; per pair the median
+and min-max of the per-round ratio torch time / ours (> 1: ours faster) of the two calls made
+back to back, which cancels the drift of a VM's memory bandwidth (a method run once a round
+and compared with the other's run of that round, many calls away, spread 0.25-3.3x in a
+sweep on an EPYC VM, cpu_optim.md). With --bf16-moments, ours also runs with
+fp32_optimizer_states=False (bf16 moments on tensors of their own). With --prefetch-bytes, each
+of ours runs once per distance given ("CPUAdam @384B": the kernels' software prefetch distance,
+`infinity.optim.functional.prefetch_distance`, set before each of its calls), in the same rounds,
+and is compared with torch's at each; without it, at the process's distance (the default, or
+$INFINITY_PREFETCH_BYTES). The JSON beside the report has every round, the command and the
+commit.
 """
 
 from __future__ import annotations
@@ -132,30 +139,53 @@ def methods(shard: Shard, bf16_moments: bool) -> tuple[dict, list[tuple[str, str
     return fns, pairs
 
 
-def time_rounds(fns: dict, rounds: int) -> dict[str, list[float]]:
-    """Every method once per round, each round starting one method later, after a warm-up."""
+def at_distances(fns: dict, pairs: list[tuple[str, str]], distances: list[int]) -> tuple[dict, list]:
+    """Each of ours (the second of a pair) once per prefetch distance, under a name that says it."""
+    from infinity.optim.functional import prefetch_distance
+
+    ours = {o for _, o in pairs}
+    out = {name: fn for name, fn in fns.items() if name not in ours}
+
+    def at(fn, d):
+        def step():
+            prefetch_distance(d)
+            fn()
+        return step
+
+    for name in ours:
+        for d in distances:
+            out[f"{name} @{d}B"] = at(fns[name], d)
+    return out, [(t, f"{o} @{d}B") for t, o in pairs for d in distances]
+
+
+def time_pairs(fns: dict, pairs: list[tuple[str, str]], rounds: int) -> tuple[dict, dict]:
+    """Each pair's two methods back to back, every pair once per round, each round starting one
+    pair later and swapping which of the two goes first, after a warm-up. Returns every method's
+    times and every pair's per-round ratio (torch's time / ours, from the same pair's run)."""
     for fn in fns.values():
         fn()
-    names = list(fns)
-    seconds: dict[str, list[float]] = {name: [] for name in names}
+    seconds: dict[str, list[float]] = {name: [] for name in fns}
+    ratios: dict[str, list[float]] = {f"{t} / {o}": [] for t, o in pairs}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            start = time.perf_counter()
-            fns[name]()
-            seconds[name].append(time.perf_counter() - start)
-    return seconds
+        for theirs, ours in pairs[r % len(pairs):] + pairs[:r % len(pairs)]:
+            took = {}
+            for name in ((theirs, ours) if r % 2 == 0 else (ours, theirs)):
+                start = time.perf_counter()
+                fns[name]()
+                took[name] = time.perf_counter() - start
+                seconds[name].append(took[name])
+            ratios[f"{theirs} / {ours}"].append(took[theirs] / took[ours])
+    return seconds, ratios
 
 
 def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def summarize(seconds: dict[str, list[float]], pairs: list[tuple[str, str]], num_params: int) -> dict:
+def summarize(seconds: dict[str, list[float]], ratios: dict[str, list[float]], num_params: int) -> dict:
     times = {name: {**spread(ts), "gparams_per_s": num_params / statistics.median(ts) / 1e9}
              for name, ts in seconds.items()}
-    ratios = {f"{theirs} / {ours}": spread([t / o for t, o in zip(seconds[theirs], seconds[ours])])
-              for theirs, ours in pairs}
-    return {"seconds": times, "ratios": ratios}
+    return {"seconds": times, "ratios": {name: spread(r) for name, r in ratios.items()}}
 
 
 def git_commit() -> str:
@@ -172,8 +202,10 @@ def machine() -> dict:
     with open("/proc/cpuinfo") as f:
         model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
     from infinity.optim import simd_path
+    from infinity.optim.functional import prefetch_distance
     return {"cpu": model, "cores": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "simd": simd_path()}
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "simd": simd_path(),
+            "prefetch_bytes": prefetch_distance()}
 
 
 def report(result: dict) -> None:
@@ -192,17 +224,23 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds after the warm-up (default 7)")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave torch's)")
     parser.add_argument("--bf16-moments", action="store_true", help="also time ours with bf16 moments")
+    parser.add_argument("--prefetch-bytes", type=int, nargs="+", default=None,
+                        help="run ours at each of these prefetch distances (bytes of an fp32 stream, 0: none)")
     parser.add_argument("--out", default="", help="JSON path (default bench/results/cpu_optim.json)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     num_params = int(args.params)
     shard = Shard(num_params)
+    info = machine()  # before a sweep changes the prefetch distance
     fns, pairs = methods(shard, args.bf16_moments)
-    seconds = time_rounds(fns, args.rounds)
+    if args.prefetch_bytes:
+        fns, pairs = at_distances(fns, pairs, args.prefetch_bytes)
+    seconds, ratios = time_pairs(fns, pairs, args.rounds)
     result = {"command": " ".join(["python", "bench/bench_cpu_optim.py", *sys.argv[1:]]), "git": git_commit(),
-              "machine": machine(), "num_params": num_params, "num_tensors": len(shard.params),
-              "rounds": args.rounds, **summarize(seconds, pairs, num_params), "rounds_seconds": seconds}
+              "machine": info, "num_params": num_params, "num_tensors": len(shard.params),
+              "rounds": args.rounds, **summarize(seconds, ratios, num_params), "rounds_seconds": seconds,
+              "rounds_ratios": ratios}
     report(result)
     here = os.path.dirname(os.path.abspath(__file__))
     out = args.out or os.path.join(here, "results", "cpu_optim.json")

@@ -9,6 +9,9 @@ with `.to(torch.bfloat16)`. All comparisons are of bits unless a test says why n
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,7 +19,9 @@ import torch
 from infinity import _adam
 from infinity.optim import (CPUAdagrad, CPUAdam, CPULion, DeepSpeedCPUAdagrad, DeepSpeedCPULion, adagrad_update,
                             adam_update, available_simd_paths, lion_update)
-from infinity.optim.functional import AdagradHyper, LionHyper, adagrad_step, kernel_job, lion_step
+from infinity.optim.cpu_lamb import CPULamb
+from infinity.optim.formats import FORMATS
+from infinity.optim.functional import AdagradHyper, LionHyper, adagrad_step, kernel_job, lion_step, prefetch_distance
 
 ALL_PATHS = ["scalar", "avx2", "avx512"]
 ADAGRAD = dict(lr=0.1, eps=1e-10, weight_decay=0.1, lr_decay=0.01)
@@ -597,3 +602,69 @@ def test_a_job_without_the_moment_its_rule_needs_raises():
     with pytest.raises(ValueError, match="e4m3_block moments need their scales"):
         _adam.Job(lion, p.data_ptr(), p.data_ptr(), p.data_ptr(), 0, 8, _adam.DType.float32,
                   moment_dtype=_adam.DType.e4m3_block)
+
+
+# --- the prefetch distance -----------------------------------------------------------------------
+
+DISTANCES = [0, 64, 384, 1536, 1 << 16]  # none, one line, the default, the former one, past any array
+
+
+@pytest.fixture
+def restore_prefetch_distance():
+    before = prefetch_distance()
+    yield
+    prefetch_distance(before)
+
+
+@pytest.mark.parametrize("moments", ["fp32", "bf16", "8bit"])
+def test_the_prefetch_distance_does_not_change_the_bits(simd, moments, restore_prefetch_distance):
+    """Every rule's kernel, LAMB's two passes included, on every path, in each moment format
+    (8-bit for the rules that have it): the same bits at every distance, 0 (no prefetch) too."""
+    n = 3 * 65536 + 77  # several threads' chunks and a partial block at the end
+    gen = torch.Generator().manual_seed(11)
+    p0, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen).bfloat16()
+    results = []
+    for distance in DISTANCES:
+        assert prefetch_distance(distance) == distance
+        out = []
+        for rule, update in (("adam", adam_update), ("adagrad", adagrad_update), ("lion", lion_update)):
+            p, half = p0.clone(), torch.empty(n, dtype=torch.bfloat16)
+            kinds = {"adam": ("exp_avg", "exp_avg_sq"), "adagrad": ("exp_avg_sq",), "lion": ("exp_avg",)}[rule]
+            if moments == "8bit":
+                stored = [FORMATS["8bit"].encode(torch.full((n,), 1e-3), kind) for kind in kinds]
+                kw = dict(moment_format="8bit")
+            else:
+                dtype = torch.float32 if moments == "fp32" else torch.bfloat16
+                stored, kw = [torch.full((n,), 1e-3, dtype=dtype) for _ in kinds], {}
+            hyper = {"adam": ADAM, "adagrad": ADAGRAD, "lion": LION}[rule]
+            for step in (1, 2):
+                update(p, g, *stored, half_out=half, num_threads=2, **({"step": step} if rule != "lion" else {}),
+                       **hyper, **kw)
+            if moments == "8bit":  # codes and scales; the padding between them is never written
+                stored = [part for x in stored for part in (x[:n], x[FORMATS["8bit"].scales_offset(n):])]
+            out += [p, half, *stored]
+        if moments != "8bit":
+            lamb = CPULamb([torch.nn.Parameter(p0.clone())], lr=1e-2, weight_decay=0.01,
+                           fp32_optimizer_states=moments == "fp32")
+            lamb.param_groups[0]["params"][0].grad = g.float()
+            lamb.step()
+            lamb.step()
+            out.append(lamb.param_groups[0]["params"][0].detach())
+        results.append(out)
+    for distance, out in zip(DISTANCES[1:], results[1:]):
+        assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(out, results[0])), distance
+
+
+def test_a_bad_prefetch_distance_names_itself(restore_prefetch_distance):
+    for bad in (-4, 3, (1 << 16) + 4, "384", 1.5, True):
+        with pytest.raises(ValueError, match="bytes_ahead must be a whole number of bytes"):
+            prefetch_distance(bad)
+    assert prefetch_distance(256) == 256
+
+
+@pytest.mark.parametrize("value,expected", [("1024", "1024"), ("0", "0"), ("12x", "INFINITY_PREFETCH_BYTES must be")])
+def test_the_prefetch_distance_from_the_environment(value, expected, tmp_path):
+    out = subprocess.run([sys.executable, "-c", "from infinity.optim.functional import prefetch_distance as d; print(d())"],
+                         env={**os.environ, "INFINITY_PREFETCH_BYTES": value}, capture_output=True, text=True,
+                         cwd=tmp_path, check=False)
+    assert expected in out.stdout + out.stderr

@@ -120,14 +120,19 @@
 // the same rounds:
 // - non-temporal stores for the half copy: a plain store first reads the line it writes (2
 //   more bytes a parameter); streaming stores do not: +12-16% for the update with a half copy;
-// - software prefetch kPrefetchBytes ahead in each input stream (the hardware prefetcher
+// - software prefetch prefetch_bytes() ahead in each input stream (the hardware prefetcher
 //   stops at each 4 KiB page; this one does not). The distance that pays grows with the
-//   bandwidth one core draws, as a line must be asked for a memory latency before it is used:
-//   on a host where one thread streamed 36 GB/s, 256 and 512 bytes gave +2-8% and 1024 less;
-//   on one streaming 57 GB/s (one thread, 100M parameters, `CPUAdam.step` against fused
-//   AdamW, 3 processes of 20 rounds each, interleaved), 512 bytes gave 0.93x, none 1.00x,
-//   1024 1.04x, 1536 and 2048 1.07-1.08x, 3072 0.98x; with two threads every distance was
-//   within 2% of parity. 1536 sits in the middle of the band that paid there;
+//   bandwidth one core draws, as a line must be asked for a memory latency before it is used,
+//   and hosts differ: on one streaming 36 GB/s a thread, 256 and 512 bytes gave +2-8% and 1024
+//   less; on one streaming 57 GB/s (one thread, 100M parameters, `CPUAdam.step` against fused
+//   AdamW, 3 processes of 20 rounds each, interleaved), 512 bytes gave 0.93x, none 1.00x, 1024
+//   1.04x, 1536 and 2048 1.07-1.08x, 3072 0.98x, and with two threads every distance was within
+//   2% of parity. 1536 was the default from then on; on the same EPYC VM later (2026-11-30,
+//   distances compared within one process, `bench/bench_cpu_optim.py --prefetch-bytes`), 1536
+//   gave 0.83x with one thread and 0.95-0.99x with two, none 1.01x, 256-512 1.02-1.07x, 768
+//   and more 0.89-1.00x. kDefaultPrefetchBytes (384) sits in the band that paid on both hosts
+//   that favoured short distances; a host can set its own (INFINITY_PREFETCH_BYTES), and the
+//   bits are the same at every distance;
 // - non-temporal stores for param and the moments: -10% or worse. Their lines were just read
 //   and are in cache, so a plain store costs no extra traffic there.
 #pragma once
@@ -137,7 +142,13 @@
 
 namespace infinity::adam {
 
-constexpr size_t kPrefetchBytes = 1536;
+// How far ahead of the element being updated the kernels ask for the lines of each stream, in
+// bytes of an fp32 stream (a 16-bit stream is asked half as far in bytes, the same elements);
+// 0: no software prefetch. kDefaultPrefetchBytes unless set ([Note: memory traffic]); read once
+// per kernel call, so a bench can compare distances within one process.
+constexpr size_t kDefaultPrefetchBytes = 384;
+size_t prefetch_bytes();
+void set_prefetch_bytes(size_t bytes);
 constexpr size_t kBlock = 256;  // values per scale of a kE4M3Block moment
 
 // The e4m3 value of the least subnormal, to which a positive root is clamped before rounding.

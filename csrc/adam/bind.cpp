@@ -186,6 +186,10 @@ PYBIND11_MODULE(_adam, m) {
       "resolve_simd", [](const std::string& name) { return simd_name(resolve_or_throw(name)); },
       py::arg("name") = "",
       "The path a call with `simd=name` runs: '' reads INFINITY_SIMD, then picks the best.");
+  m.def("prefetch_bytes", &prefetch_bytes,
+        "How far ahead the kernels prefetch, in bytes of an fp32 stream (0: not at all).");
+  m.def("set_prefetch_bytes", &set_prefetch_bytes, py::arg("bytes"),
+        "Sets the prefetch distance of every later kernel call, process-wide.");
 
   // --- LAMB's two passes (lamb.h) ----------------------------------------------------------
   // The buffers of a LAMB call, refused where the kernels could not run on them (the facade,

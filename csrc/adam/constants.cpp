@@ -1,6 +1,7 @@
 // Per-step scalars of the update, derived as torch.optim derives them in Python: in double
 // precision, with Python's `**` (C pow, also for the square root: torch writes
 // `bias_correction2 ** 0.5`), then rounded to float when they meet a float tensor.
+#include <atomic>
 #include <cmath>
 
 #include "adam.h"
@@ -16,7 +17,13 @@ Lerp make_lerp(double one_minus_beta) {
   return l;
 }
 
+std::atomic<size_t> g_prefetch_bytes{kDefaultPrefetchBytes};
+
 }  // namespace
+
+size_t prefetch_bytes() { return g_prefetch_bytes.load(std::memory_order_relaxed); }
+
+void set_prefetch_bytes(size_t bytes) { g_prefetch_bytes.store(bytes, std::memory_order_relaxed); }
 
 StepConstants make_constants(const HyperParams& hp) {
   StepConstants c{};

@@ -119,6 +119,7 @@ struct Avx2Loop {
   // The update of [begin, end); returns whether it used streaming stores, which the caller
   // fences once it is done with them.
   static bool sweep(const StepConstants& c, const Buffers& b, size_t begin, size_t end) {
+    const size_t ahead = prefetch_ahead();
     size_t i = begin;
     bool stream = false;
     if constexpr (H != DType::kNone) {
@@ -135,7 +136,7 @@ struct Avx2Loop {
     }
     // Two vectors a turn: one prefetch per 64-byte line of each fp32 stream.
     for (; i + 2 * kWidth <= end; i += 2 * kWidth) {
-      prefetch_streams<G, M, kHasExpAvg<R>, kHasExpAvgSq<R>>(b, i);
+      prefetch_streams<G, M, kHasExpAvg<R>, kHasExpAvgSq<R>>(b, i, ahead);
       body(c, b, i, stream);
       body(c, b, i + kWidth, stream);
     }
@@ -256,11 +257,12 @@ void encode_block(float* values, size_t n, bool root, void* codes, float* scales
   scales[i / kBlock] = scale;
 }
 
-// Asks for the codes of the block kPrefetchBytes / 4 elements past element i (the fp32
-// streams' distance, in elements): 1 byte a value, a line for 64 of them.
+// Asks for the codes of the block `ahead` elements past element i (the fp32 streams'
+// distance): 1 byte a value, a line for 64 of them.
 template <Rule R>
-void prefetch_codes(const Buffers& b, size_t i) {
-  constexpr size_t ahead = kPrefetchBytes / sizeof(float);
+inline __attribute__((always_inline)) void prefetch_codes(const Buffers& b, size_t i,
+                                                          size_t ahead) {
+  if (ahead == 0) return;
   for (size_t line = 0; line < kBlock; line += 64) {
     if constexpr (kHasExpAvg<R>) {
       _mm_prefetch(static_cast<const char*>(b.exp_avg) + i + ahead + line, _MM_HINT_T0);
@@ -334,11 +336,12 @@ void encode_vectors(const float* values, size_t n, bool root, float scale, void*
 template <Rule R, DType G, DType H, bool L2>
 struct Avx2Loop<R, G, H, DType::kE4M3Block, L2> {
   static void run(const StepConstants& c, const Buffers& b, size_t begin, size_t end) {
+    const size_t ahead = prefetch_ahead();
     bool stream = false;
     for (size_t i = begin; i < end; i += kBlock) {
       const size_t n = std::min(kBlock, end - i);
       alignas(32) float m[kBlock], v[kBlock];
-      prefetch_codes<R>(b, i);
+      prefetch_codes<R>(b, i, ahead);
       if (n % kWidth != 0) {
         if constexpr (kHasExpAvg<R>) decode_block(b.exp_avg, b.exp_avg_scales, i, n, false, m);
         if constexpr (kHasExpAvgSq<R>) decode_block(b.exp_avg_sq, b.exp_avg_sq_scales, i, n, true, v);
@@ -367,7 +370,7 @@ struct Avx2Loop<R, G, H, DType::kE4M3Block, L2> {
       }
       BlockTop m_top, v_top;
       for (size_t k = 0; k < n; k += kWidth) {
-        if (k % (2 * kWidth) == 0) prefetch_streams<G, DType::kF32, false, false>(block, k);
+        if (k % (2 * kWidth) == 0) prefetch_streams<G, DType::kF32, false, false>(block, k, ahead);
         Moments s{};
         if constexpr (kHasExpAvg<R>) s.m = _mm256_mul_ps(e4m3_to_floats(m_codes + k), m_scale);
         if constexpr (kHasExpAvgSq<R>) {
@@ -402,12 +405,13 @@ void update_avx2(const StepConstants& c, const Buffers& b, size_t begin, size_t 
 }
 
 void stream_avx2(const Buffers& b, size_t begin, size_t end) {
+  const size_t ahead = prefetch_ahead();
   const float* grad = static_cast<const float*>(b.grad);
   float* exp_avg = static_cast<float*>(b.exp_avg);
   float* exp_avg_sq = static_cast<float*>(b.exp_avg_sq);
   size_t i = begin;
   for (; i + kWidth <= end; i += kWidth) {
-    prefetch_streams<DType::kF32, DType::kF32, true, true>(b, i);
+    prefetch_streams<DType::kF32, DType::kF32, true, true>(b, i, ahead);
     const __m256 g = _mm256_loadu_ps(grad + i);
     const __m256 p = _mm256_loadu_ps(b.param + i);
     const __m256 m = _mm256_loadu_ps(exp_avg + i);

@@ -96,6 +96,7 @@ struct Avx512Loop {
   // The update of [begin, end); returns whether it used streaming stores, which the caller
   // fences once it is done with them.
   static bool sweep(const StepConstants& c, const Buffers& b, size_t begin, size_t end) {
+    const size_t ahead = prefetch_ahead();
     size_t i = begin;
     bool stream = false;
     if constexpr (H != DType::kNone) {
@@ -111,7 +112,7 @@ struct Avx512Loop {
       }
     }
     for (; i + 16 <= end; i += 16) {
-      prefetch_streams<G, M, kHasExpAvg<R>, kHasExpAvgSq<R>>(b, i);
+      prefetch_streams<G, M, kHasExpAvg<R>, kHasExpAvgSq<R>>(b, i, ahead);
       body(c, b, i, 0xFFFF, stream);
     }
     if (i < end) body(c, b, i, static_cast<__mmask16>((1u << (end - i)) - 1u), false);
@@ -278,11 +279,12 @@ void encode_block(const float* values, size_t n, const BlockTop& top, void* code
   scales[i / kBlock] = scale;
 }
 
-// Asks for the codes of the block kPrefetchBytes / 4 elements past element i (the fp32
-// streams' distance, in elements): 1 byte a value, a line for 64 of them.
+// Asks for the codes of the block `ahead` elements past element i (the fp32 streams'
+// distance): 1 byte a value, a line for 64 of them.
 template <Rule R>
-void prefetch_codes(const Buffers& b, size_t i) {
-  constexpr size_t ahead = kPrefetchBytes / sizeof(float);
+inline __attribute__((always_inline)) void prefetch_codes(const Buffers& b, size_t i,
+                                                          size_t ahead) {
+  if (ahead == 0) return;
   for (size_t line = 0; line < kBlock; line += 64) {
     if constexpr (kHasExpAvg<R>) {
       _mm_prefetch(static_cast<const char*>(b.exp_avg) + i + ahead + line, _MM_HINT_T0);
@@ -302,12 +304,13 @@ void prefetch_codes(const Buffers& b, size_t i) {
 template <Rule R, DType G, DType H, bool L2>
 struct Avx512Loop<R, G, H, DType::kE4M3Block, L2> {
   static void run(const StepConstants& c, const Buffers& b, size_t begin, size_t end) {
+    const size_t ahead = prefetch_ahead();
     bool stream = false;
     const bool daz = denormals_are_zero();  // [Note: decoding a block without NaN codes]
     for (size_t i = begin; i < end; i += kBlock) {
       const size_t n = end - i < kBlock ? end - i : kBlock;
       alignas(64) float m[kBlock], v[kBlock];
-      prefetch_codes<R>(b, i);
+      prefetch_codes<R>(b, i, ahead);
       const Buffers block = block_buffers(b, i, m, v);
       // A block keeps its first vector's alignment: whole vectors of the half copy go out as
       // streaming stores where that is 32 bytes.
@@ -331,7 +334,7 @@ struct Avx512Loop<R, G, H, DType::kE4M3Block, L2> {
       for (size_t k = 0; k < n; k += 16) {
         const __mmask16 mask = first_lanes(n - k);
         const bool whole = aligned && mask == 0xFFFF;
-        prefetch_streams<G, DType::kF32, false, false>(block, k);
+        prefetch_streams<G, DType::kF32, false, false>(block, k, ahead);
         Moments s{};
         if constexpr (kHasExpAvg<R>) {
           const __m512 x = m_finite ? e4m3_to_floats_finite(m_codes + k, mask)
@@ -391,9 +394,10 @@ inline __attribute__((always_inline)) void stream_vector(const Buffers& b, size_
 }  // namespace
 
 void stream_avx512(const Buffers& b, size_t begin, size_t end) {
+  const size_t ahead = prefetch_ahead();
   size_t i = begin;
   for (; i + 16 <= end; i += 16) {
-    prefetch_streams<DType::kF32, DType::kF32, true, true>(b, i);
+    prefetch_streams<DType::kF32, DType::kF32, true, true>(b, i, ahead);
     stream_vector(b, i, 0xFFFF);
   }
   if (i < end) stream_vector(b, i, static_cast<__mmask16>((1u << (end - i)) - 1u));

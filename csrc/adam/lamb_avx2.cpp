@@ -107,12 +107,13 @@ struct Avx2Loop {
 
   static void norms(const LambConstants& c, const Buffers& b, size_t begin, size_t end,
                     LambSums* out) {
+    const size_t ahead = prefetch_ahead();
     for (size_t chunk = begin; chunk < end; chunk += kLambChunk, ++out) {
       const size_t chunk_end = end - chunk < kLambChunk ? end : chunk + kLambChunk;
       Lanes w, u;
       size_t i = chunk;
       for (; i + kTurn <= chunk_end; i += kTurn) {
-        prefetch_streams<G, M, true, true>(b, i);
+        prefetch_streams<G, M, true, true>(b, i, ahead);
         add_turn(c, b, i, kTurn, w, u);
       }
       if (i < chunk_end) {
@@ -142,6 +143,7 @@ struct Avx2Loop {
   }
 
   static void apply(const LambConstants& c, const Buffers& b, size_t begin, size_t end) {
+    const size_t ahead = prefetch_ahead();
     size_t i = begin;
     bool stream = false;
     if constexpr (H != DType::kNone) {
@@ -155,7 +157,7 @@ struct Avx2Loop {
       }
     }
     for (; i + kTurn <= end; i += kTurn) {  // one prefetch per 64-byte line of each fp32 stream
-      prefetch_streams<G, M, true, true>(b, i);
+      prefetch_streams<G, M, true, true>(b, i, ahead);
       body(c, b, i, stream);
       body(c, b, i + kWidth, stream);
     }

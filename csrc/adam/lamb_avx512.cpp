@@ -63,11 +63,12 @@ template <DType G, DType M, DType H>
 struct Avx512Loop {
   static void norms(const LambConstants& c, const Buffers& b, size_t begin, size_t end,
                     LambSums* out) {
+    const size_t ahead = prefetch_ahead();
     for (size_t chunk = begin; chunk < end; chunk += kLambChunk, ++out) {
       const size_t chunk_end = end - chunk < kLambChunk ? end : chunk + kLambChunk;
       Lanes w, u;
       for (size_t i = chunk; i < chunk_end; i += 16) {
-        prefetch_streams<G, M, true, true>(b, i);
+        prefetch_streams<G, M, true, true>(b, i, ahead);
         const __mmask16 mask = first_lanes(chunk_end - i);
         const __m512 p = _mm512_maskz_loadu_ps(mask, b.param + i);
         w.add_squares(p);
@@ -90,6 +91,7 @@ struct Avx512Loop {
   }
 
   static void apply(const LambConstants& c, const Buffers& b, size_t begin, size_t end) {
+    const size_t ahead = prefetch_ahead();
     size_t i = begin;
     bool stream = false;
     if constexpr (H != DType::kNone) {
@@ -103,7 +105,7 @@ struct Avx512Loop {
       }
     }
     for (; i + 16 <= end; i += 16) {
-      prefetch_streams<G, M, true, true>(b, i);
+      prefetch_streams<G, M, true, true>(b, i, ahead);
       body(c, b, i, 0xFFFF, stream);
     }
     if (i < end) body(c, b, i, first_lanes(end - i), false);

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import os
 from typing import NamedTuple
 
 import torch
@@ -82,6 +83,34 @@ def simd_path(simd: str | None = None) -> str:
     Raises ValueError for an unknown name or a path this CPU lacks.
     """
     return _adam.resolve_simd(simd or "")
+
+
+PREFETCH_ENV = "INFINITY_PREFETCH_BYTES"
+MAX_PREFETCH_BYTES = 1 << 16
+
+
+def prefetch_distance(bytes_ahead: int | None = None) -> int:
+    """The update kernels' software prefetch distance, in bytes of an fp32 stream (0: none):
+    process-wide, sets it first when given. The default is the distance measured in [Note:
+    memory traffic] (csrc/adam/adam.h), or $INFINITY_PREFETCH_BYTES when set; the best one
+    depends on the host (`bench/bench_cpu_optim.py --prefetch-bytes ...` compares them). The
+    results are the same bits at every distance."""
+    if bytes_ahead is not None:
+        valid = isinstance(bytes_ahead, int) and not isinstance(bytes_ahead, bool)
+        _adam.set_prefetch_bytes(_check_prefetch("bytes_ahead", bytes_ahead if valid else None, bytes_ahead))
+    return _adam.prefetch_bytes()
+
+
+def _check_prefetch(name: str, n: int | None, given: object) -> int:
+    if n is None or not 0 <= n <= MAX_PREFETCH_BYTES or n % 4:
+        raise ValueError(f"{name} must be a whole number of bytes, a multiple of 4 from 0 to "
+                         f"{MAX_PREFETCH_BYTES}, got {given!r}")
+    return n
+
+
+if os.environ.get(PREFETCH_ENV):
+    _env = os.environ[PREFETCH_ENV]
+    _adam.set_prefetch_bytes(_check_prefetch(PREFETCH_ENV, int(_env) if _env.strip().isdigit() else None, _env))
 
 
 def available_simd_paths() -> list[str]:
