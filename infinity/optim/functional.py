@@ -96,21 +96,21 @@ def prefetch_distance(bytes_ahead: int | None = None) -> int:
     depends on the host (`bench/bench_cpu_optim.py --prefetch-bytes ...` compares them). The
     results are the same bits at every distance."""
     if bytes_ahead is not None:
-        valid = isinstance(bytes_ahead, int) and not isinstance(bytes_ahead, bool)
-        _adam.set_prefetch_bytes(_check_prefetch("bytes_ahead", bytes_ahead if valid else None, bytes_ahead))
+        _adam.set_prefetch_bytes(_checked_prefetch("bytes_ahead", bytes_ahead))
     return _adam.prefetch_bytes()
 
 
-def _check_prefetch(name: str, n: int | None, given: object) -> int:
-    if n is None or not 0 <= n <= MAX_PREFETCH_BYTES or n % 4:
+def _checked_prefetch(name: str, value: object) -> int:
+    if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_PREFETCH_BYTES
+            and value % 4 == 0):
         raise ValueError(f"{name} must be a whole number of bytes, a multiple of 4 from 0 to "
-                         f"{MAX_PREFETCH_BYTES}, got {given!r}")
-    return n
+                         f"{MAX_PREFETCH_BYTES}, got {value!r}")
+    return value
 
 
 if os.environ.get(PREFETCH_ENV):
     _env = os.environ[PREFETCH_ENV]
-    _adam.set_prefetch_bytes(_check_prefetch(PREFETCH_ENV, int(_env) if _env.strip().isdigit() else None, _env))
+    _adam.set_prefetch_bytes(_checked_prefetch(PREFETCH_ENV, int(_env) if _env.strip().isdigit() else _env))
 
 
 def available_simd_paths() -> list[str]:
