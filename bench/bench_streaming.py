@@ -76,7 +76,10 @@ def floor_of(moved: tuple[float, float], disks: list[dict]) -> float:
     return min(sequential, max(read_gb, write_gb) * med("both_s_per_gb"))
 
 
-def summarize(runs: dict, disks: list[dict], cases: list[str]) -> dict:
+def summarize(runs: dict, disks: list[dict], cases: list[str], num_params: int) -> dict:
+    """Per case: the step, its waits, the bytes moved and the floors; for a moment format (a case
+    `name@format`), its step and disk bytes against the fp32 case's, per round (the bytes as the
+    kernel counted them for this process, /proc/self/io, not as the engine reports them)."""
     compute = runs["cpu"]["times"]
     out = {}
     for case in cases:
@@ -97,6 +100,17 @@ def summarize(runs: dict, disks: list[dict], cases: list[str]) -> dict:
             line += (f", moved {moved[0] / 1e9:.2f} / {moved[1] / 1e9:.2f} GB, I/O floor {io:.3f} s | "
                      f"/ max(floors) {entry['over_max_floors']} | / cpu {entry['over_cpu']}")
             line += "".join(f"\n{'':>14}waited on {k}: {v:.3f} s" for k, v in sorted(entry["waits"].items()) if v >= 0.001)
+            disk = [(r + w) / num_params for r, w in run.get("disk_bytes", [])]
+            if disk:
+                entry["disk_bytes_per_param"] = spread(disk)
+                line += f"\n{'':>14}disk bytes a parameter a step (/proc/self/io): {entry['disk_bytes_per_param']}"
+            base = runs.get(case.split("@")[0])
+            if "@" in case and base is not None and base.get("disk_bytes") and disk:
+                base_disk = [(r + w) / num_params for r, w in base["disk_bytes"]]
+                entry["vs_fp32"] = {"step": spread([t / b for t, b in zip(run["times"], base["times"])]),
+                                    "disk_bytes": statistics.median(disk) / statistics.median(base_disk)}
+                line += (f"\n{'':>14}vs fp32: step {entry['vs_fp32']['step']} (per round), disk bytes "
+                         f"{entry['vs_fp32']['disk_bytes']:.3f}")
         out[case] = entry
         print(line)
     return out
@@ -173,7 +187,7 @@ def main() -> int:
     print(f"\n{num_params / 1e6:.1f}M parameters, clip {args.clip}, {args.rounds} rounds; disk read "
           f"{1 / statistics.median(d['read_s_per_gb'] for d in disks):.2f} GB/s, write "
           f"{1 / statistics.median(d['write_s_per_gb'] for d in disks):.2f} GB/s")
-    summary = summarize(runs, disks, args.cases)
+    summary = summarize(runs, disks, args.cases, num_params)
     deepspeed = {}
     for case in (c for c in args.cases if args.deepspeed and c in STREAMING):
         deepspeed[case] = run_deepspeed(args, case, model_cfg)

@@ -226,13 +226,22 @@ def io_floor(num_params: int, disks: list[dict]) -> dict:
 
 # ---- the rounds -------------------------------------------------------------------------------
 
+def proc_io() -> tuple[int, int]:
+    """The bytes this process has read from and written to storage so far, as the kernel counts
+    them (/proc/self/io; the I/O threads and io_uring's workers are threads of this process)."""
+    with open("/proc/self/io") as f:
+        fields = dict(line.split(": ") for line in f.read().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
 def run_rounds(args, gpt, model_cfg, work: str) -> tuple[dict, dict]:
     """Interleaved steps of every case: per case its step times, bytes moved and waits."""
     import infinity
     from infinity.device.timeline import TIMELINE
 
     engines, configs = {}, {}
-    runs = {c: {"times": [], "moved_bytes": [], "waits": [], "compute_wait_s": [], "losses": []} for c in args.cases}
+    runs = {c: {"times": [], "moved_bytes": [], "disk_bytes": [], "waits": [], "compute_wait_s": [], "losses": []}
+            for c in args.cases}
     try:
         for case in args.cases:
             torch.manual_seed(0)
@@ -256,11 +265,13 @@ def run_rounds(args, gpt, model_cfg, work: str) -> tuple[dict, dict]:
                 tracing = args.trace_dir and r == args.rounds and case != "cpu"
                 if tracing:
                     TIMELINE.start()
+                io0 = proc_io()
                 t0 = time.perf_counter()
                 loss = engine(idx, tgt)
                 engine.backward(loss)
                 engine.step()
                 dt = time.perf_counter() - t0
+                io1 = proc_io()
                 if tracing:
                     TIMELINE.write(os.path.join(args.trace_dir, f"{case}.json"), TIMELINE.stop())
                 rep = engine.report.last
@@ -270,6 +281,7 @@ def run_rounds(args, gpt, model_cfg, work: str) -> tuple[dict, dict]:
                     run["moved_bytes"].append(
                         (rep.get("nvme_read_bytes", 0) + rep.get("optimizer_nvme_read_bytes", 0),
                          rep.get("nvme_write_bytes", 0) + rep.get("optimizer_nvme_write_bytes", 0)))
+                    run["disk_bytes"].append((io1[0] - io0[0], io1[1] - io0[1]))  # what the kernel counted
                     run["waits"].append(rep.get("waits", {}))
                     run["compute_wait_s"].append(rep.get("compute_wait_s", 0.0))
                 print(f"round {r} {case}: {dt:.3f} s, loss {loss.item():.4f}, "
