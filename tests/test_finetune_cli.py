@@ -46,7 +46,10 @@ def test_metrics_split_each_step_into_reads_writes_and_waits(tmp_path):
     m = json.loads(metrics.read_text())
     assert len(m["nvme_read_bytes"]) == len(m["nvme_write_bytes"]) == len(m["io_wait_s"]) == 3
     assert [r + w for r, w in zip(m["nvme_read_bytes"], m["nvme_write_bytes"])] == m["nvme_bytes"]
-    assert all(r > 0 for r in m["nvme_read_bytes"]) and all(w > 0 for w in m["nvme_write_bytes"])
+    # The first step reads the state; every step writes the new values. The later ones may read
+    # nothing: the units the backward takes first are still in memory, their writes held for it
+    # ([Note: parameter writes held for the backward] in infinity/offload/held_writes.py).
+    assert m["nvme_read_bytes"][0] > 0 and all(w > 0 for w in m["nvme_write_bytes"])
     assert all(0 <= s <= t for s, t in zip(m["io_wait_s"], m["step_s"]))
     assert sum(m["nvme_read_bytes"]) <= after["read_bytes"] - before["read_bytes"]
     assert sum(m["nvme_write_bytes"]) <= after["write_bytes"] - before["write_bytes"]

@@ -373,6 +373,7 @@ class Engine(ConfigGetters, DeepSpeedFace, CheckpointFace, FullValues, ModuleSur
             raise RuntimeError("engine.backward: this engine has no optimizer (the config has no 'optimizer' section "
                                "and none was passed to initialize), so it is for inference; give one to train")
         self.policy.confirm_boundary(self.accumulation.begin_backward())  # [Note: the boundary of a pass]
+        self.params.release_writes()  # the disk idles in the backward ([Note: parameter writes held for the backward])
         t0 = time.perf_counter()
         gas_scale = 1.0 / self.config.batch.gradient_accumulation_steps if scale_wrt_gas else 1.0
         scale = gas_scale

@@ -58,10 +58,11 @@ state is on NVMe (`OptimizerTier.updates_can_wait`: mode AT_NEXT_USE), `step()` 
 computes the norm, the clip coefficient and the step's hyper-parameters, updates the persistent
 units, and leaves the others pending: each is updated just before its shard is next read, in
 the order the next forward needs them (the fetcher runs a unit's update when it is acquired or
-is next to be read, one use ahead: [Note: a unit's update]). So the optimizer-state I/O and the
-parameter write-back run on the compute thread among the next forward's units instead of after
-backward, and the next forward finds each unit's new values in
-the buffer its update wrote them to (no NVMe read). The update is the one `step()` would have
+is next to be read, one use ahead: [Note: a unit's update]). So the optimizer-state I/O runs on
+the compute thread among the next forward's units instead of after backward, the next forward
+finds each unit's new values in the buffer its update wrote them to (no NVMe read), and their
+writes to NVMe wait for the backward, whose disk would idle ([Note: parameter writes held for the
+backward] in offload/held_writes.py). The update is the one `step()` would have
 run, with the hyper-parameters, step count and clip coefficient taken at `step()`: losses and
 weights are bit-identical. Whatever reads the values or the state before that forward (a
 checkpoint, `consolidated_state_dict`, GatheredParameters, an eval forward, the next `step()`)
@@ -269,6 +270,7 @@ class PendingUpdates:
             self.optim_state.update(unit, hypers, step, grad_scale, target)
             filled = True
 
+        self.params.hold_writes()  # until the backward: [Note: parameter writes held for the backward]
         try:
             write_params(self.params, self.optim_state, unit, fill)
         except BaseException as e:

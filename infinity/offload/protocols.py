@@ -85,6 +85,13 @@ class ParamTier(Protocol):
     def flush(self) -> None:
         """Waits for writes of new values in flight; raises if one failed."""
 
+    def hold_writes(self) -> None:
+        """Holds the writes of new values from now until `release_writes` (or until something
+        waits for one): [Note: parameter writes held for the backward] in offload/held_writes.py."""
+
+    def release_writes(self) -> None:
+        """Submits the writes held, and holds no more."""
+
     def update_target(self, unit: TierUnit, on_device: bool) -> torch.Tensor:
         """A tensor of `train_shard_numel` elements in the compute dtype, on the compute device
         when `on_device` (the optimizer's state lives there) else in host memory, that the

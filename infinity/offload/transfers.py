@@ -152,6 +152,7 @@ class ShardTransfers:
         error: OSError | None = None
         began = time.monotonic()
         finished = began
+        timed_from = transfer.started  # when the disk got it: a held write's submission, not its queueing
         self._cond.release()
         try:
             with profiled("infinity::nvme_wait"):
@@ -167,6 +168,9 @@ class ShardTransfers:
                         finished = time.monotonic()
                 except OSError as e:
                     error = e
+                issued = getattr(handle, "issued_at", None)  # [Note: parameter writes held for the backward]
+                if issued is not None and (at := issued(transfer.request)) is not None:
+                    timed_from = max(transfer.started, at)
         finally:
             # Timed here, not in a `TIMELINE.span` (a generator a transfer), and labelled only for a
             # timeline that records: with the counters' and the pool's shortcuts, ~10 us of the ~60
@@ -179,10 +183,11 @@ class ShardTransfers:
         if error is None:
             if not transfer.write and self.read_delay_s > 0:
                 finished = max(finished, transfer.started + self.read_delay_s)
-            self._counters.completed(transfer, began, finished)
+            self._counters.completed(transfer if timed_from == transfer.started else transfer._replace(started=timed_from),
+                                    began, finished)
             if TIMELINE.recording:
                 TIMELINE.transfer(f"{self._label} {'writes' if transfer.write else 'reads'}", f"{shard.kind} {shard.key}",
-                                  transfer.started, finished, transfer.buffer.numel())
+                                  timed_from, finished, transfer.buffer.numel())
         if transfer.write:
             self._finish_write(shard, transfer, error)
         else:

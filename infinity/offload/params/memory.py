@@ -74,6 +74,12 @@ class ResidentParams:
         if index in self._reading:
             self.device.wait_host(self._reading.pop(index))
 
+    def hold_writes(self) -> None:
+        pass  # nothing is written: the values stay in memory
+
+    def release_writes(self) -> None:
+        pass
+
     def update_target(self, unit: TierUnit, on_device: bool) -> torch.Tensor:
         index = unit.index
         if on_device != self.offload:  # the shard is on the optimizer's side: write it in place

@@ -23,6 +23,7 @@ import torch
 
 from infinity.device import Device, InFlight
 from infinity.offload import BufferPool, HostCache, NvmeStore, Swapper
+from infinity.offload.held_writes import HeldWrites
 from infinity.offload.store import default_job_id
 from infinity.offload.nvme_io import MIN_BUFFERS, IOTally, elsize, make_handle, plan_count
 from infinity.offload.optimizer.sizing import HOST_SHARE
@@ -85,9 +86,11 @@ class NvmeParams:
         # forward to backward, every unit under stage3_max_reuse_distance 0) is not read again.
         self.cache = HostCache(max_in_cpu + count * min(offload.buffer_size * itemsize, largest),
                                name="offload_param")
-        # A second handle for writes, so that reads never queue behind them.
+        # A second handle for writes, so that reads never queue behind them; they may be held
+        # for the backward ([Note: parameter writes held for the backward] in offload/held_writes.py).
         # A failed write of new values loses them: the run's health hears of it at once.
-        self.swapper = Swapper(self.store, self.pool, self.cache, self.handle, make_handle(aio),
+        self._writes = HeldWrites(make_handle(aio))
+        self.swapper = Swapper(self.store, self.pool, self.cache, self.handle, self._writes,
                                on_lost=lambda kind, e: on_damage(f"a write of parameters failed ({e.strerror})"))
         self._prefetched: dict[int, list] = {}  # unit index -> FetchHandles, one per part
         self._copying: dict[int, list[InFlight]] = {}  # read, on its way to the device, not yet fetched
@@ -216,6 +219,12 @@ class NvmeParams:
     def set_schedule(self, order: list[int]) -> None:
         self.cache.set_schedule([(kind, i) for i in order for kind, _ in _parts(self._units[i])])
 
+    def hold_writes(self) -> None:
+        self._writes.hold()
+
+    def release_writes(self) -> None:
+        self._writes.release()
+
     def update_target(self, unit: TierUnit, on_device: bool) -> torch.Tensor:
         self._before_write(unit.index)
         if unit.index in self._targets:  # an update that failed part way resumes into the same buffer
@@ -238,6 +247,8 @@ class NvmeParams:
             self.device.wait_host(self.device.to_host(target, buf.view(unit.dtype)))
             target = buf
         self.swapper.evict(KIND, unit.index, target.view(torch.uint8))
+        if self._writes.holding and not self.swapper.can_spare(self._spare + 1):
+            self._writes.submit_oldest()  # its buffer is needed back soon (held_writes.py)
 
     def _drop_target(self, index: int) -> None:
         """Gives back the target of an update that will never be committed (it failed for good)."""
